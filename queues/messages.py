@@ -1,0 +1,180 @@
+"""The wire format: every message that crosses a stream, as typed frozen structs.
+
+Guarantees:
+- one encoding, MessagePack via msgspec; never pickle;
+- token ids and logprobs travel as raw little-endian bytes (int32 / float32);
+- every message carries ``id`` (logical id, stable across redeliveries), ``created_at``,
+  ``attempt`` and the ``policy_version`` it was produced under, plus the schema version ``v``;
+- decoding validates the schema: a payload that is not valid MessagePack, has the wrong
+  types, misses fields or carries another schema version raises :class:`MessageError`, which
+  the consumer turns into a dead letter.
+
+This module knows nothing of Redis; the field names describe an RL pipeline, but the queue
+machinery in ``queues.streams`` only ever sees bytes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+
+SCHEMA_VERSION = 1
+
+
+class MessageError(ValueError):
+    """A payload could not be decoded into the expected message type."""
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    created_at: float
+    policy_version: int
+    attempt: int = 0
+    v: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        if self.v != SCHEMA_VERSION:
+            raise ValueError(f"schema version {self.v}, expected {SCHEMA_VERSION}")
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def now() -> float:
+    return time.time()
+
+
+# --------------------------------------------------------------------------- arrays
+
+def ids_to_bytes(ids: Any) -> bytes:
+    return np.ascontiguousarray(ids, dtype="<i4").tobytes()
+
+
+def bytes_to_ids(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<i4")
+
+
+def floats_to_bytes(values: Any) -> bytes:
+    return np.ascontiguousarray(values, dtype="<f4").tobytes()
+
+
+def bytes_to_floats(raw: bytes) -> np.ndarray:
+    return np.frombuffer(raw, dtype="<f4")
+
+
+# --------------------------------------------------------------------------- RL messages
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+class Task(Message, frozen=True, kw_only=True):
+    """One prompt to be answered ``group_size`` times (a GRPO group)."""
+
+    domain: str
+    item_id: str
+    split: str  # "train" or "eval"
+    prompt: str
+    spec: dict[str, Any]  # domain-specific, e.g. the expected answer
+    group_size: int
+    sampling: Sampling
+    eval_round: int = -1  # >= 0 for held-out evaluation tasks
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    """One completion: tokens and the behaviour logprobs of the policy that sampled them."""
+
+    tokens: bytes  # int32 LE
+    logprobs: bytes  # float32 LE, one per token
+    text: str
+    finish_reason: str
+    weight_version: int
+
+
+class Rollout(Message, frozen=True, kw_only=True):
+    task: Task
+    prompt_ids: bytes  # int32 LE
+    samples: list[Sample]
+
+
+class ExecOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    oom_killed: bool
+    duration_s: float
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+
+
+class Executed(Message, frozen=True, kw_only=True):
+    rollout: Rollout
+    outcomes: list[ExecOutcome]
+
+
+class Trajectory(Message, frozen=True, kw_only=True):
+    """A verified group: what the learner trains on (and what evaluation aggregates)."""
+
+    rollout: Rollout
+    outcomes: list[ExecOutcome]
+    rewards: list[float]
+
+
+class WeightsPublished(Message, frozen=True, kw_only=True):
+    version: int
+    path: str
+
+
+class StepMetrics(Message, frozen=True, kw_only=True):
+    step: int
+    loss: float
+    grad_norm: float
+    reward_mean: float
+    groups: int
+    samples: int
+    tokens: int
+    dropped_stale: int
+    max_staleness_seen: int
+    step_seconds: float
+    wait_seconds: float
+
+
+class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
+    stream: str
+    group: str
+    entry_id: str
+    error: str
+    deliveries: int
+    payload: bytes
+    at: float
+
+
+M = TypeVar("M", bound=msgspec.Struct)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(raw: bytes, kind: type[M]) -> M:
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
+    try:
+        return dec.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MessageError(f"{kind.__name__}: {exc}") from None
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise MessageError(f"{kind.__name__}: {type(exc).__name__}: {exc}") from None
