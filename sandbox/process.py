@@ -1,0 +1,401 @@
+"""The local process sandbox: run untrusted code as a short-lived, unprivileged child process.
+
+Guarantees (on top of :mod:`sandbox.base`):
+- every run gets a fresh temporary work directory, owned by the sandbox uid, removed afterwards;
+- the child runs with a scrubbed environment (PATH, LANG, HOME=work dir, two PYTHON* knobs),
+  in its own session / process group, with rlimits set before exec (CPU, AS, NPROC, FSIZE,
+  NOFILE, CORE=0) and ``PR_SET_NO_NEW_PRIVS``;
+- when the host runs as root the child never keeps root: each concurrent run gets its own uid
+  from a pool (``uid_base`` ...), so RLIMIT_NPROC is counted per run (a fork bomb in one run
+  cannot starve the others) and runs cannot signal each other. Inside bwrap/unshare the code
+  sees itself as uid/gid 65534;
+- nothing outlives the call: on the host deadline, on a normal exit, and on cancellation the
+  whole process group is SIGKILLed; with ``bwrap``/``unshare`` the pid namespace dies with its
+  first process; with ``none`` every process of the run's uid is killed as well;
+- stdout/stderr are capped at ``limits.output_bytes`` each but drained to the end; the rest is
+  counted in ``stdout_dropped`` / ``stderr_dropped``. A background child holding a pipe open
+  cannot stall the call past ``limits.timeout_s``.
+
+Isolation modes (``isolation=``, probed once at construction, the result is in ``.isolation``):
+- ``bwrap``: bubblewrap with every namespace unshared (user, pid, net, ipc, uts, mount, cgroup),
+  nested user namespaces disabled, read-only /usr (+ /bin, /lib* and a few /etc files),
+  fresh /proc, /dev and a size-capped tmpfs /tmp; the work dir (at /work) is the only
+  writable host path. No network at all (not even loopback to the host).
+- ``unshare``: util-linux ``unshare`` with user, net, pid, mount, ipc and uts namespaces.
+  The file system is the host's: the child is confined only by its uid, so world-writable
+  host directories (/tmp, /dev/shm, /var/tmp) ARE writable. A ``/bin/sh`` shim is pid 1 of
+  the pid namespace so the code gets ordinary signal semantics.
+- ``none``: a plain child process (uid switch + rlimits only), logged as a warning. Network,
+  file system (world-writable dirs) and /proc of the host are visible.
+
+What this sandbox does NOT isolate, in every mode: the kernel is shared (no seccomp filter,
+no gVisor/VM, so a kernel exploit escapes); CPU is limited per process in CPU seconds, not
+shared fairly in wall time (no cgroups: N runs can saturate N cores); memory is an address
+space limit per process (RLIMIT_AS), not a cgroup limit, so a tree of processes can use
+``max_processes * memory_mb``; total disk use of the work dir is not capped (only per-file
+size and the number of open files); without root (developer machines) the uid is not switched
+and RLIMIT_NPROC counts every process of the invoking user.
+
+Result conventions:
+- ``exit_code``: the child's exit status; a child killed by signal N reports ``128 + N``
+  (shell style, the same through bwrap, unshare and none), so ``exit(137)`` and SIGKILL look
+  alike. ``None`` when the host deadline killed it.
+- ``timed_out``: the host deadline (``limits.timeout_s``) fired, or the CPU rlimit was hit
+  (exit by SIGXCPU, ``exit_code == 128 + 24``; the hard limit one second later is a SIGKILL).
+- ``oom_killed`` (best effort): RLIMIT_AS makes allocations fail rather than waking the OOM
+  killer, so this is detected from stderr: a Python ``MemoryError`` or C++ ``std::bad_alloc``
+  near the end of stderr, or a child killed by SIGKILL/SIGSEGV whose stderr says
+  "Cannot allocate memory"/"out of memory". A C program that ignores a NULL from malloc and
+  segfaults is NOT reported as OOM.
+- request paths that are absolute or contain ``..`` raise ``ValueError`` (a bad request, not
+  something the untrusted code did); failures to start the child raise ``SandboxUnavailable``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path, PurePosixPath
+from typing import Literal
+
+import trio
+
+from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+
+log = logging.getLogger(__name__)
+
+Isolation = Literal["auto", "bwrap", "unshare", "none"]
+
+INNER_ID = 65534  # the uid/gid the code sees inside bwrap/unshare ("nobody")
+_WRAPPER_PROCS = 3  # bwrap/unshare and their helper processes, charged to RLIMIT_NPROC
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NO_NEW_PRIVS = 38
+_OOM_MARKERS = (b"MemoryError", b"std::bad_alloc", b"Cannot allocate memory", b"out of memory")
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class ProcessSandbox:
+    """Runs each :class:`ExecRequest` as a fresh child process. ``run`` is concurrency-safe."""
+
+    name = "process"
+
+    def __init__(
+        self,
+        isolation: Isolation = "auto",
+        *,
+        uid_base: int = 200_000,
+        uid_count: int = 1024,
+        path: str = "/usr/bin:/bin",
+        tmp_dir: str | None = None,
+        tmpfs_mb: int = 64,
+    ) -> None:
+        self._switch_uid = os.geteuid() == 0
+        self._free_uids = list(range(uid_base + uid_count - 1, uid_base - 1, -1))
+        self._uid_slots = trio.Semaphore(uid_count) if self._switch_uid else None
+        self._path = path
+        self._tmp_dir = tmp_dir
+        self._tmpfs_bytes = tmpfs_mb << 20
+        self._closed = False
+        self.isolation: str = self._probe(isolation)
+        if self.isolation == "none":
+            log.warning(
+                "ProcessSandbox: no bwrap/unshare isolation available; untrusted code runs as "
+                "a plain process (uid switch and rlimits only, host network and /tmp visible)"
+            )
+
+    # -- public API ---------------------------------------------------------------------
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        if self._closed:
+            raise SandboxUnavailable("ProcessSandbox is closed")
+        files = [(_checked_path(name), data) for name, data in request.files.items()]
+        async with self._lease_uid() as uid:
+            workdir = self._make_workdir(files, uid)
+            try:
+                return await self._execute(request, workdir, uid)
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    async def aclose(self) -> None:
+        self._closed = True
+
+    # -- one run ------------------------------------------------------------------------
+
+    async def _execute(self, request: ExecRequest, workdir: str, uid: int | None) -> ExecResult:
+        limits = request.limits
+        start = time.monotonic()
+        proc = await self._spawn(request.argv, workdir, uid, limits)
+        out, err = _Capture(limits.output_bytes), _Capture(limits.output_bytes)
+        try:
+            with trio.move_on_after(limits.timeout_s) as deadline:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(out.drain, proc.stdout)
+                    nursery.start_soon(err.drain, proc.stderr)
+                    nursery.start_soon(_feed, proc.stdin, request.stdin)
+                    await proc.wait()
+                    # Background children may still hold the pipes: end them now.
+                    self._kill_all(proc.pid, uid)
+        finally:
+            with trio.CancelScope(shield=True):
+                self._kill_all(proc.pid, uid)
+                await proc.wait()
+                for stream in (proc.stdin, proc.stdout, proc.stderr):
+                    if stream is not None:
+                        await stream.aclose()
+        timed_out = deadline.cancelled_caught
+        exit_code = None if timed_out else _shell_status(proc.returncode)
+        return ExecResult(
+            exit_code=exit_code,
+            stdout=bytes(out.kept),
+            stderr=bytes(err.kept),
+            timed_out=timed_out or exit_code == 128 + signal.SIGXCPU,
+            oom_killed=exit_code not in (None, 0) and _looks_oom(err.kept),
+            duration_s=time.monotonic() - start,
+            stdout_dropped=out.dropped,
+            stderr_dropped=err.dropped,
+        )
+
+    async def _spawn(
+        self, argv: Sequence[str], workdir: str, uid: int | None, limits: Limits
+    ) -> trio.Process:
+        if not argv:
+            raise ValueError("ExecRequest.argv is empty")
+        wrapped, cwd, home = self._wrap(self.isolation, list(argv), workdir)
+        env = {
+            "PATH": self._path,
+            "LANG": "C.UTF-8",
+            "HOME": home,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+        }
+        try:
+            return await trio.lowlevel.open_process(
+                wrapped,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+                preexec_fn=_child_setup(limits, uid),
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SandboxUnavailable(f"cannot start sandboxed process: {exc}") from exc
+
+    def _wrap(self, mode: str, argv: list[str], workdir: str) -> tuple[list[str], str, str]:
+        """The command line for ``mode``, the host cwd, and HOME as the child sees it."""
+        if mode == "bwrap":
+            return [*self._bwrap_prefix(), "--bind", workdir, "/work", "--", *argv], "/", "/work"
+        if mode == "unshare":
+            # A shell as pid 1 so that the code itself is not init (which ignores signals).
+            shim = ["/bin/sh", "-c", '"$@"; exit $?', "sh"]
+            return [*_UNSHARE_PREFIX, "--", *shim, *argv], workdir, workdir
+        return argv, workdir, workdir
+
+    def _bwrap_prefix(self) -> list[str]:
+        args = [
+            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
+            "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(INNER_ID), "--gid", str(INNER_ID), "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr",
+        ]  # fmt: skip
+        for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+            if os.path.islink(top):
+                args += ["--symlink", os.readlink(top), top]
+            elif os.path.isdir(top):
+                args += ["--ro-bind", top, top]
+        for item in ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime"):
+            if os.path.exists(item):
+                args += ["--ro-bind", item, item]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        args += ["--size", str(self._tmpfs_bytes), "--tmpfs", "/tmp", "--chdir", "/work"]
+        return args
+
+    # -- processes, uids, work dirs ----------------------------------------------------
+
+    def _kill_all(self, pid: int, uid: int | None) -> None:
+        """SIGKILL the run's process group; in ``none`` mode also every process of its uid."""
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.isolation == "none" and uid is not None:
+            _kill_uid(uid)
+
+    def _lease_uid(self) -> _UidLease:
+        return _UidLease(self)
+
+    def _make_workdir(self, files: list[tuple[PurePosixPath, bytes]], uid: int | None) -> str:
+        workdir = tempfile.mkdtemp(prefix="streamrl-sbx-", dir=self._tmp_dir)
+        for rel, data in files:
+            target = Path(workdir, rel)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+        if uid is not None:
+            for root, dirs, names in os.walk(workdir):
+                for entry in (root, *(os.path.join(root, n) for n in dirs + names)):
+                    os.chown(entry, uid, uid)
+        os.chmod(workdir, 0o700)
+        return workdir
+
+    def _probe(self, wanted: Isolation) -> str:
+        """Pick the strongest mode that really runs a process here (done once)."""
+        candidates = ["bwrap", "unshare", "none"] if wanted == "auto" else [wanted]
+        uid = self._free_uids[0] if self._switch_uid else None
+        problems = []
+        for mode in candidates:
+            if mode != "none" and shutil.which(mode) is None:
+                problems.append(f"{mode}: not on PATH")
+                continue
+            error = self._try_mode(mode, uid)
+            if error is None:
+                return mode
+            problems.append(f"{mode}: {error}")
+        raise SandboxUnavailable("no usable isolation mode: " + "; ".join(problems))
+
+    def _try_mode(self, mode: str, uid: int | None) -> str | None:
+        workdir = self._make_workdir([], uid)
+        try:
+            argv, cwd, _ = self._wrap(mode, ["/usr/bin/env", "true"], workdir)
+            done = subprocess.run(
+                argv, cwd=cwd, env={"PATH": self._path}, capture_output=True, timeout=10,
+                preexec_fn=_child_setup(Limits(), uid), check=False,
+            )  # fmt: skip
+            if done.returncode != 0:
+                return done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
+            return None
+        except (OSError, subprocess.SubprocessError) as exc:
+            return str(exc)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+_UNSHARE_PREFIX = [
+    "unshare", f"--map-user={INNER_ID}", f"--map-group={INNER_ID}", "--net", "--pid",
+    "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts",
+]  # fmt: skip
+
+
+class _UidLease:
+    """Borrow a uid from the pool for one run (``None`` when not running as root)."""
+
+    def __init__(self, box: ProcessSandbox) -> None:
+        self._box = box
+        self._uid: int | None = None
+
+    async def __aenter__(self) -> int | None:
+        if self._box._uid_slots is None:
+            return None
+        await self._box._uid_slots.acquire()
+        self._uid = self._box._free_uids.pop()
+        return self._uid
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._uid is not None and self._box._uid_slots is not None:
+            self._box._free_uids.append(self._uid)
+            self._box._uid_slots.release()
+
+
+class _Capture:
+    """Keep the first ``limit`` bytes of a stream, count the rest, read to EOF."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.kept = bytearray()
+        self.dropped = 0
+
+    async def drain(self, stream: trio.abc.ReceiveStream | None) -> None:
+        if stream is None:
+            return
+        while chunk := await stream.receive_some(1 << 16):
+            room = self.limit - len(self.kept)
+            if room > 0:
+                self.kept += chunk[:room]
+            self.dropped += max(0, len(chunk) - max(room, 0))
+
+
+async def _feed(stream: trio.abc.SendStream | None, data: bytes) -> None:
+    if stream is None:
+        return
+    try:
+        if data:
+            await stream.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # the child did not read its stdin: fine
+    finally:
+        await stream.aclose()
+
+
+def _child_setup(limits: Limits, uid: int | None) -> Callable[[], None]:
+    """The function run in the forked child before exec: rlimits, no-new-privs, drop root."""
+    mb = 1 << 20
+    rlimits = [
+        (resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1)),
+        (resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb)),
+        (resource.RLIMIT_NPROC, (limits.max_processes + _WRAPPER_PROCS,) * 2),
+        (resource.RLIMIT_FSIZE, (limits.max_file_mb * mb, limits.max_file_mb * mb)),
+        (resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files)),
+        (resource.RLIMIT_CORE, (0, 0)),
+    ]
+
+    def setup() -> None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        for which, value in rlimits:
+            resource.setrlimit(which, value)
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+    return setup
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process owned by ``uid`` until none is left (they may be forking)."""
+    for _ in range(100):
+        found = False
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                if entry.stat().st_uid != uid or _is_zombie(entry.path):
+                    continue
+                os.kill(int(entry.name), signal.SIGKILL)
+                found = True
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        if not found:
+            return
+
+
+def _is_zombie(proc_dir: str) -> bool:
+    with open(os.path.join(proc_dir, "stat"), "rb") as f:
+        return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
+
+
+def _checked_path(name: str) -> PurePosixPath:
+    rel = PurePosixPath(name)
+    if not name or rel.is_absolute() or ".." in rel.parts or rel == PurePosixPath("."):
+        raise ValueError(f"ExecRequest.files: {name!r} must be a relative path without '..'")
+    return rel
+
+
+def _shell_status(returncode: int | None) -> int | None:
+    if returncode is None:
+        return None
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _looks_oom(stderr: bytes | bytearray) -> bool:
+    tail = bytes(stderr[-4096:])
+    return any(marker in tail for marker in _OOM_MARKERS)

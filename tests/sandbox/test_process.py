@@ -1,0 +1,270 @@
+"""Attacks on the local process sandbox, one per test, in every isolation mode that works here."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
+
+REPO = Path(__file__).resolve().parents[2]
+ALL_MODES = ("bwrap", "unshare", "none")
+NAMESPACED = ("bwrap", "unshare")
+
+
+def _open(mode: str) -> ProcessSandbox:
+    try:
+        return ProcessSandbox(isolation=mode)  # type: ignore[arg-type]
+    except SandboxUnavailable as exc:
+        pytest.skip(f"isolation {mode!r} unavailable here: {exc}")
+
+
+@pytest.fixture(scope="module", params=ALL_MODES)
+def box(request: pytest.FixtureRequest) -> ProcessSandbox:
+    return _open(request.param)
+
+
+@pytest.fixture(scope="module", params=NAMESPACED)
+def ns_box(request: pytest.FixtureRequest) -> ProcessSandbox:
+    return _open(request.param)
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """A string put on every sandboxed command line; no process may carry it after the test."""
+    tag = f"sbxmark-{uuid.uuid4().hex}"
+    yield tag
+    deadline = time.monotonic() + 1.0  # SIGKILLed processes need a moment to vanish
+    while (left := _processes_with(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"sandbox processes outlived the call: {left}"
+
+
+def _processes_with(tag: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if tag.encode() in Path(entry.path, "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def py(code: str, tag: str, **limits: float) -> ExecRequest:
+    return ExecRequest(["python3", "-c", textwrap.dedent(code), tag], limits=Limits(**limits))
+
+
+async def test_echo_stdin_and_files_round_trip(box: ProcessSandbox, marker: str) -> None:
+    # Given a file and some stdin
+    request = ExecRequest(
+        ["python3", "-c", "import sys; print(open('d/in.txt').read() + sys.stdin.read())", marker],
+        files={"d/in.txt": b"file:"},
+        stdin=b"stdin",
+    )
+    # When
+    result = await box.run(request)
+    # Then
+    assert result.ok and result.stdout == b"file:stdin\n" and result.stderr == b""
+
+
+async def test_exit_code_is_reported(box: ProcessSandbox, marker: str) -> None:
+    result = await box.run(py("import sys; sys.stderr.write('bye'); sys.exit(7)", marker))
+    assert (result.exit_code, result.stderr, result.timed_out) == (7, b"bye", False)
+
+
+async def test_infinite_loop_times_out_fast(box: ProcessSandbox, marker: str) -> None:
+    result = await box.run(py("while True: pass", marker, timeout_s=0.5))
+    assert result.timed_out and result.exit_code is None
+    assert result.duration_s < 2.0
+
+
+async def test_cpu_rlimit_counts_as_timeout(box: ProcessSandbox, marker: str) -> None:
+    result = await box.run(py("while True: pass", marker, timeout_s=10, cpu_s=1))
+    assert result.timed_out and result.exit_code is not None and result.duration_s < 5
+
+
+async def test_fork_bomb_is_contained(box: ProcessSandbox, marker: str) -> None:
+    # Given a fork bomb that keeps trying when fork fails
+    code = """
+    import os
+    while True:
+        try:
+            os.fork()
+        except OSError:
+            pass
+    """
+    # When
+    result = await box.run(py(code, marker, timeout_s=1.5, max_processes=16))
+    # Then the call ends on time and (marker fixture) nothing is left
+    assert result.timed_out and result.duration_s < 4
+
+
+async def test_memory_bomb_is_flagged(box: ProcessSandbox, marker: str) -> None:
+    result = await box.run(py("x = bytearray(2 << 30)", marker, memory_mb=256))
+    assert result.exit_code not in (0, None) and result.oom_killed and not result.ok
+
+
+async def test_disk_fill_is_capped_by_fsize(box: ProcessSandbox, marker: str) -> None:
+    code = """
+    import os
+    with open('big', 'wb') as f:
+        for _ in range(64):
+            f.write(b'x' * (1 << 20))
+    """
+    result = await box.run(py(code, marker, max_file_mb=4))
+    assert result.exit_code != 0 and b"File too large" in result.stderr
+
+
+async def test_output_flood_is_capped_and_drained(box: ProcessSandbox, marker: str) -> None:
+    # Given 100 MB on stdout and a 1 MiB cap
+    code = """
+    import sys
+    chunk = b'x' * (1 << 20)
+    for _ in range(100):
+        sys.stdout.buffer.write(chunk)
+    """
+    # When
+    result = await box.run(py(code, marker, output_bytes=1 << 20, timeout_s=20))
+    # Then the child finished (we kept draining) and the rest was counted
+    assert result.exit_code == 0
+    assert len(result.stdout) == 1 << 20
+    assert result.stdout_dropped == 99 << 20
+    assert result.duration_s < 10
+
+
+async def test_background_child_holding_stdout_does_not_hang(
+    box: ProcessSandbox, marker: str
+) -> None:
+    # Given a parent that exits at once while its child keeps stdout open for a minute
+    code = """
+    import os, time
+    if os.fork() == 0:
+        time.sleep(60)
+    print('parent done', flush=True)
+    """
+    # When
+    result = await box.run(py(code, marker, timeout_s=3))
+    # Then the call returns long before the child would, and the child is gone (fixture)
+    assert result.exit_code == 0 and result.stdout == b"parent done\n"
+    assert result.duration_s < 2.5
+
+
+async def test_child_escaping_the_process_group_is_killed(box: ProcessSandbox, marker: str) -> None:
+    code = """
+    import os, time
+    if os.fork() == 0:
+        os.setsid()
+        time.sleep(60)
+    """
+    result = await box.run(py(code, marker, timeout_s=3))
+    assert result.exit_code == 0
+
+
+async def test_process_still_writing_at_the_deadline(box: ProcessSandbox, marker: str) -> None:
+    code = """
+    import sys
+    while True:
+        sys.stdout.write('y' * 4096)
+    """
+    result = await box.run(py(code, marker, timeout_s=0.5, output_bytes=1000))
+    assert result.timed_out and len(result.stdout) == 1000 and result.stdout_dropped > 0
+
+
+async def test_sigterm_ignored_still_killed(box: ProcessSandbox, marker: str) -> None:
+    code = """
+    import signal, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(60)
+    """
+    result = await box.run(py(code, marker, timeout_s=0.5))
+    assert result.timed_out and result.duration_s < 2
+
+
+async def test_executor_environment_is_invisible(
+    box: ProcessSandbox, marker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STREAMRL_TEST_SECRET", "hunter2")
+    result = await box.run(py("import os; print(sorted(os.environ.items()))", marker))
+    assert result.ok and b"hunter2" not in result.stdout
+    assert b"STREAMRL_TEST_SECRET" not in result.stdout
+
+
+async def test_cannot_write_into_the_repository(box: ProcessSandbox, marker: str) -> None:
+    if box.isolation == "none" and os.geteuid() != 0:
+        pytest.skip("without root the 'none' mode runs as the invoking user")
+    target = REPO / f"pwned-{marker}"
+    result = await box.run(py(f"open({str(target)!r}, 'w').write('x')", marker))
+    assert result.exit_code != 0 and not target.exists()
+
+
+async def test_host_tmp_is_not_writable(ns_box: ProcessSandbox, marker: str) -> None:
+    if ns_box.isolation != "bwrap":
+        pytest.skip("documented: only bwrap hides the host file system")
+    target = Path("/tmp") / f"pwned-{marker}"
+    result = await ns_box.run(py(f"open({str(target)!r}, 'w').write('x')", marker))
+    assert result.ok  # it wrote into its private tmpfs ...
+    assert not target.exists()  # ... not the host's /tmp
+
+
+async def test_network_to_host_listener_fails(ns_box: ProcessSandbox, marker: str) -> None:
+    # Given a listener on the host's loopback
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    accepted: list[object] = []
+
+    async def accept() -> None:
+        accepted.append(await listeners[0].accept())
+
+    code = f"""
+    import socket
+    socket.create_connection(('127.0.0.1', {port}), timeout=1).sendall(b'leak')
+    """
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(accept)
+        # When the sandbox tries to connect
+        result = await ns_box.run(py(code, marker))
+        await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()
+    await listeners[0].aclose()
+    # Then it failed and nothing arrived
+    assert result.exit_code != 0 and not accepted
+
+
+async def test_concurrent_runs_do_not_mix(box: ProcessSandbox, marker: str) -> None:
+    results: dict[int, bytes] = {}
+
+    async def one(i: int) -> None:
+        results[i] = (await box.run(py(f"print({i})", marker))).stdout
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(one, i)
+    assert results == {i: f"{i}\n".encode() for i in range(8)}
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../up", "a/../../b", ""])
+async def test_bad_file_paths_are_rejected(name: str) -> None:
+    box = ProcessSandbox()
+    with pytest.raises(ValueError):
+        await box.run(ExecRequest(["true"], files={name: b"x"}))
+
+
+async def test_work_dir_is_removed(tmp_path: Path) -> None:
+    box = ProcessSandbox(tmp_dir=str(tmp_path))
+    result = await box.run(ExecRequest(["python3", "-c", "open('f', 'w').write('x')"]))
+    assert result.ok and list(tmp_path.iterdir()) == []
+
+
+def test_open_sandbox_factory() -> None:
+    assert open_sandbox("process").name == "process"
+    with pytest.raises(ValueError, match="unknown sandbox backend"):
+        open_sandbox("docker-in-a-teapot")
