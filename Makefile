@@ -20,7 +20,7 @@ demo: venv
 	$(BIN)/streamrl up --config configs/demo.toml --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
 
 test: venv
-	$(BIN)/python -m tests.run_tests
+	$(BIN)/pytest -q
 
 lint: venv
 	$(BIN)/ruff check queues actors sandbox learner domains inference tests benchmarks

@@ -40,6 +40,11 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
         if self.v != SCHEMA_VERSION:
             raise ValueError(f"schema version {self.v}, expected {SCHEMA_VERSION}")
 
+    @property
+    def episode_id(self) -> str:
+        """The episode (GRPO group) this message belongs to, for logs and replay."""
+        return self.id
+
 
 def new_id() -> str:
     return uuid.uuid4().hex
@@ -104,6 +109,10 @@ class Rollout(Message, frozen=True, kw_only=True):
     prompt_ids: bytes  # int32 LE
     samples: list[Sample]
 
+    @property
+    def episode_id(self) -> str:
+        return self.task.id
+
 
 class ExecOutcome(msgspec.Struct, frozen=True, kw_only=True):
     exit_code: int | None
@@ -120,6 +129,10 @@ class Executed(Message, frozen=True, kw_only=True):
     rollout: Rollout
     outcomes: list[ExecOutcome]
 
+    @property
+    def episode_id(self) -> str:
+        return self.rollout.task.id
+
 
 class Trajectory(Message, frozen=True, kw_only=True):
     """A verified group: what the learner trains on (and what evaluation aggregates)."""
@@ -127,6 +140,10 @@ class Trajectory(Message, frozen=True, kw_only=True):
     rollout: Rollout
     outcomes: list[ExecOutcome]
     rewards: list[float]
+
+    @property
+    def episode_id(self) -> str:
+        return self.rollout.task.id
 
 
 class WeightsPublished(Message, frozen=True, kw_only=True):

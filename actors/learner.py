@@ -1,0 +1,167 @@
+"""Learner: verified groups become policy updates (``trajectories`` -> ``weights``).
+
+Per step: read ``groups_per_step`` groups, drop (acknowledge and count) groups sampled more
+than ``max_staleness`` versions ago, take one GRPO/PPO-clipped step, write the new weights
+as ``weights/v{step}`` (Hugging Face safetensors), then publish the ``weights`` event and
+the step's metrics and acknowledge the groups, in one atomic hand-off.
+
+Guarantees: a group is trained at most once and never partially. The ids of the groups of
+every step are written before the weights of that step, so a learner restarted after a
+crash that happened between saving and acknowledging re-publishes that step (idempotent)
+instead of training on the same groups again. The optimiser state is not checkpointed yet:
+a restarted learner resumes from the latest weights with a fresh AdamW state.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from queues import names as N
+from queues.messages import (
+    MessageError,
+    StepMetrics,
+    Trajectory,
+    WeightsPublished,
+    decode,
+    encode,
+    new_id,
+    now,
+)
+from queues.streams import Delivery, Handoff, StreamConsumer
+
+from actors.context import ActorContext
+from learner.batch import group_staleness
+from learner.model import resolve_model
+from learner.train import StepStats, TrainConfig, Trainer
+from learner.weights import latest_version, save_weights, version_dir
+
+log = structlog.get_logger()
+
+
+def _consumed_path(root: Path, version: int) -> Path:
+    return root / f"consumed-v{version:06d}.json"
+
+
+class Learner:
+    def __init__(self, ctx: ActorContext, consumer: StreamConsumer) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.config.learner
+        self.consumer = consumer
+        self.root = ctx.config.run.path / "weights"
+        self.base_dir = resolve_model(ctx.config.model.spec)
+        self.version = latest_version(self.root) or 0
+        start = version_dir(self.root, self.version) if self.version else self.base_dir
+        self.trainer = Trainer.from_dir(start, TrainConfig(
+            lr=self.cfg.lr,
+            clip_eps=self.cfg.clip_eps,
+            max_grad_norm=self.cfg.max_grad_norm,
+            micro_batch_size=self.cfg.micro_batch_size,
+            grad_checkpointing=self.cfg.grad_checkpointing,
+            seed=ctx.config.run.seed,
+            num_threads=self.cfg.threads or None,
+        ))
+        self.dropped_stale = 0
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        await self._finish_interrupted_step()
+        task_status.started()
+        log.info("learner ready", policy_version=self.version)
+        while not self.cfg.max_steps or self.version < self.cfg.max_steps:
+            t0 = time.monotonic()
+            batch = await self._collect(self.cfg.groups_per_step)
+            waited = time.monotonic() - t0
+            stats = await trio.to_thread.run_sync(
+                self.trainer.step, [t for _, t in batch], abandon_on_cancel=False
+            )
+            await self._publish_step(batch, stats, waited)
+
+    async def _collect(self, n: int) -> list[tuple[Delivery, Trajectory]]:
+        batch: list[tuple[Delivery, Trajectory]] = []
+        while len(batch) < n:
+            for d in await self.consumer.read(n - len(batch)):
+                traj = await self._accept(d)
+                if traj is not None:
+                    batch.append((d, traj))
+        return batch
+
+    async def _accept(self, d: Delivery) -> Trajectory | None:
+        """Decode and check staleness; anything not trainable is settled here."""
+        if d.payload is None:
+            await self.consumer.dead_letter(d, "entry has no payload field")
+            return None
+        try:
+            traj = decode(d.payload, Trajectory)
+        except MessageError as exc:
+            await self.consumer.dead_letter(d, f"malformed message: {exc}")
+            return None
+        staleness = group_staleness(traj, self.version)
+        if staleness > self.cfg.max_staleness:
+            self.dropped_stale += 1
+            await self.ctx.client.call(
+                self.ctx.client.sync.incr, self.ctx.names.counter("dropped_stale")
+            )
+            await self.consumer.complete(Handoff(d.entry_id, self.consumer.names.dedup("l", traj.id)))
+            log.warning("dropped stale group", episode_id=traj.episode_id, staleness=staleness)
+            return None
+        return traj
+
+    async def _publish_step(
+        self, batch: list[tuple[Delivery, Trajectory]], stats: StepStats, waited: float
+    ) -> None:
+        version = self.version + 1
+        consumed = {"entry_ids": [d.entry_id for d, _ in batch],
+                    "trajectory_ids": [t.id for _, t in batch]}
+        tmp = _consumed_path(self.root, version).with_suffix(".tmp")
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(consumed))
+        tmp.rename(_consumed_path(self.root, version))
+        path = await trio.to_thread.run_sync(
+            save_weights, self.trainer.model, self.base_dir, self.root, version, self.cfg.keep_last
+        )
+        self.version = version
+        staleness = [group_staleness(t, version - 1) for _, t in batch]
+        metrics = StepMetrics(
+            id=new_id(), created_at=now(), policy_version=version, step=version,
+            loss=stats.loss, grad_norm=stats.grad_norm, reward_mean=stats.reward_mean,
+            groups=len(batch), samples=sum(len(t.rewards) for _, t in batch), tokens=stats.tokens,
+            dropped_stale=self.dropped_stale, max_staleness_seen=max(staleness, default=0),
+            step_seconds=stats.seconds, wait_seconds=waited,
+        )
+        await self._announce(version, str(path), consumed["entry_ids"], metrics)
+        log.info("step", policy_version=version, loss=stats.loss, reward_mean=stats.reward_mean,
+                 grad_norm=stats.grad_norm, step_s=round(stats.seconds, 2), wait_s=round(waited, 2))
+
+    async def _announce(
+        self, version: int, path: str, entry_ids: list[str], metrics: StepMetrics | None
+    ) -> None:
+        event = WeightsPublished(id=new_id(), created_at=now(), policy_version=version,
+                                 version=version, path=path)
+        outputs = [(self.ctx.names.stream(N.WEIGHTS), encode(event))]
+        if metrics is not None:
+            outputs.append((self.ctx.names.stream(N.METRICS), encode(metrics)))
+        await self.consumer.ack_many(
+            entry_ids, self.ctx.names.dedup("learner", f"step-{version}"), outputs
+        )
+
+    async def _finish_interrupted_step(self) -> None:
+        """Re-announce the latest saved step: a no-op unless we crashed before announcing."""
+        if not self.version:
+            return
+        consumed_file = _consumed_path(self.root, self.version)
+        entry_ids = json.loads(consumed_file.read_text())["entry_ids"] if consumed_file.exists() else []
+        path = str(version_dir(self.root, self.version))
+        await self._announce(self.version, path, entry_ids, None)
+
+
+async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    # One learner per run: a fixed consumer name, so a restarted learner drains its own
+    # pending entries (the groups it was collecting) first.
+    async with ctx.consumer(N.TRAJECTORIES, "learner", consumer="learner-0") as consumer:
+        learner = await trio.to_thread.run_sync(Learner, ctx, consumer)
+        await learner.serve(task_status=task_status)

@@ -1,0 +1,32 @@
+"""structlog JSON logging, one line per event; episode ids bound per trio task."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+
+def configure_logging(*, actor: str, level: str = "info", stream: TextIO | None = None) -> None:
+    logging.basicConfig(stream=stream or sys.stderr, level=level.upper(), format="%(message)s")
+    for noisy in ("httpx", "urllib3", "transformers", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(actor=actor)
+
+
+def get_logger(**bound: Any) -> Any:
+    return structlog.get_logger().bind(**bound)

@@ -1,0 +1,174 @@
+"""Run monitor: evaluation rounds, learner metrics and queue depths, for progress and summaries.
+
+The monitor consumes the ``evals`` stream with its own consumer group (each result is
+recorded, appended to ``evals.jsonl`` in the run directory, then acknowledged) and follows
+the ``metrics`` event stream. It only reads; it never changes the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from queues import names as N
+from queues.messages import MessageError, StepMetrics, Trajectory, decode
+from queues.stats import GroupState, pipeline_state, stream_length
+from queues.streams import EventReader, Handoff
+
+from actors.context import ActorContext
+
+
+@dataclass
+class EvalRound:
+    round: int
+    expected: int
+    rewards: list[float] = field(default_factory=list)
+    versions: set[int] = field(default_factory=set)
+
+    @property
+    def done(self) -> bool:
+        return len(self.rewards) >= self.expected
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.rewards) if self.rewards else float("nan")
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    run: str
+    minutes: float
+    steps: int
+    policy_version: int
+    trajectories: int
+    samples: int
+    eval_reward_before: float | None
+    eval_reward_after: float | None
+    eval_rounds: list[dict[str, Any]]
+    reward_first_steps: float | None
+    reward_last_steps: float | None
+    dropped_stale: int
+    dead_letters: int
+    learner_step_seconds: float | None
+    learner_busy_fraction: float | None
+    trained_tokens_per_second: float | None
+
+
+class Monitor:
+    def __init__(self, ctx: ActorContext, run_dir: Path, eval_items: int) -> None:
+        self.ctx = ctx
+        self.run_dir = run_dir
+        self.eval_items = eval_items
+        self.rounds: dict[int, EvalRound] = {}
+        self.steps: list[StepMetrics] = []
+        self.queues: list[GroupState] = []
+        self.dead = 0
+        self.started = time.monotonic()
+        self._round_changed = trio.Event()
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._serve_evals)
+            nursery.start_soon(self._serve_metrics)
+            task_status.started()
+            while True:
+                self.queues = await pipeline_state(self.ctx.client, self.ctx.names)
+                self.dead = await stream_length(self.ctx.client, self.ctx.names, N.DEAD)
+                await trio.sleep(1.0)
+
+    async def _serve_evals(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        log_path = self.run_dir / "evals.jsonl"
+        async with self.ctx.consumer(N.EVALS, "monitor") as consumer:
+            task_status.started()
+            while True:
+                for d in await consumer.read(64):
+                    try:
+                        traj = decode(d.payload or b"", Trajectory)
+                    except MessageError as exc:
+                        await consumer.dead_letter(d, f"malformed message: {exc}")
+                        continue
+                    self._record(traj, log_path)
+                    await consumer.complete(Handoff(d.entry_id, ""))
+
+    def _record(self, traj: Trajectory, log_path: Path) -> None:
+        task = traj.rollout.task
+        r = self.rounds.setdefault(task.eval_round, EvalRound(task.eval_round, self.eval_items))
+        r.rewards.extend(traj.rewards)
+        r.versions.update(s.weight_version for s in traj.rollout.samples)
+        with log_path.open("a") as f:
+            f.write(json.dumps({
+                "round": task.eval_round, "item_id": task.item_id, "domain": task.domain,
+                "reward": traj.rewards[0], "weight_version": traj.rollout.samples[0].weight_version,
+                "text": traj.rollout.samples[0].text,
+            }) + "\n")
+        if r.done:
+            self._round_changed.set()
+            self._round_changed = trio.Event()
+
+    async def _serve_metrics(self) -> None:
+        reader = EventReader(self.ctx.client, self.ctx.names, N.METRICS)
+        try:
+            while True:
+                for _, raw in await reader.read():
+                    self.steps.append(decode(raw, StepMetrics))
+        finally:
+            reader.close()
+
+    async def wait_round(self, round_no: int) -> EvalRound:
+        while not (round_no in self.rounds and self.rounds[round_no].done):
+            await self._round_changed.wait()
+        return self.rounds[round_no]
+
+    # ------------------------------------------------------------------ views
+    def completed_rounds(self) -> list[EvalRound]:
+        return [r for _, r in sorted(self.rounds.items()) if r.done]
+
+    def progress_line(self) -> str:
+        elapsed = time.monotonic() - self.started
+        last = self.steps[-1] if self.steps else None
+        rounds = self.completed_rounds()
+        evals = " ".join(f"{r.mean:.2f}@v{min(r.versions)}" for r in rounds[-4:]) or "-"
+        recent = self.steps[-5:]
+        reward = statistics.fmean(s.reward_mean for s in recent) if recent else float("nan")
+        span = sum(s.step_seconds + s.wait_seconds for s in recent)
+        sps = sum(s.samples for s in recent) / span if span else 0.0
+        depth = " ".join(f"{q.stream}={q.lag}+{q.pending}" for q in self.queues)
+        return (
+            f"[{int(elapsed // 60):02d}:{int(elapsed % 60):02d}] "
+            f"policy v{last.step if last else 0} | reward {reward:.2f} (last 5 steps) | "
+            f"eval {evals} | {sps:.2f} samples/s | queues (lag+pending) {depth} | "
+            f"dead {self.dead}"
+        )
+
+    def summary(self, run: str) -> Summary:
+        rounds = self.completed_rounds()
+        steps = self.steps
+        k = max(1, min(5, len(steps) // 3)) if steps else 0
+        busy = sum(s.step_seconds for s in steps)
+        total = busy + sum(s.wait_seconds for s in steps)
+        gen_tokens = sum(s.tokens for s in steps)
+        return Summary(
+            run=run,
+            minutes=round((time.monotonic() - self.started) / 60, 2),
+            steps=len(steps),
+            policy_version=steps[-1].step if steps else 0,
+            trajectories=sum(s.groups for s in steps),
+            samples=sum(s.samples for s in steps),
+            eval_reward_before=rounds[0].mean if rounds else None,
+            eval_reward_after=rounds[-1].mean if len(rounds) > 1 else None,
+            eval_rounds=[{"round": r.round, "reward": r.mean, "versions": sorted(r.versions),
+                          "items": len(r.rewards)} for r in rounds],
+            reward_first_steps=statistics.fmean(s.reward_mean for s in steps[:k]) if k else None,
+            reward_last_steps=statistics.fmean(s.reward_mean for s in steps[-k:]) if k else None,
+            dropped_stale=steps[-1].dropped_stale if steps else 0,
+            dead_letters=self.dead,
+            learner_step_seconds=statistics.median(s.step_seconds for s in steps) if steps else None,
+            learner_busy_fraction=busy / total if total else None,
+            trained_tokens_per_second=gen_tokens / total if total else None,
+        )

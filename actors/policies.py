@@ -1,0 +1,47 @@
+"""The policies the runtime applies around every ``handle`` call, each in one place.
+
+- :class:`RetryPolicy`: a handler that raises is retried in-process with exponential
+  backoff and full jitter; past ``max_retries`` the message is dead-lettered with the error.
+  A handler may ask for a specific delay by raising :class:`Retry`.
+- :class:`Reject`: the handler found the input itself invalid: dead-letter now, no retry.
+- delivery limit: a message delivered more than ``max_deliveries`` times (the process
+  handling it died each time) is dead-lettered before it is handled again.
+- time limit: ``handle`` runs under ``trio.fail_after``; running over counts as a failure.
+Actors contain none of this bookkeeping.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+class Retry(Exception):
+    """Raised by a handler to be retried after ``delay`` seconds (None: the policy's backoff)."""
+
+    def __init__(self, reason: str = "", delay: float | None = None) -> None:
+        super().__init__(reason)
+        self.delay = delay
+
+
+class Reject(Exception):
+    """Raised by a handler when the message can never succeed: it is dead-lettered at once."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
+
+    def delay(self, retry: int, rng: random.Random | None = None) -> float:
+        """Full-jitter exponential backoff for the ``retry``-th retry (1-based)."""
+        cap = min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1))
+        return (rng or random).uniform(0, cap)
+
+
+@dataclass(frozen=True)
+class Policies:
+    retry: RetryPolicy = RetryPolicy()
+    max_deliveries: int = 5
+    time_limit_s: float = 600.0

@@ -1,0 +1,193 @@
+"""The actor runtime: read -> policies -> handle -> publish and ack.
+
+``serve_actor`` guarantees, for every entry of its input stream it receives:
+- exactly one terminal outcome: its outputs published and the entry acknowledged in one
+  atomic hand-off, or the entry dead-lettered with the reason; an entry whose process dies
+  mid-way stays pending and is redelivered (own pending list on restart, or the reclaimer);
+- it never reads more entries than it has free handler slots (backpressure);
+- entries being handled are heart-beaten, so the reclaimer of another replica does not
+  steal live work;
+- malformed input (undecodable, wrong schema or version) is dead-lettered with the reason
+  and the actor keeps running.
+Handlers are plain ``async def handle(message) -> list[Output]`` with no Redis I/O.
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+import msgspec
+import structlog
+import trio
+
+from queues.messages import Message, MessageError, decode, encode
+from queues.streams import Delivery, Handoff, StreamConsumer
+
+from actors.policies import Policies, Reject, Retry
+
+log = structlog.get_logger()
+
+In = TypeVar("In", bound=Message, contravariant=True)
+
+
+@dataclass(frozen=True)
+class Output:
+    stream: str
+    message: msgspec.Struct
+
+
+class Actor(Protocol, Generic[In]):
+    stage: str
+    input_stream: str
+    input_type: type[Message]
+
+    async def handle(self, message: In) -> list[Output]: ...
+
+
+@dataclass(frozen=True)
+class RuntimeStatistics:
+    in_flight: int
+    handled: int
+    retried: int
+    dead_lettered: int
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    concurrency: int = 4
+    heartbeat_interval_s: float = 10.0
+    reclaim_interval_s: float = 5.0
+
+
+class ActorRuntime:
+    def __init__(
+        self,
+        consumer: StreamConsumer,
+        actor: Actor[Any],
+        policies: Policies,
+        settings: RuntimeSettings,
+    ) -> None:
+        self.consumer = consumer
+        self.actor = actor
+        self.policies = policies
+        self.settings = settings
+        self._in_flight: set[str] = set()
+        self._slot_freed = trio.Condition()
+        self._rng = random.Random()
+        self._handled = self._retried = self._dead = 0
+
+    def statistics(self) -> RuntimeStatistics:
+        return RuntimeStatistics(len(self._in_flight), self._handled, self._retried, self._dead)
+
+    @property
+    def free(self) -> int:
+        return self.settings.concurrency - len(self._in_flight)
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._serve_heartbeats)
+            nursery.start_soon(self._serve_reclaimer, nursery)
+            task_status.started()
+            while True:
+                async with self._slot_freed:
+                    while self.free <= 0:
+                        await self._slot_freed.wait()
+                for delivery in await self.consumer.read(self.free):
+                    self._dispatch(nursery, delivery)
+
+    def _dispatch(self, nursery: trio.Nursery, delivery: Delivery) -> None:
+        if delivery.entry_id in self._in_flight:
+            return  # reclaimed back to ourselves while still being handled
+        self._in_flight.add(delivery.entry_id)
+        nursery.start_soon(self._process, delivery)
+
+    async def _serve_heartbeats(self) -> None:
+        while True:
+            await trio.sleep(self.settings.heartbeat_interval_s)
+            await self.consumer.heartbeat(sorted(self._in_flight))
+
+    async def _serve_reclaimer(self, nursery: trio.Nursery) -> None:
+        while True:
+            await trio.sleep(self.settings.reclaim_interval_s)
+            for delivery in await self.consumer.reclaim(self.free):
+                log.info("reclaimed", entry_id=delivery.entry_id, deliveries=delivery.deliveries)
+                self._dispatch(nursery, delivery)
+
+    async def _process(self, delivery: Delivery) -> None:
+        try:
+            await self._process_one(delivery)
+        finally:
+            self._in_flight.discard(delivery.entry_id)
+            async with self._slot_freed:
+                self._slot_freed.notify_all()
+
+    async def _process_one(self, delivery: Delivery) -> None:
+        if delivery.payload is None:
+            return await self._dead_letter(delivery, "entry has no payload field")
+        try:
+            message = decode(delivery.payload, self.actor.input_type)
+        except MessageError as exc:
+            return await self._dead_letter(delivery, f"malformed message: {exc}")
+        with structlog.contextvars.bound_contextvars(episode_id=message.episode_id):
+            if delivery.deliveries > self.policies.max_deliveries:
+                return await self._dead_letter(
+                    delivery,
+                    f"delivered {delivery.deliveries} times (> {self.policies.max_deliveries}):"
+                    " its handler's process died or hung every time",
+                )
+            outputs = await self._handle_with_retries(delivery, message)
+            if outputs is None:
+                return None
+            stage = self.actor.stage
+            handoff = Handoff(
+                delivery.entry_id,
+                self.consumer.names.dedup(stage, message.id),
+                [(self.consumer.names.stream(o.stream), encode(o.message)) for o in outputs],
+            )
+            await self.consumer.complete(handoff)
+            self._handled += 1
+            return None
+
+    async def _handle_with_retries(self, delivery: Delivery, message: Message) -> list[Output] | None:
+        retry = 0
+        while True:
+            try:
+                with trio.fail_after(self.policies.time_limit_s):
+                    return await self.actor.handle(message)
+            except Reject as exc:
+                await self._dead_letter(delivery, f"rejected: {exc}")
+                return None
+            except Exception as exc:  # the retry policy turns failures into data
+                retry += 1
+                error = "".join(traceback.format_exception_only(exc)).strip()
+                if isinstance(exc, trio.TooSlowError):
+                    error = f"time limit {self.policies.time_limit_s}s exceeded"
+                if retry > self.policies.retry.max_retries:
+                    await self._dead_letter(delivery, f"failed {retry} times, last: {error}")
+                    return None
+                delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None
+                delay = self.policies.retry.delay(retry, self._rng) if delay is None else delay
+                log.warning("handler failed, retrying", error=error, retry=retry, delay_s=delay)
+                self._retried += 1
+                await trio.sleep(delay)
+
+    async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
+        log.error("dead-lettered", entry_id=delivery.entry_id, reason=reason[:500])
+        await self.consumer.dead_letter(delivery, reason)
+        self._dead += 1
+
+
+async def serve_actor(
+    consumer: StreamConsumer,
+    actor: Actor[Any],
+    policies: Policies,
+    settings: RuntimeSettings,
+    *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run ``actor`` on ``consumer`` forever (see the module docstring for guarantees)."""
+    runtime = ActorRuntime(consumer, actor, policies, settings)
+    await runtime.serve(task_status=task_status)

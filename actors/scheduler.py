@@ -1,0 +1,157 @@
+"""Scheduler: samples tasks from the configured domains and admits them into ``tasks``.
+
+Admission guarantees:
+- staleness: training group number k is admitted only once the learner's policy version V
+  satisfies ``k < (V + max_staleness + 1) * groups_per_step``, so every admitted group can
+  still be trained within ``max_staleness`` versions of the policy that samples it; the
+  count of admitted groups lives in Redis, so a restarted scheduler keeps the bound;
+- backpressure: nothing is added while the generator group's backlog (lag + pending)
+  exceeds ``max_backlog``;
+- evaluation: a held-out round (greedy, one sample per item) is published at version 0 and
+  every ``eval_every`` versions; evaluation bypasses the staleness bound.
+Once the run's stop flag is set, no more training tasks are admitted.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import msgspec
+import structlog
+import trio
+
+from queues import names as N
+from queues.messages import Sampling, Task, WeightsPublished, decode, encode, new_id, now
+from queues.stats import group_state
+from queues.streams import EventReader, Producer
+
+from actors.context import ActorContext
+from domains.registry import get_domain
+
+log = structlog.get_logger()
+
+
+def make_task(
+    domain: str, item: Any, *, split: str, group_size: int, sampling: Sampling, version: int,
+    eval_round: int = -1,
+) -> Task:
+    spec = msgspec.to_builtins(item)
+    return Task(
+        id=new_id(),
+        created_at=now(),
+        policy_version=version,
+        domain=domain,
+        item_id=str(spec.get("id", "")),
+        split=split,
+        prompt=str(spec.get("prompt", "")),
+        spec=spec,
+        group_size=group_size,
+        sampling=sampling,
+        eval_round=eval_round,
+    )
+
+
+async def publish_eval_round(ctx: ActorContext, round_no: int, version: int) -> int:
+    """Publish one held-out evaluation round; returns the number of tasks."""
+    cfg = ctx.config.scheduler
+    sampling = Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+    tasks = []
+    for name in cfg.domains:
+        items = get_domain(name).load_items("eval")[: cfg.eval_items]
+        tasks += [
+            make_task(name, it, split="eval", group_size=1, sampling=sampling, version=version,
+                      eval_round=round_no)
+            for it in items
+        ]
+    await Producer(ctx.client, ctx.names).publish(N.TASKS, [encode(t) for t in tasks])
+    log.info("eval round published", round=round_no, policy_version=version, tasks=len(tasks))
+    return len(tasks)
+
+
+async def latest_version(reader: EventReader) -> int:
+    latest = await reader.latest()
+    return decode(latest[1], WeightsPublished).version if latest else 0
+
+
+class Scheduler:
+    def __init__(self, ctx: ActorContext) -> None:
+        self.ctx = ctx
+        self.cfg = ctx.config.scheduler
+        self.rng = random.Random(ctx.config.run.seed)
+        self.items = {d: get_domain(d).load_items("train") for d in self.cfg.domains}
+        self.sampling = Sampling(
+            max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature
+        )
+
+    def sample(self, version: int) -> Task:
+        domain = self.rng.choice(self.cfg.domains)
+        item = self.rng.choice(self.items[domain])
+        return make_task(domain, item, split="train", group_size=self.cfg.group_size,
+                         sampling=self.sampling, version=version)
+
+    async def admissible(self, version: int) -> int:
+        """How many training groups may be admitted now."""
+        c = self.ctx
+        if await c.client.call(c.client.sync.exists, c.names.stop):
+            return 0
+        admitted = int(await c.client.call(c.client.sync.get, c.names.admitted) or 0)
+        learner = c.config.learner
+        by_staleness = (version + learner.max_staleness + 1) * learner.groups_per_step - admitted
+        state = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])
+        by_backlog = self.cfg.max_backlog - state.backlog
+        return max(0, min(by_staleness, by_backlog))
+
+    async def admit(self, count: int, version: int) -> None:
+        c = self.ctx
+        tasks = [encode(self.sample(version)) for _ in range(count)]
+        key = c.names.stream(N.TASKS)
+
+        def publish() -> None:
+            pipe = c.client.sync.pipeline(transaction=True)  # tasks and counter move together
+            for t in tasks:
+                pipe.xadd(key, {b"d": t})
+            pipe.incrby(c.names.admitted, count)
+            pipe.execute()
+
+        await c.client.call(publish)
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        c = self.ctx
+        reader = EventReader(c.client, c.names, N.WEIGHTS, block_ms=c.config.queues.block_ms)
+        try:
+            version = await latest_version(reader)
+            next_eval = await self._eval_if_due(version, None)
+            task_status.started()
+            while True:
+                count = await self.admissible(version)
+                if count:
+                    await self.admit(count, version)
+                    log.info("admitted", groups=count, policy_version=version)
+                # Wait for the next policy version (or re-check the backlog after block_ms).
+                for _, raw in await reader.read():
+                    version = max(version, decode(raw, WeightsPublished).version)
+                next_eval = await self._eval_if_due(version, next_eval)
+        finally:
+            reader.close()
+
+    async def _eval_if_due(self, version: int, next_eval: int | None) -> int | None:
+        every = self.cfg.eval_every
+        if next_eval is None:  # at start: evaluate unless a round already ran for this run
+            c = self.ctx
+            if int(await c.client.call(c.client.sync.get, c.names.eval_round) or 0) == 0:
+                await self._start_round(version)
+            return version + every if every else None
+        if every and version >= next_eval:
+            await self._start_round(version)
+            return version + every
+        return next_eval
+
+    async def _start_round(self, version: int) -> None:
+        c = self.ctx
+        round_no = int(await c.client.call(c.client.sync.incr, c.names.eval_round)) - 1
+        await publish_eval_round(c, round_no, version)
+
+
+async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    await Scheduler(ctx).serve(task_status=task_status)

@@ -1,0 +1,208 @@
+"""``streamrl up``: the whole pipeline on one machine, every actor its own process.
+
+Starts an embedded Redis-compatible server when no Redis URL is configured (loopback only,
+random password, AOF), prepares the base model once, then runs scheduler, generator(s),
+executor(s), verifier(s) and the learner as child processes that talk only through Redis
+Streams. A child that dies is restarted (its unacknowledged work is redelivered). The
+terminal shows one progress line every few seconds; every actor logs JSON to
+``<run dir>/logs/<actor>-<n>.log``.
+
+With ``--max-minutes`` the run winds down by itself: admission stops, the learner stops,
+and a final held-out evaluation runs on the last policy version before everything is shut
+down. Ctrl-C (or SIGTERM) shuts down at once, without the final evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import trio
+
+from queues.server import ServerProcess
+
+from actors.config import Config
+from actors.context import open_context
+from actors.logs import configure_logging, get_logger
+from actors.monitor import Monitor, Summary
+from actors.scheduler import publish_eval_round
+
+log = get_logger()
+
+
+@dataclass
+class Child:
+    actor: str
+    index: int
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    process: trio.Process | None = None
+    restarts: int = 0
+    stopping: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.actor}-{self.index}"
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the process running (restart on unexpected exit) until stopped."""
+        started = False
+        while not self.stopping:
+            with self.log_path.open("ab") as logf:
+                self.process = await trio.lowlevel.open_process(
+                    self.argv, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL, start_new_session=True,
+                )
+            if not started:
+                started = True
+                task_status.started()
+            code = await self.process.wait()
+            if self.stopping:
+                return
+            self.restarts += 1
+            log.warning("actor exited, restarting", actor=self.name, code=code,
+                        restarts=self.restarts, log=str(self.log_path))
+            await trio.sleep(min(30.0, 2.0 * self.restarts))
+
+    async def stop(self, timeout_s: float = 20.0) -> None:
+        self.stopping = True
+        proc = self.process
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGINT)
+        with trio.move_on_after(timeout_s):
+            await proc.wait()
+            return
+        proc.kill()
+        await proc.wait()
+
+
+def _children(config: Config, config_path: str | None, overrides: list[str], url: str) -> list[Child]:
+    run_dir = config.run.path
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, STREAMRL_REDIS_URL=url, PYTHONUNBUFFERED="1")
+    counts = {"scheduler": 1, "generator": config.up.generators, "executor": config.up.executors,
+              "verifier": config.up.verifiers, "learner": 1}
+    children = []
+    for actor, n in counts.items():
+        for i in range(n):
+            argv = [sys.executable, "-m", "actors.cli", "run", actor]
+            if config_path:
+                argv += ["--config", config_path]
+            for o in overrides:
+                argv += ["--set", o]
+            log_path = run_dir / "logs" / f"{actor}-{i}.log"
+            children.append(Child(actor, i, argv, env, log_path))
+    return children
+
+
+async def _up(
+    config: Config, config_path: str | None, overrides: list[str], max_minutes: float
+) -> Summary:
+    from learner.model import resolve_model
+
+    run_dir = config.run.path
+    server = None
+    url = config.run.redis_url
+    print(f"streamrl: run {config.run.name!r} in {run_dir}", flush=True)
+    print(f"streamrl: preparing model {config.model.spec!r} ...", flush=True)
+    await trio.to_thread.run_sync(resolve_model, config.model.spec)
+    if not url:
+        server = ServerProcess(data_dir=run_dir / "redis").start()
+        url = server.url
+        print(f"streamrl: embedded Redis on 127.0.0.1:{server.port} (AOF, password)", flush=True)
+    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, redis_url=url))
+    children = _children(config, config_path, overrides, url)
+    deadline = time.monotonic() + max_minutes * 60 if max_minutes else math.inf
+    try:
+        async with open_context(config) as ctx:
+            monitor = Monitor(ctx, run_dir, config.scheduler.eval_items * len(config.scheduler.domains))
+            interrupted = False
+            async with trio.open_nursery() as nursery:
+                await nursery.start(monitor.serve)
+                for child in children:
+                    await nursery.start(child.serve)
+                print(f"streamrl: started {len(children)} actors; logs in {run_dir / 'logs'}",
+                      flush=True)
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                    async with trio.open_nursery() as waiter:
+                        async def on_signal() -> None:
+                            nonlocal interrupted
+                            async for _ in signals:
+                                interrupted = True
+                                print("\nstreamrl: interrupted, shutting down", flush=True)
+                                waiter.cancel_scope.cancel()
+                                return
+
+                        waiter.start_soon(on_signal)
+                        await _progress_until(monitor, deadline, config.up.progress_interval_s)
+                        await _final_eval(ctx, children, monitor, config)
+                        waiter.cancel_scope.cancel()
+                with trio.CancelScope(shield=True):
+                    await _stop_all(children)
+                nursery.cancel_scope.cancel()
+            summary = monitor.summary(config.run.name)
+            print(_summary_text(summary, interrupted), flush=True)
+            return summary
+    finally:
+        if server is not None:
+            server.stop()
+
+
+async def _progress_until(monitor: Monitor, deadline: float, interval: float) -> None:
+    while time.monotonic() < deadline:
+        await trio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        print(monitor.progress_line(), flush=True)
+
+
+async def _final_eval(ctx, children: list[Child], monitor: Monitor, config: Config) -> None:  # type: ignore[no-untyped-def]
+    """Stop admitting and training, then evaluate the last policy version."""
+    await ctx.client.call(ctx.client.sync.set, ctx.names.stop, 1)
+    for child in children:
+        if child.actor in ("learner", "scheduler"):
+            await child.stop()
+    version = monitor.steps[-1].step if monitor.steps else 0
+    round_no = int(await ctx.client.call(ctx.client.sync.incr, ctx.names.eval_round)) - 1
+    print(f"streamrl: final evaluation (round {round_no}) of policy v{version} ...", flush=True)
+    await publish_eval_round(ctx, round_no, version)
+    with trio.move_on_after(900):
+        while True:
+            with trio.move_on_after(config.up.progress_interval_s):
+                await monitor.wait_round(round_no)
+                return
+            print(monitor.progress_line(), flush=True)
+    print("streamrl: final evaluation did not finish within 15 minutes", flush=True)
+
+
+async def _stop_all(children: list[Child]) -> None:
+    async with trio.open_nursery() as nursery:
+        for child in children:
+            nursery.start_soon(child.stop)
+
+
+def _summary_text(s: Summary, interrupted: bool) -> str:
+    def f(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
+    return (
+        f"\nstreamrl: {'interrupted' if interrupted else 'finished'} after {s.minutes} min: "
+        f"{s.steps} steps, policy v{s.policy_version}, {s.trajectories} groups "
+        f"({s.samples} samples) trained, {s.dropped_stale} stale dropped, "
+        f"{s.dead_letters} dead letters\n"
+        f"  held-out eval reward: before {f(s.eval_reward_before)}  after {f(s.eval_reward_after)}\n"
+        f"  train reward: first steps {f(s.reward_first_steps)}  last steps {f(s.reward_last_steps)}"
+    )
+
+
+def run_up(config: Config, config_path: str | None, overrides: list[str], *,
+           max_minutes: float = 0.0) -> Summary:
+    configure_logging(actor="supervisor", level="warning")
+    return trio.run(_up, config, config_path, overrides, max_minutes)

@@ -1,0 +1,60 @@
+"""Read-only views of stream state: backlog for backpressure, snapshots for monitoring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from queues import names as N
+from queues.client import RedisClient
+
+
+@dataclass(frozen=True)
+class GroupState:
+    stream: str
+    group: str
+    length: int
+    lag: int  # entries not yet delivered to the group
+    pending: int  # delivered, not yet acknowledged
+    consumers: int
+
+    @property
+    def backlog(self) -> int:
+        return self.lag + self.pending
+
+
+def _as_str(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def group_state(client: RedisClient, names: N.Names, stream: str, group: str) -> GroupState:
+    key = names.stream(stream)
+
+    def fetch() -> GroupState:
+        pipe = client.sync.pipeline(transaction=False)
+        pipe.xlen(key)
+        pipe.xinfo_groups(key)
+        try:
+            length, groups = pipe.execute()
+        except Exception as exc:  # no such key: nothing queued yet
+            if "no such key" in str(exc).lower():
+                return GroupState(stream, group, 0, 0, 0, 0)
+            raise
+        for g in groups:
+            if _as_str(g["name"]) == group:
+                lag = g.get("lag")
+                if lag is None:  # Redis cannot tell after deletions: count entries after the cursor
+                    last = _as_str(g["last-delivered-id"])
+                    lag = len(client.sync.xrange(key, min=f"({last}", max="+", count=100_000))
+                return GroupState(stream, group, int(length), int(lag), int(g["pending"]),
+                                  int(g["consumers"]))
+        return GroupState(stream, group, int(length), int(length), 0, 0)
+
+    return await client.call(fetch)
+
+
+async def pipeline_state(client: RedisClient, names: N.Names) -> list[GroupState]:
+    return [await group_state(client, names, s, N.GROUP_OF_STREAM[s]) for s in N.WORK_STREAMS]
+
+
+async def stream_length(client: RedisClient, names: N.Names, stream: str) -> int:
+    return int(await client.call(client.sync.xlen, names.stream(stream)))
