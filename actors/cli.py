@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from typing import Any
 
@@ -29,14 +30,34 @@ def _serve_function(actor: str) -> Any:
     return importlib.import_module(f"actors.{actor}").serve
 
 
-async def run_actor(actor: str, config: Config) -> None:
+async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -> None:
+    """Serve one actor; SIGINT/SIGTERM drains it (work in hand settles), a second one stops it."""
     from actors.context import open_context
 
     serve = _serve_function(actor)
+    log = get_logger()
     async with open_context(config) as ctx:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve, ctx)
-            get_logger().info("actor started", run=config.run.name)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+                async def serve_and_finish() -> None:
+                    await serve(ctx)
+                    nursery.cancel_scope.cancel()
+
+                async def on_signals() -> None:
+                    async for signum in signals:
+                        if ctx.shutdown.is_set():
+                            break
+                        log.info("draining", signal=signum)
+                        ctx.shutdown.set()
+                        if actor in ("scheduler", "learner"):
+                            break  # nothing in hand worth finishing: stop now
+                        nursery.cancel_scope.deadline = trio.current_time() + drain_timeout_s
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(on_signals)
+                nursery.start_soon(serve_and_finish)
+                log.info("actor started", run=config.run.name)
+        log.info("actor stopped")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -23,6 +23,8 @@ class ActorContext:
     config: Config
     client: RedisClient
     names: Names
+    shutdown: trio.Event = field(default_factory=trio.Event)
+    """Set on SIGINT/SIGTERM: handle-style actors drain the work in hand and return."""
 
     def consumer_settings(self) -> ConsumerSettings:
         q = self.config.queues
@@ -66,6 +68,7 @@ class ActorContext:
                 actor,
                 self.policies(time_limit_s),
                 self.runtime_settings(concurrency),
+                shutdown=self.shutdown,
                 task_status=task_status,
             )
 

@@ -114,12 +114,10 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
     ) as engine:
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_weight_updates, ctx, engine)
-            await nursery.start(
-                lambda task_status: ctx.serve(
-                    Generator(engine, tokenizer),
-                    concurrency=cfg.concurrency,
-                    time_limit_s=cfg.time_limit_s,
-                    task_status=task_status,
-                )
+            await ctx.serve(
+                Generator(engine, tokenizer),
+                concurrency=cfg.concurrency,
+                time_limit_s=cfg.time_limit_s,
+                task_status=task_status,
             )
-            task_status.started()
+            nursery.cancel_scope.cancel()

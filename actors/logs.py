@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any, TextIO
 
@@ -10,6 +11,10 @@ import structlog
 
 
 def configure_logging(*, actor: str, level: str = "info", stream: TextIO | None = None) -> None:
+    # Progress bars from model loading would interleave with the JSON lines.
+    for var, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TRANSFORMERS_VERBOSITY", "error"),
+                       ("TQDM_DISABLE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(var, value)
     logging.basicConfig(stream=stream or sys.stderr, level=level.upper(), format="%(message)s")
     for noisy in ("httpx", "urllib3", "transformers", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -78,6 +78,8 @@ class ActorRuntime:
         self._slot_freed = trio.Condition()
         self._rng = random.Random()
         self._handled = self._retried = self._dead = 0
+        self._reading = trio.CancelScope()
+        self._draining = False
 
     def statistics(self) -> RuntimeStatistics:
         return RuntimeStatistics(len(self._in_flight), self._handled, self._retried, self._dead)
@@ -87,16 +89,27 @@ class ActorRuntime:
         return self.settings.concurrency - len(self._in_flight)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Handle entries until cancelled, or until :meth:`drain` has finished the work in hand."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_heartbeats)
             nursery.start_soon(self._serve_reclaimer, nursery)
             task_status.started()
-            while True:
-                async with self._slot_freed:
-                    while self.free <= 0:
-                        await self._slot_freed.wait()
-                for delivery in await self.consumer.read(self.free):
-                    self._dispatch(nursery, delivery)
+            with self._reading:
+                while True:
+                    async with self._slot_freed:
+                        while self.free <= 0:
+                            await self._slot_freed.wait()
+                    for delivery in await self.consumer.read(self.free):
+                        self._dispatch(nursery, delivery)
+            async with self._slot_freed:  # draining: let the handlers in hand finish
+                while self._in_flight:
+                    await self._slot_freed.wait()
+            nursery.cancel_scope.cancel()
+
+    def drain(self) -> None:
+        """Stop taking new entries; :meth:`serve` returns once the in-flight ones are settled."""
+        self._draining = True
+        self._reading.cancel()
 
     def _dispatch(self, nursery: trio.Nursery, delivery: Delivery) -> None:
         if delivery.entry_id in self._in_flight:
@@ -112,6 +125,8 @@ class ActorRuntime:
     async def _serve_reclaimer(self, nursery: trio.Nursery) -> None:
         while True:
             await trio.sleep(self.settings.reclaim_interval_s)
+            if self._draining:
+                return
             for delivery in await self.consumer.reclaim(self.free):
                 log.info("reclaimed", entry_id=delivery.entry_id, deliveries=delivery.deliveries)
                 self._dispatch(nursery, delivery)
@@ -186,8 +201,21 @@ async def serve_actor(
     policies: Policies,
     settings: RuntimeSettings,
     *,
+    shutdown: trio.Event | None = None,
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run ``actor`` on ``consumer`` forever (see the module docstring for guarantees)."""
+    """Run ``actor`` on ``consumer`` (see the module docstring for guarantees).
+
+    Runs until cancelled; once ``shutdown`` is set it drains (stops reading, settles the
+    entries in hand) and returns.
+    """
     runtime = ActorRuntime(consumer, actor, policies, settings)
-    await runtime.serve(task_status=task_status)
+    async with trio.open_nursery() as nursery:
+        if shutdown is not None:
+            async def drain_on_shutdown() -> None:
+                await shutdown.wait()
+                runtime.drain()
+
+            nursery.start_soon(drain_on_shutdown)
+        await runtime.serve(task_status=task_status)
+        nursery.cancel_scope.cancel()

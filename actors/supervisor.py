@@ -143,7 +143,8 @@ async def _up(
                                 return
 
                         waiter.start_soon(on_signal)
-                        await _progress_until(monitor, deadline, config.up.progress_interval_s)
+                        await _progress_until(monitor, deadline, config.up.progress_interval_s,
+                                              config.learner.max_steps)
                         await _final_eval(ctx, children, monitor, config)
                         waiter.cancel_scope.cancel()
                 with trio.CancelScope(shield=True):
@@ -157,10 +158,17 @@ async def _up(
             server.stop()
 
 
-async def _progress_until(monitor: Monitor, deadline: float, interval: float) -> None:
+async def _progress_until(monitor: Monitor, deadline: float, interval: float,
+                          max_steps: int) -> None:
+    """Print progress until the deadline, or until the learner has taken ``max_steps``."""
+    next_print = time.monotonic() + interval
     while time.monotonic() < deadline:
-        await trio.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-        print(monitor.progress_line(), flush=True)
+        if max_steps and monitor.steps and monitor.steps[-1].step >= max_steps:
+            break
+        await trio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        if time.monotonic() >= next_print:
+            print(monitor.progress_line(), flush=True)
+            next_print += interval
 
 
 async def _final_eval(ctx, children: list[Child], monitor: Monitor, config: Config) -> None:  # type: ignore[no-untyped-def]

@@ -70,6 +70,7 @@ class ServerProcess:
         return "".join(f"{k} {v}\n" for k, v in conf.items())
 
     def start(self, timeout_s: float = 10.0) -> ServerProcess:
+        self.data_dir = self.data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         if not self.port:
             self.port = free_port()
@@ -88,7 +89,8 @@ class ServerProcess:
         try:
             while True:
                 if self.process is not None and self.process.poll() is not None:
-                    log = (self.data_dir / "server.log").read_text(errors="replace")[-2000:]
+                    log_file = self.data_dir / "server.log"
+                    log = log_file.read_text(errors="replace")[-2000:] if log_file.exists() else ""
                     raise RuntimeError(f"redis server exited at start:\n{log}")
                 try:
                     if client.ping():
