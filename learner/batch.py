@@ -1,0 +1,224 @@
+"""From verified groups (``Trajectory`` messages) to the padded tensors one training step reads.
+
+Guarantees:
+- a group is kept or dropped whole (:func:`split_stale`), never partially;
+- every per-token tensor of a :class:`Batch` is aligned to next-token *predictions*: column
+  ``t`` describes the token ``input_ids[:, t + 1]``, predicted by the logits at position
+  ``t``. So ``logits[:, :-1]`` lines up with ``loss_mask``, ``old_logprobs`` and
+  ``advantages`` without further shifting;
+- ``loss_mask`` is 1 exactly on the completion tokens the policy sampled: never on prompt
+  tokens, never on padding (padding is found by length, not by token id, because the pad
+  token is usually EOS, which a completion may legitimately end with).
+
+Layout of sample ``i`` with a prompt of P tokens and a completion of C tokens::
+
+    input_ids[i]    p0 p1 .. p{P-1} c0 c1 .. c{C-1} pad ..
+    loss_mask[i]     0  0 ..  1      1  1 ..  0      0  ..    (1 at columns P-1 .. P+C-2)
+    old_logprobs[i]  0  0 .. lp0    lp1 lp2 .. 0     0  ..
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from learner.loss import group_advantages
+from queues.messages import (
+    Rollout,
+    Sample,
+    Sampling,
+    Task,
+    Trajectory,
+    bytes_to_floats,
+    bytes_to_ids,
+    floats_to_bytes,
+    ids_to_bytes,
+    new_id,
+    now,
+)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded tensors for B samples; per-token tensors have L - 1 columns (see module)."""
+
+    input_ids: Tensor  # [B, L] int64
+    attention_mask: Tensor  # [B, L] int64, 1 on prompt and completion tokens
+    loss_mask: Tensor  # [B, L-1] float32
+    old_logprobs: Tensor  # [B, L-1] float32, behaviour logprobs
+    advantages: Tensor  # [B, L-1] float32, the sample's advantage on its loss tokens
+    temperature: Tensor  # [B] float32, the sampling temperature of each sample
+    rewards: Tensor  # [B] float32
+    lengths: Tensor  # [B] int64, prompt + completion tokens
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def target_ids(self) -> Tensor:
+        """The token each column of the per-token tensors is about: ``input_ids[:, 1:]``."""
+        return self.input_ids[:, 1:]
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+    def micro_batches(self, size: int) -> Iterator[Batch]:
+        """Consecutive slices of ``size`` samples, each trimmed to its own longest sample."""
+        for start in range(0, self.size, size):
+            rows = slice(start, start + size)
+            width = int(self.lengths[rows].max())
+            yield Batch(
+                input_ids=self.input_ids[rows, :width],
+                attention_mask=self.attention_mask[rows, :width],
+                loss_mask=self.loss_mask[rows, : width - 1],
+                old_logprobs=self.old_logprobs[rows, : width - 1],
+                advantages=self.advantages[rows, : width - 1],
+                temperature=self.temperature[rows],
+                rewards=self.rewards[rows],
+                lengths=self.lengths[rows],
+            )
+
+
+def group_staleness(trajectory: Trajectory, learner_version: int) -> int:
+    """How many versions behind the learner the oldest sample of the group was drawn."""
+    oldest = min(s.weight_version for s in trajectory.rollout.samples)
+    return learner_version - oldest
+
+
+def split_stale(
+    trajectories: Sequence[Trajectory], learner_version: int, max_staleness: int
+) -> tuple[list[Trajectory], list[Trajectory]]:
+    """``(fresh, stale)``: a group is stale when ``group_staleness > max_staleness``."""
+    fresh: list[Trajectory] = []
+    stale: list[Trajectory] = []
+    for t in trajectories:
+        too_old = group_staleness(t, learner_version) > max_staleness
+        (stale if too_old else fresh).append(t)
+    return fresh, stale
+
+
+def has_signal(trajectory: Trajectory) -> bool:
+    """False for a group whose rewards are all equal: every advantage is zero."""
+    return len(set(trajectory.rewards)) > 1
+
+
+def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float = 1e-6) -> Batch:
+    """Pad every sample of every group into one :class:`Batch` (groups in order, samples in
+    order). Advantages are computed per group with :func:`group_advantages`.
+
+    Raises ``ValueError`` for an empty list and for malformed groups: no samples, a reward count that differs from
+    the sample count, logprobs that do not match the tokens one for one, an empty prompt, or
+    a sampling temperature <= 0 (greedy decoding has no logprobs to train on).
+    """
+    rows: list[tuple[Tensor, Tensor, Tensor, float, float, float]] = []
+    for traj in trajectories:
+        rollout = traj.rollout
+        if not rollout.samples or len(traj.rewards) != len(rollout.samples):
+            raise ValueError(
+                f"trajectory {traj.id}: {len(rollout.samples)} samples, {len(traj.rewards)} rewards"
+            )
+        temperature = rollout.task.sampling.temperature
+        if temperature <= 0:
+            raise ValueError(f"trajectory {traj.id}: sampling temperature {temperature} <= 0")
+        prompt = torch.from_numpy(bytes_to_ids(rollout.prompt_ids).astype("int64"))
+        if prompt.numel() == 0:
+            raise ValueError(f"trajectory {traj.id}: empty prompt")
+        advantages = group_advantages(torch.tensor(traj.rewards), eps)
+        for sample, adv, reward in zip(rollout.samples, advantages.tolist(), traj.rewards):
+            tokens = torch.from_numpy(bytes_to_ids(sample.tokens).astype("int64"))
+            logprobs = torch.from_numpy(bytes_to_floats(sample.logprobs).copy())
+            if tokens.numel() != logprobs.numel():
+                raise ValueError(
+                    f"trajectory {traj.id}: {tokens.numel()} tokens, {logprobs.numel()} logprobs"
+                )
+            rows.append((prompt, tokens, logprobs, adv, temperature, float(reward)))
+
+    if not rows:
+        raise ValueError("no trajectories to build a batch from")
+    width = max(len(p) + len(c) for p, c, *_ in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((n, width), dtype=torch.int64)
+    loss_mask = torch.zeros((n, width - 1), dtype=torch.float32)
+    old_logprobs = torch.zeros((n, width - 1), dtype=torch.float32)
+    advantages = torch.zeros((n, width - 1), dtype=torch.float32)
+    for i, (prompt, tokens, logprobs, adv, _, _) in enumerate(rows):
+        p, c = len(prompt), len(tokens)
+        input_ids[i, :p] = prompt
+        input_ids[i, p : p + c] = tokens
+        attention_mask[i, : p + c] = 1
+        # completion token j sits at column p + j and is predicted from column p + j - 1
+        loss_mask[i, p - 1 : p - 1 + c] = 1.0
+        old_logprobs[i, p - 1 : p - 1 + c] = logprobs
+        advantages[i, p - 1 : p - 1 + c] = adv
+    return Batch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        old_logprobs=old_logprobs,
+        advantages=advantages,
+        temperature=torch.tensor([r[4] for r in rows], dtype=torch.float32),
+        rewards=torch.tensor([r[5] for r in rows], dtype=torch.float32),
+        lengths=attention_mask.sum(dim=1),
+    )
+
+
+def make_trajectory(
+    prompt_ids: Sequence[int],
+    completions: Sequence[Sequence[int]],
+    logprobs: Sequence[Sequence[float]],
+    rewards: Sequence[float],
+    *,
+    weight_versions: Sequence[int] | int = 0,
+    temperature: float = 1.0,
+    policy_version: int = 0,
+) -> Trajectory:
+    """A well-formed ``Trajectory`` from plain lists, for tests and benchmarks.
+
+    Only the fields the learner reads carry meaning; the rest (domain, texts, outcomes) are
+    placeholders.
+    """
+    if isinstance(weight_versions, int):
+        weight_versions = [weight_versions] * len(completions)
+    task = Task(
+        id=new_id(),
+        created_at=now(),
+        policy_version=policy_version,
+        domain="synthetic",
+        item_id="item-0",
+        split="train",
+        prompt="",
+        spec={},
+        group_size=len(completions),
+        sampling=Sampling(temperature=temperature),
+    )
+    samples = [
+        Sample(
+            tokens=ids_to_bytes(tokens),
+            logprobs=floats_to_bytes(lps),
+            text="",
+            finish_reason="stop",
+            weight_version=version,
+        )
+        for tokens, lps, version in zip(completions, logprobs, weight_versions, strict=True)
+    ]
+    rollout = Rollout(
+        id=new_id(),
+        created_at=now(),
+        policy_version=policy_version,
+        task=task,
+        prompt_ids=ids_to_bytes(prompt_ids),
+        samples=samples,
+    )
+    return Trajectory(
+        id=new_id(),
+        created_at=now(),
+        policy_version=policy_version,
+        rollout=rollout,
+        outcomes=[],
+        rewards=list(rewards),
+    )

@@ -1,0 +1,103 @@
+"""The GRPO math on tensors small enough to compute by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner.loss import group_advantages, policy_loss
+
+
+def test_advantages_are_standardised_with_sample_std() -> None:
+    # mean 0.5; sample std sqrt(4 * 0.25 / 3) = sqrt(1/3); 0.5 / sqrt(1/3) = sqrt(3)/2
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), eps=0.0)
+    h = math.sqrt(3) / 2
+    assert torch.allclose(adv, torch.tensor([h, -h, -h, h]))
+
+
+def test_advantages_of_a_zero_variance_group_are_exactly_zero() -> None:
+    for rewards in ([0.3, 0.3, 0.3], [1.0, 1.0], [0.7]):
+        adv = group_advantages(torch.tensor(rewards))
+        assert adv.tolist() == [0.0] * len(rewards)
+
+
+def _case() -> tuple[torch.Tensor, ...]:
+    # token:          0 (clipped)  1 (low ratio, A>0)  2 (A<0)  3 (masked, absurd values)
+    new = torch.tensor([[math.log(1.5), math.log(0.5), 0.0, 100.0]], requires_grad=True)
+    old = torch.zeros(1, 4)
+    adv = torch.tensor([[1.0, 1.0, -1.0, 5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    return new, old, adv, mask
+
+
+def test_policy_loss_by_hand() -> None:
+    new, old, adv, mask = _case()
+    loss, stats = policy_loss(new, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.2)
+
+    # L_t = -min(r A, clip(r, 0.8, 1.2) A):
+    #   t0: r=1.5, A=+1 -> -min(1.5, 1.2) = -1.2  (clipped)
+    #   t1: r=0.5, A=+1 -> -min(0.5, 0.8) = -0.5
+    #   t2: r=1.0, A=-1 -> -min(-1.0, -1.0) = +1.0
+    #   t3: masked out
+    assert loss.item() == pytest.approx((-1.2 - 0.5 + 1.0) / 3)
+    assert stats["clip_frac"] == pytest.approx(1 / 3)
+    assert stats["ratio_mean"] == pytest.approx((1.5 + 0.5 + 1.0) / 3)
+    k3 = (0.5 - math.log(1.5)) + (-0.5 - math.log(0.5)) + 0.0  # r - 1 - log r
+    assert stats["approx_kl"] == pytest.approx(k3 / 3)
+    assert stats["tokens"] == 3
+
+    # dL/dnew_t = -A r / 3 where unclipped; 0 where clipped or masked, and never NaN
+    loss.backward()
+    assert new.grad is not None
+    expected = torch.tensor([[0.0, -0.5 / 3, 1.0 / 3, 0.0]])
+    assert torch.allclose(new.grad, expected)
+
+
+def test_clip_higher_and_negative_advantage_clipping() -> None:
+    new, old, adv, mask = _case()
+    loss, _ = policy_loss(new, old, adv, mask, clip_eps_low=0.2, clip_eps_high=0.6)
+    # t0 is inside [0.8, 1.6] now: -1.5 instead of -1.2
+    assert loss.item() == pytest.approx((-1.5 - 0.5 + 1.0) / 3)
+
+    # r = 0.5 with A = -1: -min(-0.5, -0.8) = 0.8, the clipped branch, no gradient
+    new = torch.tensor([[math.log(0.5)]], requires_grad=True)
+    loss, stats = policy_loss(new, torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(0.8)
+    assert stats["clip_frac"] == 1.0
+    loss.backward()
+    assert new.grad is not None and new.grad.item() == 0.0
+
+
+def test_token_level_normalisation_splits_into_micro_batches() -> None:
+    # Given two samples of 3 and 1 tokens
+    new = torch.tensor([[0.1, -0.1, 0.05], [0.02, 0.0, 0.0]])
+    old = torch.zeros(2, 3)
+    adv = torch.tensor([[1.0] * 3, [-2.0] * 3])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # When the loss is taken whole, and per sample with the whole batch's token count
+    full, _ = policy_loss(new, old, adv, mask)
+    parts = [policy_loss(new[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1],
+                         normalizer=mask.sum())[0] for i in range(2)]  # fmt: skip
+    # Then the parts add up to the whole, and every token weighs the same (not every sample)
+    assert (parts[0] + parts[1]).item() == pytest.approx(full.item())
+    r = torch.exp(new)
+    by_hand = (-(r[0] * 1.0).sum() + 2.0 * torch.clamp(r[1, 0], 0.8, 1.2)) / 4
+    assert full.item() == pytest.approx(by_hand.item())
+
+
+def test_truncated_importance_weight_hook() -> None:
+    # old (anchor) = 0, behaviour = log 0.25 -> weight exp(0 - log 0.25) = 4, capped at 2
+    new = torch.zeros(1, 2)
+    old = torch.zeros(1, 2)
+    behaviour = torch.full((1, 2), math.log(0.25))
+    adv = torch.ones(1, 2)
+    mask = torch.ones(1, 2)
+    loss, stats = policy_loss(new, old, adv, mask, tis_cap=2.0, behaviour_logprobs=behaviour)
+    assert loss.item() == pytest.approx(-2.0)
+    assert stats["tis_weight_mean"] == pytest.approx(2.0)
+    # without behaviour logprobs the cap is inert
+    loss, stats = policy_loss(new, old, adv, mask, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-1.0)
+    assert stats["tis_weight_mean"] == 1.0
