@@ -72,12 +72,11 @@ def _atomic_dir(target: Path, build: Any, marker: str = "config.json") -> Path:
 
 
 def _smollm2_dir() -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = locate_gguf()
-
     def build(out: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        gguf = locate_gguf()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -96,13 +95,11 @@ def _smollm2_dir() -> Path:
 
 
 def _tiny_dir(seed: int = 0) -> Path:
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    base = _smollm2_tokenizer_dir()
-
     def build(out: Path) -> None:
-        tok = AutoTokenizer.from_pretrained(base)
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir())
         config = LlamaConfig(
             vocab_size=len(tok),
             bos_token_id=tok.bos_token_id,
@@ -119,11 +116,10 @@ def _tiny_dir(seed: int = 0) -> Path:
 
 
 def _smollm2_tokenizer_dir() -> Path:
-    from transformers import AutoTokenizer
-
-    gguf = locate_gguf()
-
     def build(out: Path) -> None:
+        from transformers import AutoTokenizer
+
+        gguf = locate_gguf()
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 
     return _atomic_dir(cache_dir() / "smollm2-tokenizer", build, marker="tokenizer.json")
