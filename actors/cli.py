@@ -39,6 +39,7 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
     async with open_context(config) as ctx:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
+
                 async def serve_and_finish() -> None:
                     await serve(ctx)
                     nursery.cancel_scope.cancel()
@@ -61,14 +62,21 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="streamrl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="streamrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--config", help="deployment TOML (configs/*.toml)")
-        sp.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config field, e.g. learner.lr=2e-5")
+        sp.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config field, e.g. learner.lr=2e-5",
+        )
 
     up = sub.add_parser("up", help="run the whole pipeline on this machine (embedded default)")
     common(up)

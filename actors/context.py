@@ -7,15 +7,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import trio
 
+from actors.config import Config
+from actors.policies import Policies, Reject, RetryPolicy
+from actors.runtime import Actor, RuntimeSettings, serve_actor
+from domains.base import Domain
+from domains.registry import get_domain
 from queues.client import RedisClient
+from queues.messages import Task
 from queues.names import Names
 from queues.streams import ConsumerSettings, StreamConsumer, open_stream_consumer
-
-from actors.config import Config
-from actors.policies import Policies, RetryPolicy
-from actors.runtime import Actor, RuntimeSettings, serve_actor
 
 
 @dataclass
@@ -71,6 +74,16 @@ class ActorContext:
                 shutdown=self.shutdown,
                 task_status=task_status,
             )
+
+
+def domain_item(task: Task) -> tuple[Domain, Any]:
+    """The task's domain and its item, rebuilt from the wire; :class:`Reject` if impossible."""
+    try:
+        domain = get_domain(task.domain)
+        item: Any = msgspec.convert(task.spec, domain.item_type)
+    except (KeyError, msgspec.ValidationError) as exc:
+        raise Reject(f"task {task.item_id!r} of domain {task.domain!r}: {exc}") from None
+    return domain, item
 
 
 @asynccontextmanager

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import structlog
 import trio
 
+from actors.context import ActorContext, domain_item
+from actors.runtime import Output
 from queues import names as N
 from queues.messages import ExecOutcome, Executed, Rollout, new_id, now
 from sandbox import ExecResult, Sandbox, open_sandbox
-
-from actors.context import ActorContext
-from actors.policies import Reject
-from actors.runtime import Output
-from domains.registry import get_domain
 
 log = structlog.get_logger()
 
@@ -29,8 +25,9 @@ log = structlog.get_logger()
 def to_outcome(result: ExecResult | None) -> ExecOutcome:
     """Wire form of a sandbox result; ``None`` (nothing to run) becomes exit code None."""
     if result is None:
-        return ExecOutcome(exit_code=None, stdout="", stderr="", timed_out=False,
-                           oom_killed=False, duration_s=0.0)
+        return ExecOutcome(
+            exit_code=None, stdout="", stderr="", timed_out=False, oom_killed=False, duration_s=0.0
+        )
     return ExecOutcome(
         exit_code=result.exit_code,
         stdout=result.stdout.decode("utf-8", "replace"),
@@ -68,11 +65,7 @@ class Executor:
 
     async def handle(self, rollout: Rollout) -> list[Output]:
         task = rollout.task
-        try:
-            domain = get_domain(task.domain)
-            item = msgspec.convert(task.spec, domain.item_type)
-        except (KeyError, msgspec.ValidationError) as exc:
-            raise Reject(f"domain {task.domain!r}: {exc}") from None
+        domain, item = domain_item(task)
         results: list[ExecResult | None] = [None] * len(rollout.samples)
 
         async def run_one(i: int) -> None:
@@ -84,20 +77,32 @@ class Executor:
             for i in range(len(rollout.samples)):
                 nursery.start_soon(run_one, i)
         outcomes = [to_outcome(r) for r in results]
-        log.info("executed", samples=len(outcomes),
-                 ok=sum(1 for o in outcomes if o.exit_code == 0))
-        return [Output(N.EXECUTED, Executed(
-            id=new_id(), created_at=now(), policy_version=rollout.policy_version,
-            attempt=rollout.attempt, rollout=rollout, outcomes=outcomes,
-        ))]
+        log.info("executed", samples=len(outcomes), ok=sum(1 for o in outcomes if o.exit_code == 0))
+        return [
+            Output(
+                N.EXECUTED,
+                Executed(
+                    id=new_id(),
+                    created_at=now(),
+                    policy_version=rollout.policy_version,
+                    attempt=rollout.attempt,
+                    rollout=rollout,
+                    outcomes=outcomes,
+                ),
+            )
+        ]
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.executor
     sandbox = open_sandbox(cfg.backend)
     try:
-        await ctx.serve(Executor(sandbox), concurrency=cfg.concurrency,
-                        time_limit_s=cfg.time_limit_s, task_status=task_status)
+        await ctx.serve(
+            Executor(sandbox),
+            concurrency=cfg.concurrency,
+            time_limit_s=cfg.time_limit_s,
+            task_status=task_status,
+        )
     finally:
         with trio.CancelScope(shield=True):
             await sandbox.aclose()

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import structlog
 import trio
 
+from actors.context import ActorContext, domain_item
+from actors.runtime import Output
+from inference.engine import Engine
 from queues import names as N
 from queues.messages import (
     Rollout,
@@ -28,12 +30,6 @@ from queues.messages import (
 )
 from queues.streams import EventReader
 
-from actors.context import ActorContext
-from actors.policies import Reject
-from actors.runtime import Output
-from domains.registry import get_domain
-from inference.engine import Engine
-
 log = structlog.get_logger()
 
 
@@ -47,11 +43,7 @@ class Generator:
         self.tokenizer = tokenizer
 
     async def handle(self, task: Task) -> list[Output]:
-        try:
-            domain = get_domain(task.domain)
-            item = msgspec.convert(task.spec, domain.item_type)
-        except (KeyError, msgspec.ValidationError) as exc:
-            raise Reject(f"task {task.item_id!r} of domain {task.domain!r}: {exc}") from None
+        domain, item = domain_item(task)
         prompt = domain.render_prompt(item, self.tokenizer)
         completions = await self.engine.generate([prompt] * task.group_size, task.sampling)
         samples = [
@@ -74,8 +66,12 @@ class Generator:
             prompt_ids=ids_to_bytes(prompt),
             samples=samples,
         )
-        log.info("generated", samples=len(samples), policy_version=version,
-                 tokens=sum(len(c.tokens) for c in completions))
+        log.info(
+            "generated",
+            samples=len(samples),
+            policy_version=version,
+            tokens=sum(len(c.tokens) for c in completions),
+        )
         return [Output(N.ROLLOUTS, rollout)]
 
 
@@ -109,15 +105,17 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
     cfg = ctx.config.generator
     model_dir = resolve_model(ctx.config.model.spec)
     tokenizer = load_tokenizer(model_dir)
-    async with open_transformers_engine(
-        model_dir, max_batch=cfg.max_batch, threads=cfg.threads or None
-    ) as engine:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve_weight_updates, ctx, engine)
-            await ctx.serve(
-                Generator(engine, tokenizer),
-                concurrency=cfg.concurrency,
-                time_limit_s=cfg.time_limit_s,
-                task_status=task_status,
-            )
-            nursery.cancel_scope.cancel()
+    async with (
+        open_transformers_engine(
+            model_dir, max_batch=cfg.max_batch, threads=cfg.threads or None
+        ) as engine,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(serve_weight_updates, ctx, engine)
+        await ctx.serve(
+            Generator(engine, tokenizer),
+            concurrency=cfg.concurrency,
+            time_limit_s=cfg.time_limit_s,
+            task_status=task_status,
+        )
+        nursery.cancel_scope.cancel()

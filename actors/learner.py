@@ -22,6 +22,11 @@ from typing import Any
 import structlog
 import trio
 
+from actors.context import ActorContext
+from learner.batch import group_staleness
+from learner.model import resolve_model
+from learner.train import StepStats, TrainConfig, Trainer
+from learner.weights import latest_version, save_weights, version_dir
 from queues import names as N
 from queues.messages import (
     MessageError,
@@ -34,12 +39,6 @@ from queues.messages import (
     now,
 )
 from queues.streams import Delivery, Handoff, StreamConsumer
-
-from actors.context import ActorContext
-from learner.batch import group_staleness
-from learner.model import resolve_model
-from learner.train import StepStats, TrainConfig, Trainer
-from learner.weights import latest_version, save_weights, version_dir
 
 log = structlog.get_logger()
 
@@ -57,15 +56,18 @@ class Learner:
         self.base_dir = resolve_model(ctx.config.model.spec)
         self.version = latest_version(self.root) or 0
         start = version_dir(self.root, self.version) if self.version else self.base_dir
-        self.trainer = Trainer.from_dir(start, TrainConfig(
-            lr=self.cfg.lr,
-            clip_eps=self.cfg.clip_eps,
-            max_grad_norm=self.cfg.max_grad_norm,
-            micro_batch_size=self.cfg.micro_batch_size,
-            grad_checkpointing=self.cfg.grad_checkpointing,
-            seed=ctx.config.run.seed,
-            num_threads=self.cfg.threads or None,
-        ))
+        self.trainer = Trainer.from_dir(
+            start,
+            TrainConfig(
+                lr=self.cfg.lr,
+                clip_eps=self.cfg.clip_eps,
+                max_grad_norm=self.cfg.max_grad_norm,
+                micro_batch_size=self.cfg.micro_batch_size,
+                grad_checkpointing=self.cfg.grad_checkpointing,
+                seed=ctx.config.run.seed,
+                num_threads=self.cfg.threads or None,
+            ),
+        )
         self.dropped_stale = 0
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -106,7 +108,9 @@ class Learner:
             await self.ctx.client.call(
                 self.ctx.client.sync.incr, self.ctx.names.counter("dropped_stale")
             )
-            await self.consumer.complete(Handoff(d.entry_id, self.consumer.names.dedup("l", traj.id)))
+            await self.consumer.complete(
+                Handoff(d.entry_id, self.consumer.names.dedup("l", traj.id))
+            )
             log.warning("dropped stale group", episode_id=traj.episode_id, staleness=staleness)
             return None
         return traj
@@ -115,8 +119,10 @@ class Learner:
         self, batch: list[tuple[Delivery, Trajectory]], stats: StepStats, waited: float
     ) -> None:
         version = self.version + 1
-        consumed = {"entry_ids": [d.entry_id for d, _ in batch],
-                    "trajectory_ids": [t.id for _, t in batch]}
+        consumed = {
+            "entry_ids": [d.entry_id for d, _ in batch],
+            "trajectory_ids": [t.id for _, t in batch],
+        }
         tmp = _consumed_path(self.root, version).with_suffix(".tmp")
         self.root.mkdir(parents=True, exist_ok=True)
         tmp.write_text(json.dumps(consumed))
@@ -127,21 +133,38 @@ class Learner:
         self.version = version
         staleness = [group_staleness(t, version - 1) for _, t in batch]
         metrics = StepMetrics(
-            id=new_id(), created_at=now(), policy_version=version, step=version,
-            loss=stats.loss, grad_norm=stats.grad_norm, reward_mean=stats.reward_mean,
-            groups=len(batch), samples=sum(len(t.rewards) for _, t in batch), tokens=stats.tokens,
-            dropped_stale=self.dropped_stale, max_staleness_seen=max(staleness, default=0),
-            step_seconds=stats.seconds, wait_seconds=waited,
+            id=new_id(),
+            created_at=now(),
+            policy_version=version,
+            step=version,
+            loss=stats.loss,
+            grad_norm=stats.grad_norm,
+            reward_mean=stats.reward_mean,
+            groups=len(batch),
+            samples=sum(len(t.rewards) for _, t in batch),
+            tokens=stats.tokens,
+            dropped_stale=self.dropped_stale,
+            max_staleness_seen=max(staleness, default=0),
+            step_seconds=stats.seconds,
+            wait_seconds=waited,
         )
         await self._announce(version, str(path), consumed["entry_ids"], metrics)
-        log.info("step", policy_version=version, loss=stats.loss, reward_mean=stats.reward_mean,
-                 grad_norm=stats.grad_norm, step_s=round(stats.seconds, 2), wait_s=round(waited, 2))
+        log.info(
+            "step",
+            policy_version=version,
+            loss=stats.loss,
+            reward_mean=stats.reward_mean,
+            grad_norm=stats.grad_norm,
+            step_s=round(stats.seconds, 2),
+            wait_s=round(waited, 2),
+        )
 
     async def _announce(
         self, version: int, path: str, entry_ids: list[str], metrics: StepMetrics | None
     ) -> None:
-        event = WeightsPublished(id=new_id(), created_at=now(), policy_version=version,
-                                 version=version, path=path)
+        event = WeightsPublished(
+            id=new_id(), created_at=now(), policy_version=version, version=version, path=path
+        )
         outputs = [(self.ctx.names.stream(N.WEIGHTS), encode(event))]
         if metrics is not None:
             outputs.append((self.ctx.names.stream(N.METRICS), encode(metrics)))
@@ -154,7 +177,9 @@ class Learner:
         if not self.version:
             return
         consumed_file = _consumed_path(self.root, self.version)
-        entry_ids = json.loads(consumed_file.read_text())["entry_ids"] if consumed_file.exists() else []
+        entry_ids = (
+            json.loads(consumed_file.read_text())["entry_ids"] if consumed_file.exists() else []
+        )
         path = str(version_dir(self.root, self.version))
         await self._announce(self.version, path, entry_ids, None)
 

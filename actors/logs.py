@@ -12,8 +12,12 @@ import structlog
 
 def configure_logging(*, actor: str, level: str = "info", stream: TextIO | None = None) -> None:
     # Progress bars from model loading would interleave with the JSON lines.
-    for var, value in (("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TRANSFORMERS_VERBOSITY", "error"),
-                       ("TQDM_DISABLE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+    for var, value in (
+        ("HF_HUB_DISABLE_PROGRESS_BARS", "1"),
+        ("TRANSFORMERS_VERBOSITY", "error"),
+        ("TQDM_DISABLE", "1"),
+        ("TOKENIZERS_PARALLELISM", "false"),
+    ):
         os.environ.setdefault(var, value)
     logging.basicConfig(stream=stream or sys.stderr, level=level.upper(), format="%(message)s")
     for noisy in ("httpx", "urllib3", "transformers", "filelock"):

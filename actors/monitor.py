@@ -17,12 +17,11 @@ from typing import Any
 import msgspec
 import trio
 
+from actors.context import ActorContext
 from queues import names as N
 from queues.messages import MessageError, StepMetrics, Trajectory, decode
 from queues.stats import GroupState, pipeline_state, stream_length
 from queues.streams import EventReader, Handoff
-
-from actors.context import ActorContext
 
 
 @dataclass
@@ -102,11 +101,19 @@ class Monitor:
         r.rewards.extend(traj.rewards)
         r.versions.update(s.weight_version for s in traj.rollout.samples)
         with log_path.open("a") as f:
-            f.write(json.dumps({
-                "round": task.eval_round, "item_id": task.item_id, "domain": task.domain,
-                "reward": traj.rewards[0], "weight_version": traj.rollout.samples[0].weight_version,
-                "text": traj.rollout.samples[0].text,
-            }) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "round": task.eval_round,
+                        "item_id": task.item_id,
+                        "domain": task.domain,
+                        "reward": traj.rewards[0],
+                        "weight_version": traj.rollout.samples[0].weight_version,
+                        "text": traj.rollout.samples[0].text,
+                    }
+                )
+                + "\n"
+            )
         if r.done:
             self._round_changed.set()
             self._round_changed = trio.Event()
@@ -162,13 +169,22 @@ class Monitor:
             samples=sum(s.samples for s in steps),
             eval_reward_before=rounds[0].mean if rounds else None,
             eval_reward_after=rounds[-1].mean if len(rounds) > 1 else None,
-            eval_rounds=[{"round": r.round, "reward": r.mean, "versions": sorted(r.versions),
-                          "items": len(r.rewards)} for r in rounds],
+            eval_rounds=[
+                {
+                    "round": r.round,
+                    "reward": r.mean,
+                    "versions": sorted(r.versions),
+                    "items": len(r.rewards),
+                }
+                for r in rounds
+            ],
             reward_first_steps=statistics.fmean(s.reward_mean for s in steps[:k]) if k else None,
             reward_last_steps=statistics.fmean(s.reward_mean for s in steps[-k:]) if k else None,
             dropped_stale=steps[-1].dropped_stale if steps else 0,
             dead_letters=self.dead,
-            learner_step_seconds=statistics.median(s.step_seconds for s in steps) if steps else None,
+            learner_step_seconds=statistics.median(s.step_seconds for s in steps)
+            if steps
+            else None,
             learner_busy_fraction=busy / total if total else None,
             trained_tokens_per_second=gen_tokens / total if total else None,
         )

@@ -23,10 +23,9 @@ import msgspec
 import structlog
 import trio
 
+from actors.policies import Policies, Reject, Retry
 from queues.messages import Message, MessageError, decode, encode
 from queues.streams import Delivery, Handoff, StreamConsumer
-
-from actors.policies import Policies, Reject, Retry
 
 log = structlog.get_logger()
 
@@ -42,7 +41,7 @@ class Output:
 class Actor(Protocol, Generic[In]):
     stage: str
     input_stream: str
-    input_type: type[Message]
+    input_type: type[Any]  # a Message subclass
 
     async def handle(self, message: In) -> list[Output]: ...
 
@@ -166,7 +165,9 @@ class ActorRuntime:
             self._handled += 1
             return None
 
-    async def _handle_with_retries(self, delivery: Delivery, message: Message) -> list[Output] | None:
+    async def _handle_with_retries(
+        self, delivery: Delivery, message: Message
+    ) -> list[Output] | None:
         retry = 0
         while True:
             try:
@@ -212,6 +213,7 @@ async def serve_actor(
     runtime = ActorRuntime(consumer, actor, policies, settings)
     async with trio.open_nursery() as nursery:
         if shutdown is not None:
+
             async def drain_on_shutdown() -> None:
                 await shutdown.wait()
                 runtime.drain()

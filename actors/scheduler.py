@@ -21,19 +21,24 @@ import msgspec
 import structlog
 import trio
 
+from actors.context import ActorContext
+from domains.registry import get_domain
 from queues import names as N
 from queues.messages import Sampling, Task, WeightsPublished, decode, encode, new_id, now
 from queues.stats import group_state
 from queues.streams import EventReader, Producer
 
-from actors.context import ActorContext
-from domains.registry import get_domain
-
 log = structlog.get_logger()
 
 
 def make_task(
-    domain: str, item: Any, *, split: str, group_size: int, sampling: Sampling, version: int,
+    domain: str,
+    item: Any,
+    *,
+    split: str,
+    group_size: int,
+    sampling: Sampling,
+    version: int,
     eval_round: int = -1,
 ) -> Task:
     spec = msgspec.to_builtins(item)
@@ -60,8 +65,15 @@ async def publish_eval_round(ctx: ActorContext, round_no: int, version: int) -> 
     for name in cfg.domains:
         items = get_domain(name).load_items("eval")[: cfg.eval_items]
         tasks += [
-            make_task(name, it, split="eval", group_size=1, sampling=sampling, version=version,
-                      eval_round=round_no)
+            make_task(
+                name,
+                it,
+                split="eval",
+                group_size=1,
+                sampling=sampling,
+                version=version,
+                eval_round=round_no,
+            )
             for it in items
         ]
     await Producer(ctx.client, ctx.names).publish(N.TASKS, [encode(t) for t in tasks])
@@ -87,8 +99,14 @@ class Scheduler:
     def sample(self, version: int) -> Task:
         domain = self.rng.choice(self.cfg.domains)
         item = self.rng.choice(self.items[domain])
-        return make_task(domain, item, split="train", group_size=self.cfg.group_size,
-                         sampling=self.sampling, version=version)
+        return make_task(
+            domain,
+            item,
+            split="train",
+            group_size=self.cfg.group_size,
+            sampling=self.sampling,
+            version=version,
+        )
 
     async def admissible(self, version: int) -> int:
         """How many training groups may be admitted now."""

@@ -6,13 +6,12 @@ import json
 
 import msgspec
 
+from actors.config import Config
+from actors.context import open_context
 from queues import names as N
 from queues.messages import WeightsPublished, decode
 from queues.stats import pipeline_state, stream_length
 from queues.streams import EventReader
-
-from actors.config import Config
-from actors.context import open_context
 
 
 async def print_status(config: Config, as_json: bool) -> int:

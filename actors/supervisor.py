@@ -26,13 +26,12 @@ from pathlib import Path
 import msgspec
 import trio
 
-from queues.server import ServerProcess
-
 from actors.config import Config
 from actors.context import open_context
 from actors.logs import configure_logging, get_logger
 from actors.monitor import Monitor, Summary
 from actors.scheduler import publish_eval_round
+from queues.server import ServerProcess
 
 log = get_logger()
 
@@ -58,8 +57,12 @@ class Child:
         while not self.stopping:
             with self.log_path.open("ab") as logf:
                 self.process = await trio.lowlevel.open_process(
-                    self.argv, env=self.env, stdout=logf, stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL, start_new_session=True,
+                    self.argv,
+                    env=self.env,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,
                 )
             if not started:
                 started = True
@@ -68,8 +71,13 @@ class Child:
             if self.stopping:
                 return
             self.restarts += 1
-            log.warning("actor exited, restarting", actor=self.name, code=code,
-                        restarts=self.restarts, log=str(self.log_path))
+            log.warning(
+                "actor exited, restarting",
+                actor=self.name,
+                code=code,
+                restarts=self.restarts,
+                log=str(self.log_path),
+            )
             await trio.sleep(min(30.0, 2.0 * self.restarts))
 
     async def stop(self, timeout_s: float = 20.0) -> None:
@@ -85,12 +93,19 @@ class Child:
         await proc.wait()
 
 
-def _children(config: Config, config_path: str | None, overrides: list[str], url: str) -> list[Child]:
+def _children(
+    config: Config, config_path: str | None, overrides: list[str], url: str
+) -> list[Child]:
     run_dir = config.run.path
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, STREAMRL_REDIS_URL=url, PYTHONUNBUFFERED="1")
-    counts = {"scheduler": 1, "generator": config.up.generators, "executor": config.up.executors,
-              "verifier": config.up.verifiers, "learner": 1}
+    counts = {
+        "scheduler": 1,
+        "generator": config.up.generators,
+        "executor": config.up.executors,
+        "verifier": config.up.verifiers,
+        "learner": 1,
+    }
     children = []
     for actor, n in counts.items():
         for i in range(n):
@@ -124,16 +139,21 @@ async def _up(
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else math.inf
     try:
         async with open_context(config) as ctx:
-            monitor = Monitor(ctx, run_dir, config.scheduler.eval_items * len(config.scheduler.domains))
+            monitor = Monitor(
+                ctx, run_dir, config.scheduler.eval_items * len(config.scheduler.domains)
+            )
             interrupted = False
             async with trio.open_nursery() as nursery:
                 await nursery.start(monitor.serve)
                 for child in children:
                     await nursery.start(child.serve)
-                print(f"streamrl: started {len(children)} actors; logs in {run_dir / 'logs'}",
-                      flush=True)
+                print(
+                    f"streamrl: started {len(children)} actors; logs in {run_dir / 'logs'}",
+                    flush=True,
+                )
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async with trio.open_nursery() as waiter:
+
                         async def on_signal() -> None:
                             nonlocal interrupted
                             async for _ in signals:
@@ -143,8 +163,12 @@ async def _up(
                                 return
 
                         waiter.start_soon(on_signal)
-                        await _progress_until(monitor, deadline, config.up.progress_interval_s,
-                                              config.learner.max_steps)
+                        await _progress_until(
+                            monitor,
+                            deadline,
+                            config.up.progress_interval_s,
+                            config.learner.max_steps,
+                        )
                         await _final_eval(ctx, children, monitor, config)
                         waiter.cancel_scope.cancel()
                 with trio.CancelScope(shield=True):
@@ -158,8 +182,9 @@ async def _up(
             server.stop()
 
 
-async def _progress_until(monitor: Monitor, deadline: float, interval: float,
-                          max_steps: int) -> None:
+async def _progress_until(
+    monitor: Monitor, deadline: float, interval: float, max_steps: int
+) -> None:
     """Print progress until the deadline, or until the learner has taken ``max_steps``."""
     next_print = time.monotonic() + interval
     while time.monotonic() < deadline:
@@ -205,12 +230,15 @@ def _summary_text(s: Summary, interrupted: bool) -> str:
         f"{s.steps} steps, policy v{s.policy_version}, {s.trajectories} groups "
         f"({s.samples} samples) trained, {s.dropped_stale} stale dropped, "
         f"{s.dead_letters} dead letters\n"
-        f"  held-out eval reward: before {f(s.eval_reward_before)}  after {f(s.eval_reward_after)}\n"
-        f"  train reward: first steps {f(s.reward_first_steps)}  last steps {f(s.reward_last_steps)}"
+        f"  held-out eval reward: before {f(s.eval_reward_before)}"
+        f"  after {f(s.eval_reward_after)}\n"
+        f"  train reward: first steps {f(s.reward_first_steps)}"
+        f"  last steps {f(s.reward_last_steps)}"
     )
 
 
-def run_up(config: Config, config_path: str | None, overrides: list[str], *,
-           max_minutes: float = 0.0) -> Summary:
+def run_up(
+    config: Config, config_path: str | None, overrides: list[str], *, max_minutes: float = 0.0
+) -> Summary:
     configure_logging(actor="supervisor", level="warning")
     return trio.run(_up, config, config_path, overrides, max_minutes)

@@ -9,18 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgspec
 import structlog
 import trio
 
-from queues import names as N
-from queues.messages import Executed, Trajectory, new_id, now
-
-from actors.context import ActorContext
+from actors.context import ActorContext, domain_item
 from actors.executor import from_outcome
 from actors.policies import Reject
 from actors.runtime import Output
-from domains.registry import get_domain
+from queues import names as N
+from queues.messages import Executed, Trajectory, new_id, now
 
 log = structlog.get_logger()
 
@@ -35,25 +32,34 @@ class Verifier:
         task = rollout.task
         if len(executed.outcomes) != len(rollout.samples):
             raise Reject(f"{len(executed.outcomes)} outcomes for {len(rollout.samples)} samples")
-        try:
-            domain = get_domain(task.domain)
-            item = msgspec.convert(task.spec, domain.item_type)
-        except (KeyError, msgspec.ValidationError) as exc:
-            raise Reject(f"domain {task.domain!r}: {exc}") from None
+        domain, item = domain_item(task)
         rewards = [
             float(domain.score(item, sample.text, from_outcome(outcome)))
             for sample, outcome in zip(rollout.samples, executed.outcomes, strict=True)
         ]
         log.info("verified", split=task.split, rewards=rewards)
         stream = N.EVALS if task.split == "eval" else N.TRAJECTORIES
-        return [Output(stream, Trajectory(
-            id=new_id(), created_at=now(), policy_version=executed.policy_version,
-            attempt=executed.attempt, rollout=rollout, outcomes=executed.outcomes,
-            rewards=rewards,
-        ))]
+        return [
+            Output(
+                stream,
+                Trajectory(
+                    id=new_id(),
+                    created_at=now(),
+                    policy_version=executed.policy_version,
+                    attempt=executed.attempt,
+                    rollout=rollout,
+                    outcomes=executed.outcomes,
+                    rewards=rewards,
+                ),
+            )
+        ]
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.verifier
-    await ctx.serve(Verifier(), concurrency=cfg.concurrency, time_limit_s=cfg.time_limit_s,
-                    task_status=task_status)
+    await ctx.serve(
+        Verifier(),
+        concurrency=cfg.concurrency,
+        time_limit_s=cfg.time_limit_s,
+        task_status=task_status,
+    )

@@ -56,6 +56,7 @@ def now() -> float:
 
 # --------------------------------------------------------------------------- arrays
 
+
 def ids_to_bytes(ids: Any) -> bytes:
     return np.ascontiguousarray(ids, dtype="<i4").tobytes()
 
@@ -73,6 +74,7 @@ def bytes_to_floats(raw: bytes) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- RL messages
+
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     max_new_tokens: int = 64

@@ -44,9 +44,10 @@ async def group_state(client: RedisClient, names: N.Names, stream: str, group: s
                 lag = g.get("lag")
                 if lag is None:  # Redis cannot tell after deletions: count entries after the cursor
                     last = _as_str(g["last-delivered-id"])
-                    lag = len(client.sync.xrange(key, min=f"({last}", max="+", count=100_000))
-                return GroupState(stream, group, int(length), int(lag), int(g["pending"]),
-                                  int(g["consumers"]))
+                    lag = len(client.sync.xrange(key, min=f"({last}", max="+", count=100_000) or [])
+                return GroupState(
+                    stream, group, int(length), int(lag), int(g["pending"]), int(g["consumers"])
+                )
         return GroupState(stream, group, int(length), int(length), 0, 0)
 
     return await client.call(fetch)

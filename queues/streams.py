@@ -127,7 +127,7 @@ class StreamConsumer:
                 self._pending_cursor = pending[-1].entry_id
                 return pending
             self._pending_cursor = None
-        raw = await self._blocking.call(
+        raw: Any = await self._blocking.call(
             self._blocking.sync.xreadgroup,
             self.group,
             self.consumer,
@@ -140,8 +140,12 @@ class StreamConsumer:
         return [Delivery(eid, payload, 1) for eid, payload in entries]
 
     async def _read_own_pending(self, count: int, after: str) -> list[Delivery]:
-        raw = await self.client.call(
-            self.client.sync.xreadgroup, self.group, self.consumer, {self.stream: after}, count=count
+        raw: Any = await self.client.call(
+            self.client.sync.xreadgroup,
+            self.group,
+            self.consumer,
+            {self.stream: after},
+            count=count,
         )
         entries = _decode_entries(raw[0][1]) if raw else []
         if not entries:
@@ -231,7 +235,9 @@ class StreamConsumer:
                 pipe.xack(self.stream, self.group, h.entry_id)
         pipe.execute()
 
-    async def ack_many(self, entry_ids: list[str], dedup_id: str, outputs: list[tuple[str, bytes]]) -> None:
+    async def ack_many(
+        self, entry_ids: list[str], dedup_id: str, outputs: list[tuple[str, bytes]]
+    ) -> None:
         """Acknowledge a batch of entries and publish ``outputs`` once, atomically."""
         keys = [self.stream, dedup_id] + [s for s, _ in outputs]
         args: list[Any] = [self.group, self.settings.dedup_ttl_s, len(entry_ids), *entry_ids]
@@ -337,7 +343,7 @@ class EventReader:
         return entries[0][0], entries[0][1]  # type: ignore[return-value]
 
     async def read(self, count: int = 100) -> list[tuple[str, bytes]]:
-        raw = await self._blocking.call(
+        raw: Any = await self._blocking.call(
             self._blocking.sync.xread, {self.stream: self.last_id}, count=count, block=self.block_ms
         )
         entries = _decode_entries(raw[0][1]) if raw else []

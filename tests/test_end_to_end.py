@@ -31,13 +31,29 @@ def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
     summary_path = tmp_path / "summary.json"
     # When: three learner steps through the whole pipeline, then a final evaluation
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
-         "--set", f"run.name={run}", "--set", f"run.work_dir={tmp_path / 'run'}",
-         "--set", "learner.max_steps=3", "--max-minutes", "6",
-         "--summary-json", str(summary_path)],
-        cwd=REPO, env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin",
-                       "HOME": str(Path.home())},
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "up",
+            "--config",
+            "configs/tiny.toml",
+            "--set",
+            f"run.name={run}",
+            "--set",
+            f"run.work_dir={tmp_path / 'run'}",
+            "--set",
+            "learner.max_steps=3",
+            "--max-minutes",
+            "6",
+            "--summary-json",
+            str(summary_path),
+        ],
+        cwd=REPO,
+        env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
@@ -51,15 +67,21 @@ def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
     names = N.Names(run)
     versions = [decode(x, WeightsPublished).version for x in _entries(r, names, N.WEIGHTS)]
     assert versions[:3] == [1, 2, 3]
-    assert all(Path(decode(x, WeightsPublished).path).parent == tmp_path / "run" / "weights"
-               for x in _entries(r, names, N.WEIGHTS)[-2:])
+    assert all(
+        Path(decode(x, WeightsPublished).path).parent == tmp_path / "run" / "weights"
+        for x in _entries(r, names, N.WEIGHTS)[-2:]
+    )
 
     # generators picked up new weights: the final evaluation was sampled by a newer policy
-    final_round = max(decode(x, Trajectory).rollout.task.eval_round
-                      for x in _entries(r, names, N.EVALS))
-    final_versions = {s.weight_version for x in _entries(r, names, N.EVALS)
-                      for s in decode(x, Trajectory).rollout.samples
-                      if decode(x, Trajectory).rollout.task.eval_round == final_round}
+    final_round = max(
+        decode(x, Trajectory).rollout.task.eval_round for x in _entries(r, names, N.EVALS)
+    )
+    final_versions = {
+        s.weight_version
+        for x in _entries(r, names, N.EVALS)
+        for s in decode(x, Trajectory).rollout.samples
+        if decode(x, Trajectory).rollout.task.eval_round == final_round
+    }
     assert final_versions == {summary["policy_version"]}
 
     # nothing pending but the learner's partial batch; every trajectory accounted for

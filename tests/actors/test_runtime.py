@@ -8,18 +8,27 @@ from __future__ import annotations
 import trio
 import trio.testing
 
+from actors.policies import Policies, Reject, Retry, RetryPolicy
+from actors.runtime import ActorRuntime, Output, RuntimeSettings
 from queues import names as N
 from queues.client import RedisClient
 from queues.messages import DeadLetter, Sampling, Task, decode, encode, new_id, now
 from queues.streams import ConsumerSettings, Producer, open_stream_consumer
 
-from actors.policies import Policies, Reject, Retry, RetryPolicy
-from actors.runtime import ActorRuntime, Output, RuntimeSettings
-
 
 def _task(i: int = 0) -> Task:
-    return Task(id=new_id(), created_at=now(), policy_version=0, domain="d", item_id=str(i),
-                split="train", prompt="p", spec={}, group_size=1, sampling=Sampling())
+    return Task(
+        id=new_id(),
+        created_at=now(),
+        policy_version=0,
+        domain="d",
+        item_id=str(i),
+        split="train",
+        prompt="p",
+        spec={},
+        group_size=1,
+        sampling=Sampling(),
+    )
 
 
 class Scripted:
@@ -48,8 +57,9 @@ class Scripted:
         return [Output(N.ROLLOUTS, task)]
 
 
-async def _run_until_settled(client: RedisClient, names: N.Names, actor: Scripted,
-                             policies: Policies, payloads: list[bytes]) -> None:
+async def _run_until_settled(
+    client: RedisClient, names: N.Names, actor: Scripted, policies: Policies, payloads: list[bytes]
+) -> None:
     await Producer(client, names).publish(N.TASKS, payloads)
     settings = ConsumerSettings(block_ms=50)
     async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=settings) as c:
@@ -129,8 +139,13 @@ async def test_malformed_input_dead_lettered_and_valid_traffic_flows(
     wrong_version = encode(_task()).replace(b"\xa1v\x01", b"\xa1v\x07")
     bad = [b"\xc1\xc1\xc1", encode({"id": 3}), wrong_version]
     actor = Scripted(["ok"])
-    await _run_until_settled(client, names, actor, Policies(),
-                             [bad[0], encode(_task(1)), bad[1], bad[2], encode(_task(2))])
+    await _run_until_settled(
+        client,
+        names,
+        actor,
+        Policies(),
+        [bad[0], encode(_task(1)), bad[1], bad[2], encode(_task(2))],
+    )
     # Then each bad one is dead-lettered with a reason, the valid ones are handled
     letters = await _dead(client, names)
     assert len(letters) == 3 and all("malformed message" in x.error for x in letters)
@@ -138,7 +153,9 @@ async def test_malformed_input_dead_lettered_and_valid_traffic_flows(
     assert len(actor.calls) == 2
 
 
-async def test_redelivery_beyond_limit_is_dead_lettered(client: RedisClient, names: N.Names) -> None:
+async def test_redelivery_beyond_limit_is_dead_lettered(
+    client: RedisClient, names: N.Names
+) -> None:
     # Given an entry already delivered (and never acked) max_deliveries times
     await Producer(client, names).publish(N.TASKS, [encode(_task())])
     settings = ConsumerSettings(reclaim_min_idle_ms=1)
@@ -151,8 +168,9 @@ async def test_redelivery_beyond_limit_is_dead_lettered(client: RedisClient, nam
     actor = Scripted(["ok"])
     policies = Policies(max_deliveries=3)
     async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=settings) as c:
-        runtime = ActorRuntime(c, actor, policies,
-                               RuntimeSettings(concurrency=1, reclaim_interval_s=0.05))
+        runtime = ActorRuntime(
+            c, actor, policies, RuntimeSettings(concurrency=1, reclaim_interval_s=0.05)
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
             while runtime.statistics().dead_lettered == 0:

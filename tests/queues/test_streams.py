@@ -33,17 +33,17 @@ async def test_redelivered_message_publishes_once(client: RedisClient, names: N.
     await Producer(client, names).publish(N.TASKS, [b"x"])
     settings = ConsumerSettings(reclaim_min_idle_ms=0)
     out = names.stream(N.ROLLOUTS)
-    async with open_stream_consumer(client, names, N.TASKS, stage="gen", settings=settings) as a:
-        async with open_stream_consumer(
-            client, names, N.TASKS, stage="gen", settings=settings
-        ) as b:
-            [da] = await a.read(1)
-            # b steals the entry while a is still (slowly) working on it
-            [db] = await b.reclaim(10)
-            assert db.entry_id == da.entry_id and db.deliveries == 2
-            # both finish: the dedup key lets only the first publish
-            await b.complete(Handoff(db.entry_id, names.dedup("gen", "same"), [(out, b"1")]))
-            await a.complete(Handoff(da.entry_id, names.dedup("gen", "same"), [(out, b"1")]))
+    async with (
+        open_stream_consumer(client, names, N.TASKS, stage="gen", settings=settings) as a,
+        open_stream_consumer(client, names, N.TASKS, stage="gen", settings=settings) as b,
+    ):
+        [da] = await a.read(1)
+        # b steals the entry while a is still (slowly) working on it
+        [db] = await b.reclaim(10)
+        assert db.entry_id == da.entry_id and db.deliveries == 2
+        # both finish: the dedup key lets only the first publish
+        await b.complete(Handoff(db.entry_id, names.dedup("gen", "same"), [(out, b"1")]))
+        await a.complete(Handoff(da.entry_id, names.dedup("gen", "same"), [(out, b"1")]))
     assert await client.call(client.sync.xlen, out) == 1
 
 
@@ -84,14 +84,14 @@ async def test_blocking_read_cancels_promptly(client: RedisClient, names: N.Name
 async def test_heartbeat_keeps_entry_from_reclaim(client: RedisClient, names: N.Names) -> None:
     await Producer(client, names).publish(N.TASKS, [b"long"])
     settings = ConsumerSettings(reclaim_min_idle_ms=300)
-    async with open_stream_consumer(client, names, N.TASKS, stage="g", settings=settings) as a:
-        async with open_stream_consumer(
-            client, names, N.TASKS, stage="g", settings=settings
-        ) as b:
-            [d] = await a.read(1)
-            for _ in range(4):
-                await trio.sleep(0.15)
-                await a.heartbeat([d.entry_id])
-            assert await b.reclaim(10) == []
-            await trio.sleep(0.4)
-            assert [x.entry_id for x in await b.reclaim(10)] == [d.entry_id]
+    async with (
+        open_stream_consumer(client, names, N.TASKS, stage="g", settings=settings) as a,
+        open_stream_consumer(client, names, N.TASKS, stage="g", settings=settings) as b,
+    ):
+        [d] = await a.read(1)
+        for _ in range(4):
+            await trio.sleep(0.15)
+            await a.heartbeat([d.entry_id])
+        assert await b.reclaim(10) == []
+        await trio.sleep(0.4)
+        assert [x.entry_id for x in await b.reclaim(10)] == [d.entry_id]
