@@ -1,0 +1,78 @@
+"""The learner actor against a real Redis and the tiny model: staleness, atomic steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import trio
+
+from actors.config import Config, load_config
+from actors.context import ActorContext
+from actors.learner import serve
+from learner.batch import make_trajectory
+from learner.model import load_model, resolve_model
+from learner.weights import save_weights
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import StepMetrics, WeightsPublished, decode, encode
+from queues.streams import Producer
+
+
+def _config(tmp_path: Path, redis_url: str, run: str) -> Config:
+    return load_config(
+        None,
+        [
+            f"run.name={run}",
+            f"run.redis_url={redis_url}",
+            f"run.work_dir={tmp_path}",
+            "model.spec=tiny",
+            "learner.groups_per_step=2",
+            "learner.max_staleness=1",
+            "learner.max_steps=4",
+            "learner.lr=1e-4",
+            "queues.block_ms=200",
+        ],
+    )
+
+
+def _group(version: int, rewards: list[float]) -> bytes:
+    n = len(rewards)
+    traj = make_trajectory(
+        [1, 2, 3], [[5, 6, 7]] * n, [[-1.0, -1.0, -1.0]] * n, rewards, weight_versions=version
+    )
+    return encode(traj)
+
+
+async def test_learner_drops_stale_groups_and_steps_atomically(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a learner resuming at policy version 3 (weights v3 on disk)
+    base = resolve_model("tiny")
+    await trio.to_thread.run_sync(save_weights, load_model(base), base, tmp_path / "weights", 3, 2)
+    config = _config(tmp_path, redis_url, names.run)
+    ctx = ActorContext(config, client, names)
+    # and groups sampled by v0 and v1 (stale: 3 and 2 versions old) and by v2, v3 (fresh)
+    stale = [_group(0, [0.0, 1.0]), _group(1, [1.0, 0.0])]
+    fresh = [_group(2, [0.0, 1.0]), _group(3, [1.0, 0.0])]
+    await Producer(client, names).publish(N.TRAJECTORIES, [stale[0], fresh[0], stale[1], fresh[1]])
+
+    # When the learner takes one step (max_steps=4: from version 3 to 4) and stops
+    with trio.fail_after(120):
+        await serve(ctx)
+
+    # Then only the fresh groups were trained, the stale ones counted, all acknowledged
+    [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.METRICS))
+    metrics = decode(fields[b"d"], StepMetrics)
+    assert (metrics.step, metrics.groups, metrics.dropped_stale) == (4, 2, 2)
+    assert int(await client.call(client.sync.get, names.counter("dropped_stale"))) == 2
+    events = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
+    published = [decode(f[b"d"], WeightsPublished) for _, f in events]
+    # the restart re-announces v3 idempotently, then the new step publishes v4
+    assert [e.version for e in published] == [3, 4]
+    assert Path(published[-1].path) == tmp_path / "weights" / "v000004"
+    pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
+    assert pending["pending"] == 0
+    assert msgspec.json.decode((tmp_path / "weights" / "consumed-v000004.json").read_bytes())[
+        "entry_ids"
+    ]
