@@ -113,6 +113,9 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     grad_checkpointing: bool = False
     keep_last: PosInt = 3
     """Weight versions kept on disk."""
+    checkpoint_optimizer: bool = True
+    """Save the AdamW state with each version (only the newest keeps it; 2x the weights'
+    size), so a restarted learner resumes with its moments instead of a fresh optimiser."""
     threads: NonNegInt = 1
     """torch threads in the learner process (0: torch's default)."""
     max_steps: NonNegInt = 0

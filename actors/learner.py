@@ -5,16 +5,20 @@ than ``max_staleness`` versions ago, take one GRPO/PPO-clipped step, write the n
 as ``weights/v{step}`` (Hugging Face safetensors), then publish the ``weights`` event and
 the step's metrics and acknowledge the groups, in one atomic hand-off.
 
-Guarantees: a group is trained at most once and never partially. The ids of the groups of
-every step are written before the weights of that step, so a learner restarted after a
-crash that happened between saving and acknowledging re-publishes that step (idempotent)
-instead of training on the same groups again. The optimiser state is not checkpointed yet:
-a restarted learner resumes from the latest weights with a fresh AdamW state.
+Guarantees (exactly-once effect): every group that reaches the learner is trained exactly
+once, never partially, even across crashes of the learner or of Redis. The checkpoint of
+step N is the weights directory ``v{N}`` (with the AdamW state) plus the ledger line of
+step N listing its episode ids (:mod:`learner.checkpoint`), written ledger-first. A
+restarted learner loads both, re-announces its latest step (idempotent: the hand-off's
+dedup key) and acknowledges without training any redelivered group whose episode is in the
+ledger, e.g. the groups of a step whose acknowledgement was lost in a crash. Groups of a
+step that crashed before its weights were complete are still pending and are trained again
+(that step never happened). The same episode twice in one batch (a duplicate published
+after Redis lost a dedup key) is trained once.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,13 @@ import trio
 
 from actors.context import ActorContext
 from learner.batch import group_staleness
+from learner.checkpoint import (
+    Ledger,
+    StepRecord,
+    load_trainer_state,
+    prune_trainer_states,
+    save_trainer_state,
+)
 from learner.model import resolve_model
 from learner.train import StepStats, TrainConfig, Trainer
 from learner.weights import latest_version, save_weights, version_dir
@@ -41,10 +52,6 @@ from queues.messages import (
 from queues.streams import Delivery, Handoff, StreamConsumer
 
 log = structlog.get_logger()
-
-
-def _consumed_path(root: Path, version: int) -> Path:
-    return root / f"consumed-v{version:06d}.json"
 
 
 class Learner:
@@ -68,12 +75,23 @@ class Learner:
                 num_threads=self.cfg.threads or None,
             ),
         )
+        self.ledger = Ledger.open(self.root, self.version)
+        state = load_trainer_state(start) if self.version else None
+        if state is not None:
+            self.trainer.load_optimizer_state(state)
+        self.resumed_optimizer = state is not None
         self.dropped_stale = 0
+        self.duplicates_skipped = 0
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         await self._finish_interrupted_step()
         task_status.started()
-        log.info("learner ready", policy_version=self.version)
+        log.info(
+            "learner ready",
+            policy_version=self.version,
+            trained_groups=len(self.ledger.consumed),
+            resumed_optimizer=self.resumed_optimizer,
+        )
         while not self.cfg.max_steps or self.version < self.cfg.max_steps:
             t0 = time.monotonic()
             batch = await self._collect(self.cfg.groups_per_step)
@@ -87,13 +105,14 @@ class Learner:
         batch: list[tuple[Delivery, Trajectory]] = []
         while len(batch) < n:
             for d in await self.consumer.read(n - len(batch)):
-                traj = await self._accept(d)
+                traj = await self._accept(d, {t.episode_id for _, t in batch})
                 if traj is not None:
                     batch.append((d, traj))
         return batch
 
-    async def _accept(self, d: Delivery) -> Trajectory | None:
-        """Decode and check staleness; anything not trainable is settled here."""
+    async def _accept(self, d: Delivery, in_batch: set[str]) -> Trajectory | None:
+        """Decode, skip groups already trained, check staleness; anything not trainable is
+        settled (acknowledged or dead-lettered) here."""
         if d.payload is None:
             await self.consumer.dead_letter(d, "entry has no payload field")
             return None
@@ -101,6 +120,16 @@ class Learner:
             traj = decode(d.payload, Trajectory)
         except MessageError as exc:
             await self.consumer.dead_letter(d, f"malformed message: {exc}")
+            return None
+        if traj.episode_id in self.ledger or traj.episode_id in in_batch:
+            self.duplicates_skipped += 1
+            await self.ctx.client.call(
+                self.ctx.client.sync.incr, self.ctx.names.counter("duplicates_skipped")
+            )
+            await self.consumer.complete(
+                Handoff(d.entry_id, self.consumer.names.dedup("l", traj.id))
+            )
+            log.warning("skipped group already trained", episode_id=traj.episode_id)
             return None
         staleness = group_staleness(traj, self.version)
         if staleness > self.cfg.max_staleness:
@@ -119,17 +148,13 @@ class Learner:
         self, batch: list[tuple[Delivery, Trajectory]], stats: StepStats, waited: float
     ) -> None:
         version = self.version + 1
-        consumed = {
-            "entry_ids": [d.entry_id for d, _ in batch],
-            "trajectory_ids": [t.id for _, t in batch],
-        }
-        tmp = _consumed_path(self.root, version).with_suffix(".tmp")
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(consumed))
-        tmp.rename(_consumed_path(self.root, version))
-        path = await trio.to_thread.run_sync(
-            save_weights, self.trainer.model, self.base_dir, self.root, version, self.cfg.keep_last
+        record = StepRecord(
+            version=version,
+            episode_ids=[t.episode_id for _, t in batch],
+            trajectory_ids=[t.id for _, t in batch],
+            entry_ids=[d.entry_id for d, _ in batch],
         )
+        path = await trio.to_thread.run_sync(self._checkpoint, record)
         self.version = version
         staleness = [group_staleness(t, version - 1) for _, t in batch]
         metrics = StepMetrics(
@@ -148,7 +173,7 @@ class Learner:
             step_seconds=stats.seconds,
             wait_seconds=waited,
         )
-        await self._announce(version, str(path), consumed["entry_ids"], metrics)
+        await self._announce(version, str(path), record.entry_ids, metrics)
         log.info(
             "step",
             policy_version=version,
@@ -158,6 +183,26 @@ class Learner:
             step_s=round(stats.seconds, 2),
             wait_s=round(waited, 2),
         )
+
+    def _checkpoint(self, record: StepRecord) -> Path:
+        """Ledger line first, then the weights (and optimiser state) of ``record.version``."""
+        self.ledger.append(record)
+        extra = None
+        if self.cfg.checkpoint_optimizer:
+
+            def extra(directory: Path) -> None:
+                save_trainer_state(self.trainer.optimizer, self.trainer.steps, directory)
+
+        path = save_weights(
+            self.trainer.model,
+            self.base_dir,
+            self.root,
+            record.version,
+            self.cfg.keep_last,
+            extra=extra,
+        )
+        prune_trainer_states(self.root, keep=record.version)
+        return path
 
     async def _announce(
         self, version: int, path: str, entry_ids: list[str], metrics: StepMetrics | None
@@ -176,10 +221,8 @@ class Learner:
         """Re-announce the latest saved step: a no-op unless we crashed before announcing."""
         if not self.version:
             return
-        consumed_file = _consumed_path(self.root, self.version)
-        entry_ids = (
-            json.loads(consumed_file.read_text())["entry_ids"] if consumed_file.exists() else []
-        )
+        last = self.ledger.last()
+        entry_ids = last.entry_ids if last is not None and last.version == self.version else []
         path = str(version_dir(self.root, self.version))
         await self._announce(self.version, path, entry_ids, None)
 

@@ -110,9 +110,10 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
     """Pad every sample of every group into one :class:`Batch` (groups in order, samples in
     order). Advantages are computed per group with :func:`group_advantages`.
 
-    Raises ``ValueError`` for an empty list and for malformed groups: no samples, a reward count that differs from
-    the sample count, logprobs that do not match the tokens one for one, an empty prompt, or
-    a sampling temperature <= 0 (greedy decoding has no logprobs to train on).
+    Raises ``ValueError`` for an empty list and for malformed groups: no samples, a reward
+    count that differs from the sample count, logprobs that do not match the tokens one for
+    one, an empty prompt, or a sampling temperature <= 0 (greedy decoding has no logprobs to
+    train on).
     """
     rows: list[tuple[Tensor, Tensor, Tensor, float, float, float]] = []
     for traj in trajectories:
@@ -128,7 +129,9 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
         if prompt.numel() == 0:
             raise ValueError(f"trajectory {traj.id}: empty prompt")
         advantages = group_advantages(torch.tensor(traj.rewards), eps)
-        for sample, adv, reward in zip(rollout.samples, advantages.tolist(), traj.rewards):
+        for sample, adv, reward in zip(
+            rollout.samples, advantages.tolist(), traj.rewards, strict=True
+        ):
             tokens = torch.from_numpy(bytes_to_ids(sample.tokens).astype("int64"))
             logprobs = torch.from_numpy(bytes_to_floats(sample.logprobs).copy())
             if tokens.numel() != logprobs.numel():

@@ -170,6 +170,16 @@ class Trainer:
     def from_dir(cls, model_dir: Path | str, config: TrainConfig | None = None) -> Trainer:
         return cls(load_model(model_dir), config)
 
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Resume from :func:`learner.checkpoint.load_trainer_state`'s dict. The learning
+        rate and betas of the current config win over the saved ones."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr
+            group["betas"] = self.config.betas
+            group["weight_decay"] = self.config.weight_decay
+        self.steps = int(state.get("steps", 0))
+
     def step(self, trajectories: Sequence[Trajectory]) -> StepStats:
         """One optimiser step on ``trajectories`` (already filtered for staleness)."""
         cfg = self.config

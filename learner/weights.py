@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +59,19 @@ def latest_version(root: Path) -> int | None:
 
 
 def save_weights(
-    model: Any, tokenizer: Path | str | Any, root: Path, version: int, keep_last: int
+    model: Any,
+    tokenizer: Path | str | Any,
+    root: Path,
+    version: int,
+    keep_last: int,
+    extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``model`` (and the tokenizer) as ``root/v{version:06d}``; return that path.
 
     ``tokenizer`` is either a directory to copy the tokenizer files from (the base model's)
     or a tokenizer object with ``save_pretrained``. Raises ``FileExistsError`` if the
-    version already exists: versions are immutable.
+    version already exists: versions are immutable. ``extra(directory)`` writes further
+    files (the optimiser state) into the version before it appears.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -86,6 +93,8 @@ def save_weights(
                     shutil.copyfile(Path(tokenizer) / name, tmp / name)
         else:
             tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            extra(tmp)
         for path in tmp.iterdir():
             _fsync(path)
         _fsync(tmp)

@@ -11,15 +11,16 @@ from actors.config import Config, load_config
 from actors.context import ActorContext
 from actors.learner import serve
 from learner.batch import make_trajectory
+from learner.checkpoint import LEDGER_FILE, TRAINER_STATE_FILE, Ledger
 from learner.model import load_model, resolve_model
 from learner.weights import save_weights
 from queues import names as N
 from queues.client import RedisClient
-from queues.messages import StepMetrics, WeightsPublished, decode, encode
+from queues.messages import StepMetrics, Trajectory, WeightsPublished, decode, encode
 from queues.streams import Producer
 
 
-def _config(tmp_path: Path, redis_url: str, run: str) -> Config:
+def _config(tmp_path: Path, redis_url: str, run: str, extra: tuple[str, ...] = ()) -> Config:
     return load_config(
         None,
         [
@@ -32,6 +33,7 @@ def _config(tmp_path: Path, redis_url: str, run: str) -> Config:
             "learner.max_steps=4",
             "learner.lr=1e-4",
             "queues.block_ms=200",
+            *extra,
         ],
     )
 
@@ -73,6 +75,48 @@ async def test_learner_drops_stale_groups_and_steps_atomically(
     assert Path(published[-1].path) == tmp_path / "weights" / "v000004"
     pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
     assert pending["pending"] == 0
-    assert msgspec.json.decode((tmp_path / "weights" / "consumed-v000004.json").read_bytes())[
-        "entry_ids"
+    [line] = (tmp_path / "weights" / LEDGER_FILE).read_text().splitlines()
+    record = msgspec.json.decode(line)
+    assert record["version"] == 4
+    assert sorted(record["episode_ids"]) == sorted(decode(f, Trajectory).episode_id for f in fresh)
+
+
+async def test_restarted_learner_trains_each_group_exactly_once(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a learner that took step 1 on groups A and B
+    first = [_group(0, [0.0, 1.0]), _group(0, [1.0, 0.0])]
+    await Producer(client, names).publish(N.TRAJECTORIES, first)
+    one_step = _config(tmp_path, redis_url, names.run, ("learner.max_steps=1",))
+    with trio.fail_after(120):
+        await serve(ActorContext(one_step, client, names))
+    weights = tmp_path / "weights"
+    assert (weights / "v000001" / TRAINER_STATE_FILE).exists()
+
+    # and Redis then lost the acknowledgement: A and B come again (a crash of Redis within
+    # its fsync window re-delivers them with new entry ids), followed by new groups C and D
+    second = [_group(0, [0.0, 1.0]), _group(1, [1.0, 0.0])]
+    await Producer(client, names).publish(
+        N.TRAJECTORIES, [first[1], second[0], first[0], second[1]]
+    )
+
+    # When the learner restarts and takes step 2
+    two_steps = _config(tmp_path, redis_url, names.run, ("learner.max_steps=2",))
+    with trio.fail_after(120):
+        await serve(ActorContext(two_steps, client, names))
+
+    # Then step 2 trained exactly C and D, A and B were acknowledged without training
+    ledger = Ledger.open(weights, latest=2)
+    episodes = [decode(g, Trajectory).episode_id for g in first + second]
+    assert [set(r.episode_ids) for r in ledger.records] == [set(episodes[:2]), set(episodes[2:])]
+    assert int(await client.call(client.sync.get, names.counter("duplicates_skipped"))) == 2
+    metrics = [
+        decode(f[b"d"], StepMetrics)
+        for _, f in await client.call(client.sync.xrange, names.stream(N.METRICS))
     ]
+    assert [(m.step, m.groups) for m in metrics] == [(1, 2), (2, 2)]
+    pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
+    assert pending["pending"] == 0
+    # and the optimiser state moved on with the newest version only
+    assert (weights / "v000002" / TRAINER_STATE_FILE).exists()
+    assert not (weights / "v000001" / TRAINER_STATE_FILE).exists()
