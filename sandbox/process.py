@@ -53,6 +53,7 @@ Result conventions:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -223,10 +224,8 @@ class ProcessSandbox:
 
     def _kill_all(self, pid: int, uid: int | None) -> None:
         """SIGKILL the run's process group; in ``none`` mode also every process of its uid."""
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         if self.isolation == "none" and uid is not None:
             _kill_uid(uid)
 

@@ -81,12 +81,12 @@ def test_load_refuses_a_file_that_does_not_fit(tiny_model: Any, tmp_path: Path) 
 
     wrong_shape = dict(state, **{"model.norm.weight": torch.ones(3)})
     save_file(wrong_shape, tmp_path / "shape.safetensors")
-    with pytest.raises(ValueError, match="model.norm.weight"):
+    with pytest.raises(ValueError, match=r"model\.norm\.weight"):
         load_state_into(tiny_model, tmp_path / "shape.safetensors")
 
     missing = {k: v for k, v in state.items() if k != "model.norm.weight"}
     save_file(missing, tmp_path / "missing.safetensors")
-    with pytest.raises(KeyError, match="model.norm.weight"):
+    with pytest.raises(KeyError, match=r"model\.norm\.weight"):
         load_state_into(tiny_model, tmp_path / "missing.safetensors")
 
     assert torch.equal(logits(tiny_model), before)  # nothing was half-loaded
