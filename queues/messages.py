@@ -6,8 +6,8 @@ Guarantees:
 - every message carries ``id`` (logical id, stable across redeliveries), ``created_at``,
   ``attempt`` and the ``policy_version`` it was produced under, plus the schema version ``v``;
 - decoding validates the schema: a payload that is not valid MessagePack, has the wrong
-  types, misses fields or carries another schema version raises :class:`MessageError`, which
-  the consumer turns into a dead letter.
+  types, misses fields, has fields the message does not know or carries another schema
+  version raises :class:`MessageError`, which the consumer turns into a dead letter.
 
 This module knows nothing of Redis; the field names describe an RL pipeline, but the queue
 machinery in ``queues.streams`` only ever sees bytes.
@@ -29,7 +29,11 @@ class MessageError(ValueError):
     """A payload could not be decoded into the expected message type."""
 
 
-class Message(msgspec.Struct, frozen=True, kw_only=True):
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of every pipeline message. Unknown fields are an error, like another schema
+    version: a message of another type whose fields are a superset (a ``Trajectory`` pushed
+    into the verifier's ``executed`` stream) must not pass for this one."""
+
     id: str
     created_at: float
     policy_version: int

@@ -6,7 +6,9 @@ Guarantees (for one consumer group on one stream):
   acknowledge it;
 - effectively-once hand-off: ``complete`` publishes the outputs and acknowledges the input in
   one Lua script guarded by a dedup key derived from (stage, message id), so a message that is
-  handled twice (redelivered, or reclaimed from a slow consumer) publishes its outputs once;
+  handled twice (redelivered, or reclaimed from a slow consumer) publishes its outputs once
+  (concurrent ``complete`` calls and ``complete_many`` share one script call per batch, each
+  hand-off in it still atomic on its own);
 - a consumer first drains its own pending list (entries delivered to it before a restart),
   then reads new entries;
 - entries idle longer than ``reclaim_min_idle_ms`` in any consumer are taken over by
@@ -29,16 +31,25 @@ from importlib import resources
 from typing import Any
 
 import redis
+import structlog
 import trio
 
 from queues import names as N
 from queues.client import RedisClient
 from queues.messages import DeadLetter, encode, now
+from queues.payloads import REF_PREFIX, Blob, PayloadLimits, prepare_many, resolve, store_blobs
 
 _HANDOFF = resources.files("queues").joinpath("handoff.lua").read_text()
 _DEADLETTER = resources.files("queues").joinpath("deadletter.lua").read_text()
+_TRIM = resources.files("queues").joinpath("trim.lua").read_text()
+_HANDOFF_BATCH = resources.files("queues").joinpath("handoff_batch.lua").read_text()
+_PUBLISH_COUNTED = resources.files("queues").joinpath("publish_counted.lua").read_text()
+_PUBLISH_ONCE = resources.files("queues").joinpath("publish_once.lua").read_text()
 
 FIELD = b"d"
+_FLUSHES_IN_FLIGHT = 2  # hand-off script calls one consumer has in flight at once
+
+log = structlog.get_logger()
 
 
 def consumer_name() -> str:
@@ -49,8 +60,10 @@ def consumer_name() -> str:
 @dataclass(frozen=True)
 class Delivery:
     entry_id: str
-    payload: bytes | None  # None: the entry has no payload field (trimmed, foreign writer)
+    payload: bytes | None  # None: unusable (no payload field, oversize, blob gone): see error
     deliveries: int
+    error: str | None = None  # why the payload is None; the caller dead-letters the entry
+    raw: bytes | None = None  # what the entry held (for the dead letter when payload is None)
 
 
 @dataclass(frozen=True)
@@ -66,8 +79,17 @@ class Handoff:
 class ConsumerSettings:
     block_ms: int = 2000
     reclaim_min_idle_ms: int = 60_000
-    dedup_ttl_s: int = 7 * 24 * 3600
+    dedup_ttl_s: int = 24 * 3600
     flush_batch: int = 256
+    limits: PayloadLimits = field(default_factory=PayloadLimits)
+    trim_interval_s: float = 30.0
+    """How often the consumer trims acknowledged entries off its stream (0: never)."""
+    retain_acked: int = 1000
+    """Newest entries kept even when acknowledged (replay, debugging)."""
+    trim_batch: int = 10_000
+    """Most entries deleted per trim script call (bounds the time Redis is busy)."""
+    forget_consumers_idle_ms: int = 3_600_000
+    """Trimming also drops consumers idle this long with nothing pending (0: never)."""
 
 
 def _decode_entries(raw: Any) -> list[tuple[str, bytes | None]]:
@@ -76,6 +98,25 @@ def _decode_entries(raw: Any) -> list[tuple[str, bytes | None]]:
         eid = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         out.append((eid, (fields or {}).get(FIELD)))
     return out
+
+
+def _id_order(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _str(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class _Batch:
+    """Hand-offs flushed together; ``done`` is set once they are applied in Redis."""
+
+    __slots__ = ("done", "handoffs")
+
+    def __init__(self) -> None:
+        self.handoffs: list[Handoff] = []
+        self.done = trio.Event()
 
 
 class StreamConsumer:
@@ -101,11 +142,14 @@ class StreamConsumer:
         self.consumer = consumer or consumer_name()
         self.settings = settings or ConsumerSettings()
         self.dead_stream = names.stream(N.DEAD)
-        self._blocking = client.blocking_connection()
+        self._blocking = client.blocking_connection(self.stream)
         self._handoff = client.sync.register_script(_HANDOFF)
         self._deadletter = client.sync.register_script(_DEADLETTER)
+        self._trim = client.sync.register_script(_TRIM)
+        self._handoff_batch = client.sync.register_script(_HANDOFF_BATCH)
         self._pending_cursor: str | None = "0"  # None once the own pending list is drained
-        self._send, self._recv = trio.open_memory_channel[tuple[Handoff, trio.Event]](0)
+        self._batches: list[_Batch] = []  # hand-offs waiting for serve_flusher, oldest first
+        self._flush_wanted = trio.lowlevel.ParkingLot()  # idle flushers wait here
         self.statistics_counts = {"read": 0, "reclaimed": 0, "completed": 0, "dead": 0}
 
     # ------------------------------------------------------------------ setup
@@ -113,11 +157,12 @@ class StreamConsumer:
         await ensure_group(self.client, self.stream, self.group)
 
     # ------------------------------------------------------------------ reading
-    async def read(self, count: int) -> list[Delivery]:
+    async def read(self, count: int, *, interrupt: trio.Event | None = None) -> list[Delivery]:
         """Up to ``count`` entries: this consumer's own pending ones first, then new ones.
 
-        Blocks up to ``block_ms`` for new entries; cancellable at any time (a cancelled read
-        may leave entries in this consumer's pending list; the reclaimer covers them).
+        Blocks up to ``block_ms`` for new entries, or until ``interrupt`` is set (then it
+        returns what it has, losing nothing); cancellable at any time (a cancelled read may
+        leave entries in this consumer's pending list; the reclaimer covers them).
         """
         if count <= 0:
             return []
@@ -134,10 +179,11 @@ class StreamConsumer:
             {self.stream: ">"},
             count=count,
             block=self.settings.block_ms,
+            interrupt=interrupt,
         )
         entries = _decode_entries(raw[0][1]) if raw else []
         self.statistics_counts["read"] += len(entries)
-        return [Delivery(eid, payload, 1) for eid, payload in entries]
+        return await self._deliveries(entries, None)
 
     async def _read_own_pending(self, count: int, after: str) -> list[Delivery]:
         raw: Any = await self.client.call(
@@ -151,17 +197,44 @@ class StreamConsumer:
         if not entries:
             return []
         counts = await self._delivery_counts([eid for eid, _ in entries])
-        return [Delivery(eid, payload, counts.get(eid, 1)) for eid, payload in entries]
+        return await self._deliveries(entries, counts)
+
+    async def _deliveries(
+        self, entries: list[tuple[str, bytes | None]], counts: dict[str, int] | None
+    ) -> list[Delivery]:
+        """Claim-check references swapped for their blobs, limits checked (queues.payloads)."""
+        limits = self.settings.limits
+        if any(p is not None and p.startswith(REF_PREFIX) for _, p in entries):
+            resolved = await self.client.call(resolve, self.client.sync, entries, limits)
+        else:
+            resolved = resolve(None, entries, limits)  # no blob to fetch: no I/O
+        return [
+            Delivery(eid, r.payload, counts.get(eid, 1) if counts else 1, r.error, r.raw)
+            for (eid, _), r in zip(entries, resolved, strict=True)
+        ]
 
     async def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
+        """Delivery counts of entries pending in this consumer: one XPENDING over their id
+        range (the ids were just read or claimed by it); ids past a cut-short range are looked
+        up one by one. An id no longer pending here is left out."""
+
         def fetch() -> dict[str, int]:
-            pipe = self.client.sync.pipeline(transaction=False)
-            for eid in entry_ids:
-                pipe.xpending_range(self.stream, self.group, min=eid, max=eid, count=1)
-            out = {}
-            for eid, rows in zip(entry_ids, pipe.execute(), strict=True):
-                if rows:
-                    out[eid] = int(rows[0]["times_delivered"])
+            sync = self.client.sync
+            ids = sorted(entry_ids, key=_id_order)
+            limit = 2 * len(ids) + 16  # room for this consumer's other entries in the range
+            rows = sync.xpending_range(
+                self.stream, self.group, ids[0], ids[-1], limit, consumername=self.consumer
+            )
+            seen = {_str(row["message_id"]): int(row["times_delivered"]) for row in rows}
+            out = {eid: seen[eid] for eid in entry_ids if eid in seen}
+            rest = [eid for eid in entry_ids if eid not in out] if len(rows) >= limit else []
+            if rest:
+                pipe = sync.pipeline(transaction=False)
+                for eid in rest:
+                    pipe.xpending_range(self.stream, self.group, eid, eid, 1, self.consumer)
+                for eid, found in zip(rest, pipe.execute(), strict=True):
+                    if found:
+                        out[eid] = int(found[0]["times_delivered"])
             return out
 
         return await self.client.call(fetch)
@@ -184,7 +257,7 @@ class StreamConsumer:
             return []
         counts = await self._delivery_counts([eid for eid, _ in entries])
         self.statistics_counts["reclaimed"] += len(entries)
-        return [Delivery(eid, payload, counts.get(eid, 1)) for eid, payload in entries]
+        return await self._deliveries(entries, counts)
 
     async def heartbeat(self, entry_ids: list[str]) -> None:
         """Reset the idle time of entries this consumer is still working on."""
@@ -203,46 +276,105 @@ class StreamConsumer:
     async def complete(self, handoff: Handoff) -> None:
         """Publish outputs once and acknowledge; returns when durable in Redis.
 
-        Concurrent calls are pipelined into one round trip by :meth:`serve_flusher`.
+        Concurrent calls are batched by :meth:`serve_flusher` into one script call
+        (``handoff_batch.lua``, one round trip) of up to ``flush_batch`` hand-offs; each
+        hand-off's publish and ack are atomic. Raises
+        :class:`queues.payloads.PayloadTooLarge` (publishing and acknowledging nothing) when an
+        output is over ``limits.max_bytes``; outputs over ``limits.claim_check_bytes`` are
+        stored as blobs first and referenced.
         """
-        done = trio.Event()
-        await self._send.send((handoff, done))
-        await done.wait()
+        await self.complete_many([handoff])
+
+    async def complete_many(self, handoffs: list[Handoff]) -> None:
+        """:meth:`complete` for several hand-offs at once (one wait instead of one task each);
+        returns when all are applied. Each is published once and acknowledged atomically, as
+        with ``complete``; all outputs are checked against the limits before any is queued.
+        Once queued, a hand-off is applied even if the caller stops waiting (cancelled): that
+        is harmless, a hand-off is idempotent."""
+        if not handoffs:
+            return
+        prepared: list[Handoff] = []
+        blobs: list[Blob] = []
+        for h in handoffs:
+            if h.outputs:
+                outputs, more = prepare_many(h.outputs, self.settings.limits)
+                if more:
+                    blobs += more
+                    h = Handoff(h.entry_id, h.dedup_id, outputs)
+            prepared.append(h)
+        if blobs:
+            await self._store_blobs(blobs)
+        batches = self._batches
+        waits: list[_Batch] = []
+        for h in prepared:
+            if not batches or len(batches[-1].handoffs) >= self.settings.flush_batch:
+                batches.append(_Batch())
+            if not waits or waits[-1] is not batches[-1]:
+                waits.append(batches[-1])
+            batches[-1].handoffs.append(h)
+        self._flush_wanted.unpark(count=len(waits))
+        for batch in waits:
+            await batch.done.wait()
 
     async def serve_flusher(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        while True:
-            batch = [await self._recv.receive()]
-            while len(batch) < self.settings.flush_batch:
-                try:
-                    batch.append(self._recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            await self.client.call(self._flush, [h for h, _ in batch])
-            self.statistics_counts["completed"] += len(batch)
-            for _, done in batch:
-                done.set()
+        """Flush queued hand-offs, one batch per script call; a batch fills while earlier
+        ones are in flight (group commit). ``_FLUSHES_IN_FLIGHT`` calls are in flight at
+        most, so Redis can apply one batch while the next is packed and sent; batches are
+        independent (each hand-off touches only its own entry and dedup key), so the order
+        in which they are applied does not matter."""
+        async with trio.open_nursery() as nursery:
+            for _ in range(_FLUSHES_IN_FLIGHT):
+                nursery.start_soon(self._serve_flushes)
+            task_status.started()
 
-    def _flush(self, batch: list[Handoff]) -> None:
-        pipe = self.client.sync.pipeline(transaction=False)
+    async def _serve_flushes(self) -> None:
+        while True:
+            while not self._batches:
+                await self._flush_wanted.park()
+            batch = self._batches.pop(0)
+            await self.client.call(self._flush, batch.handoffs)
+            self.statistics_counts["completed"] += len(batch.handoffs)
+            batch.done.set()
+
+    def _flush(self, batch: list[Handoff]) -> list[int]:
+        """Run handoff_batch.lua over ``batch``; returns [published, acked]. Repeatable (the
+        client retries it after a lost connection): a replay publishes nothing twice."""
+        keys: list[str] = [self.stream]
+        args: list[Any] = [self.group, self.settings.dedup_ttl_s]
         for h in batch:
+            args += (h.entry_id, len(h.outputs))
             if h.outputs:
-                keys = [self.stream, h.dedup_id] + [s for s, _ in h.outputs]
-                args: list[Any] = [self.group, self.settings.dedup_ttl_s, 1, h.entry_id]
-                args += [p for _, p in h.outputs]
-                self._handoff(keys=keys, args=args, client=pipe)
-            else:
-                pipe.xack(self.stream, self.group, h.entry_id)
-        pipe.execute()
+                keys.append(h.dedup_id)
+                for stream, payload in h.outputs:
+                    keys.append(stream)
+                    args.append(payload)
+        return self._handoff_batch(keys=keys, args=args)  # type: ignore[no-any-return]
+
+    async def _store_blobs(self, blobs: list[Blob]) -> None:
+        def run() -> None:
+            pipe = self.client.sync.pipeline(transaction=False)
+            store_blobs(pipe, blobs, self.settings.limits)
+            pipe.execute()
+
+        await self.client.call(run)
 
     async def ack_many(
         self, entry_ids: list[str], dedup_id: str, outputs: list[tuple[str, bytes]]
     ) -> None:
         """Acknowledge a batch of entries and publish ``outputs`` once, atomically."""
+        outputs, blobs = prepare_many(outputs, self.settings.limits)
+        if blobs:
+            await self._store_blobs(blobs)
         keys = [self.stream, dedup_id] + [s for s, _ in outputs]
         args: list[Any] = [self.group, self.settings.dedup_ttl_s, len(entry_ids), *entry_ids]
         args += [p for _, p in outputs]
         await self.client.call(self._handoff, keys=keys, args=args)
+
+    async def ack(self, entry_ids: list[str]) -> None:
+        """Acknowledge entries without publishing anything (idempotent). For a hand-off whose
+        outputs live in another slot: :meth:`Producer.publish_once` first, then this."""
+        if entry_ids:
+            await self.client.call(self.client.sync.xack, self.stream, self.group, *entry_ids)
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
         """Move an entry to the dead-letter stream with its error; acknowledge it."""
@@ -252,7 +384,7 @@ class StreamConsumer:
             entry_id=delivery.entry_id,
             error=error[:4000],
             deliveries=delivery.deliveries,
-            payload=delivery.payload or b"",
+            payload=delivery.payload if delivery.payload is not None else delivery.raw or b"",
             at=now(),
         )
         await self.client.call(
@@ -261,6 +393,35 @@ class StreamConsumer:
             args=[self.group, delivery.entry_id, encode(letter), error[:4000]],
         )
         self.statistics_counts["dead"] += 1
+
+    async def trim(self) -> int:
+        """Delete acknowledged entries (and their blobs) below the oldest one any group of
+        this stream still needs, keeping the newest ``retain_acked``; returns how many."""
+        s = self.settings
+        total = 0
+        while True:
+            deleted = int(
+                await self.client.call(
+                    self._trim,
+                    keys=[self.stream],
+                    args=[s.retain_acked, s.trim_batch, REF_PREFIX, s.forget_consumers_idle_ms],
+                )
+            )
+            total += deleted
+            if deleted < s.trim_batch:
+                return total
+
+    async def serve_trimmer(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        interval = self.settings.trim_interval_s
+        if interval <= 0:
+            return
+        while True:
+            await trio.sleep(interval)
+            try:
+                await self.trim()
+            except redis.RedisError as exc:  # memory housekeeping must never stop the actor
+                log.warning("trim failed", stream=self.stream_name, error=str(exc))
 
     def close(self) -> None:
         self._blocking.close()
@@ -290,6 +451,7 @@ async def open_stream_consumer(
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(c.serve_flusher)
+            await nursery.start(c.serve_trimmer)
             yield c
             nursery.cancel_scope.cancel()
     finally:
@@ -308,18 +470,77 @@ async def ensure_group(client: RedisClient, stream_key: str, group: str) -> None
 class Producer:
     """Publishes to streams of one run (for stages that only produce, e.g. the scheduler)."""
 
-    def __init__(self, client: RedisClient, names: N.Names) -> None:
+    def __init__(
+        self, client: RedisClient, names: N.Names, limits: PayloadLimits | None = None
+    ) -> None:
         self.client = client
         self.names = names
+        self.limits = limits or PayloadLimits()
+        self._publish_counted = client.sync.register_script(_PUBLISH_COUNTED)
+        self._publish_once = client.sync.register_script(_PUBLISH_ONCE)
 
     async def publish(self, stream: str, payloads: list[bytes]) -> list[str]:
+        """XADD each payload; raises PayloadTooLarge (writing nothing) if one is over the
+        limit; large ones go through the claim check."""
         key = self.names.stream(stream)
+        prepared, blobs = prepare_many([(key, p) for p in payloads], self.limits)
 
         def run() -> list[str]:
             pipe = self.client.sync.pipeline(transaction=False)
-            for p in payloads:
+            store_blobs(pipe, blobs, self.limits)
+            for _, p in prepared:
                 pipe.xadd(key, {FIELD: p})
-            return [i.decode() for i in pipe.execute()]
+            return [i.decode() for i in pipe.execute()[len(blobs) :]]
+
+        return await self.client.call(run)
+
+    async def publish_counted(
+        self, stream: str, payloads: list[bytes], counter: str, expected: int
+    ) -> int:
+        """XADD ``payloads`` and add their number to the ``counter`` key, in one script, only
+        if the counter still holds ``expected`` (compare-and-set). Safe to replay: after a
+        lost reply, or when another producer moved the counter, it adds nothing. Returns the
+        number of entries added (0 or ``len(payloads)``)."""
+        key = self.names.stream(stream)
+        prepared, blobs = prepare_many([(key, p) for p in payloads], self.limits)
+
+        def run() -> int:
+            if blobs:
+                pipe = self.client.sync.pipeline(transaction=False)
+                store_blobs(pipe, blobs, self.limits)
+                pipe.execute()
+            args: list[Any] = [expected, *(p for _, p in prepared)]
+            return int(self._publish_counted(keys=[key, counter], args=args))
+
+        return await self.client.call(run)
+
+    async def publish_once(
+        self,
+        dedup_key: str,
+        outputs: list[tuple[str, bytes]],
+        *,
+        dedup_ttl_s: int = 24 * 3600,
+    ) -> bool:
+        """XADD ``outputs`` [(stream name, payload)] unless ``dedup_key`` exists, in one script;
+        returns whether they were published. The dedup key and the streams must share a slot
+        (e.g. run-global streams and a dedup key of the unsharded names). With
+        :meth:`StreamConsumer.ack` after it, this is the cross-slot hand-off: not atomic, but
+        idempotent (a crash in between leaves the input pending; handled again, the publish
+        adds nothing and the acknowledgement goes through)."""
+        keys = [self.names.stream(s) for s, _ in outputs]
+        if not N.one_slot([dedup_key, *keys]):
+            raise ValueError(f"publish_once: {dedup_key} and {keys} are not in one hash slot")
+        prepared, blobs = prepare_many(
+            [(k, p) for k, (_, p) in zip(keys, outputs, strict=True)], self.limits
+        )
+
+        def run() -> bool:
+            if blobs:
+                pipe = self.client.sync.pipeline(transaction=False)
+                store_blobs(pipe, blobs, self.limits)
+                pipe.execute()
+            args: list[Any] = [dedup_ttl_s, *(p for _, p in prepared)]
+            return bool(self._publish_once(keys=[dedup_key, *keys], args=args))
 
         return await self.client.call(run)
 
@@ -331,7 +552,7 @@ class EventReader:
         self.client = client
         self.stream = names.stream(stream)
         self.block_ms = block_ms
-        self._blocking = client.blocking_connection()
+        self._blocking = client.blocking_connection(self.stream)
         self.last_id = "0-0"
 
     async def latest(self) -> tuple[str, bytes] | None:

@@ -1,0 +1,59 @@
+-- Many stage hand-offs of one input stream in one call: for each, publish its outputs once,
+-- then acknowledge its entry. The script runs atomically, so each hand-off's publish and ack
+-- happen together (as in handoff.lua), with one round trip and one XACK for the batch.
+--
+-- KEYS[1]    input stream
+-- KEYS[2..]  for each hand-off with k > 0 outputs, in order: its dedup key, then its k output
+--            streams (may repeat)
+-- ARGV[1]    consumer group of the input stream
+-- ARGV[2]    dedup key TTL in seconds
+-- ARGV[3..]  for each hand-off, in order: entry id, k, then its k payloads (field "d")
+--
+-- A hand-off with no outputs is only acknowledged (no dedup key). One whose dedup key exists
+-- (its outputs were published by an earlier delivery) publishes nothing and is acknowledged.
+-- Returns {published: hand-offs whose outputs were added, acked: entries acknowledged}.
+--
+-- If an XADD fails (e.g. an output key of the wrong type), the hand-offs before it stay done
+-- and are acknowledged, its dedup key is dropped (SET with a 1 ms expiry: roles may SET their
+-- dedup keys but not DEL them, see queues/acl.py) and it and the ones after it stay pending
+-- (a redelivery publishes it again, so outputs it added before the failure may repeat: at
+-- least once); the error is returned.
+local group = ARGV[1]
+local ttl = ARGV[2]  -- passed on as is: no number-to-string conversion per SET
+local ids = {}
+
+local function ack()
+  local acked = 0
+  for first = 1, #ids, 1000 do
+    local last = math.min(first + 999, #ids)
+    acked = acked + redis.call('XACK', KEYS[1], group, unpack(ids, first, last))
+  end
+  return acked
+end
+
+local published = 0
+local k_at = 2
+local a_at = 3
+local n_args = #ARGV
+while a_at <= n_args do
+  local id = ARGV[a_at]
+  local k = tonumber(ARGV[a_at + 1])
+  a_at = a_at + 2
+  if k > 0 then
+    if redis.call('SET', KEYS[k_at], '1', 'NX', 'EX', ttl) then
+      for j = 1, k do
+        local added = redis.pcall('XADD', KEYS[k_at + j], '*', 'd', ARGV[a_at + j - 1])
+        if type(added) == 'table' and added.err then
+          redis.call('SET', KEYS[k_at], '0', 'PX', 1)
+          ack()
+          return added
+        end
+      end
+      published = published + 1
+    end
+    k_at = k_at + 1 + k
+    a_at = a_at + k
+  end
+  ids[#ids + 1] = id
+end
+return {published, ack()}

@@ -1,0 +1,46 @@
+"""Malformed input at the queue layer: a message of another type is refused, and an entry
+two consumers hold at once is dead-lettered once."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from learner.batch import make_trajectory
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import DeadLetter, Executed, MessageError, decode, encode
+from queues.streams import ConsumerSettings, Producer, open_stream_consumer
+
+
+def test_a_message_with_unknown_fields_is_refused() -> None:
+    # A Trajectory has every field of an Executed, plus its rewards
+    trajectory = make_trajectory([1, 2], [[3, 4]], [[-1.0, -1.0]], [1.0])
+    with pytest.raises(MessageError, match="unknown field `rewards`"):
+        decode(encode(trajectory), Executed)
+
+
+async def test_an_entry_held_by_two_consumers_is_dead_lettered_once(
+    client: RedisClient, names: N.Names
+) -> None:
+    # Given an entry read by consumer a and then reclaimed by consumer b (a looked dead)
+    await Producer(client, names).publish(N.EXECUTED, [b"\xc1garbage"])
+    settings = ConsumerSettings(reclaim_min_idle_ms=1)
+    async with (
+        open_stream_consumer(client, names, N.EXECUTED, stage="v", settings=settings) as a,
+        open_stream_consumer(client, names, N.EXECUTED, stage="v", settings=settings) as b,
+    ):
+        [held_by_a] = await a.read(1)
+        await trio.sleep(0.01)
+        [held_by_b] = await b.reclaim(1)
+        # When both dead-letter it
+        await a.dead_letter(held_by_a, "malformed message: a")
+        await b.dead_letter(held_by_b, "malformed message: b")
+    # Then the dead-letter stream holds it once, and nothing is pending
+    rows = await client.call(client.sync.xrange, names.stream(N.DEAD))
+    letters = [decode(f[b"d"], DeadLetter) for _, f in rows]
+    assert [(x.entry_id, x.error) for x in letters] == [
+        (held_by_a.entry_id, "malformed message: a")
+    ]
+    pending = await client.call(client.sync.xpending, names.stream(N.EXECUTED), "verifier")
+    assert pending["pending"] == 0
