@@ -1,0 +1,84 @@
+"""Redis going away for a moment (a restart) is ridden out: calls are retried with backoff
+until it is back, and raised only after the reconnect timeout."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import trio
+
+from queues import names as N
+from queues.client import Reconnect, RedisClient
+from queues.server import ServerProcess
+from queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
+
+
+async def _restart_after(server: ServerProcess, delay_s: float) -> None:
+    await trio.sleep(delay_s)
+    await trio.to_thread.run_sync(server.start)
+
+
+async def test_a_call_made_while_redis_restarts_waits_for_it(
+    tmp_path: Path, names: N.Names
+) -> None:
+    # Given a dedicated Redis (AOF) holding one entry, and then stopped
+    server = ServerProcess(data_dir=tmp_path / "redis").start()
+    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=30))
+    try:
+        await Producer(client, names).publish(N.TASKS, [b"before"])
+        server.stop()
+        # When a call is made while it is down, and it comes back a second later
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_restart_after, server, 1.0)
+            length = await client.call(client.sync.xlen, names.stream(N.TASKS))
+        # Then the call returned once Redis was back, with the data of before
+        assert length == 1
+    finally:
+        client.close()
+        server.stop()
+
+
+async def test_a_blocked_consumer_reads_on_after_a_restart(tmp_path: Path, names: N.Names) -> None:
+    # Given a consumer blocked on an empty stream
+    server = ServerProcess(data_dir=tmp_path / "redis").start()
+    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=30))
+    settings = ConsumerSettings(block_ms=300)
+    try:
+        async with open_stream_consumer(
+            client, names, N.TASKS, stage="g", settings=settings
+        ) as consumer:
+            assert await consumer.read(1) == []
+            # When Redis restarts under it and an entry is published afterwards
+            server.stop()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_restart_after, server, 1.0)
+                got = await consumer.read(1)  # fails over and over until Redis is back
+            await Producer(client, names).publish(N.TASKS, [b"after"])
+            with trio.fail_after(10):
+                while not got:
+                    got = await consumer.read(1)
+            # Then it is read and handed off as usual
+            [delivery] = got
+            assert delivery.payload == b"after"
+            await consumer.complete(Handoff(delivery.entry_id, names.dedup("g", "x")))
+        pending = await client.call(client.sync.xpending, names.stream(N.TASKS), "generator")
+        assert pending["pending"] == 0
+    finally:
+        client.close()
+        server.stop()
+
+
+async def test_calls_give_up_after_the_reconnect_timeout(tmp_path: Path) -> None:
+    # Given a Redis that is gone for good
+    server = ServerProcess(data_dir=tmp_path / "redis").start()
+    server.stop()
+    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=0.5, backoff_s=0.05))
+    # When a call is made, then it raises the connection error after about the timeout
+    started = time.monotonic()
+    with pytest.raises(redis.ConnectionError):
+        await client.call(client.sync.ping)
+    assert 0.5 <= time.monotonic() - started < 5
+    client.close()
