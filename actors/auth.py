@@ -1,0 +1,86 @@
+"""Per-role Redis credentials: user names from the config, passwords from the environment.
+
+With ``auth.enabled`` every process connects as the ACL user of its role (queues/acl.py):
+the user name is ``auth.user`` filled in with the run and the role; the password is read from
+the environment variable named by ``auth.password_env``, so it is never in a TOML file, on a
+command line or in a log. ``streamrl up`` generates a random password per role, creates the
+users with the admin URL's credentials and gives each child process only its own role's
+password and a URL without credentials. For actors started one by one, ``streamrl acl apply``
+creates the users from passwords set in its environment.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+
+from actors.config import ENV_REDIS_URL, Config, ConfigError
+from queues.acl import ROLES, Credentials, apply_acls, role_url
+from queues.client import RedisClient
+from queues.names import Names
+
+
+def role_credentials(
+    config: Config, role: str, environ: Mapping[str, str] = os.environ
+) -> Credentials:
+    """``role``'s user and its password from the environment; :class:`ConfigError` if unset."""
+    variable = config.auth.password_env_of(role)
+    password = environ.get(variable)
+    if not password:
+        raise ConfigError(
+            f"auth.enabled: the password of role {role!r} is not set (environment variable "
+            f"${variable}); `streamrl up` sets it for its own actors"
+        )
+    return Credentials(config.auth.user_of(config.run.name, role), password)
+
+
+def credentials_for_up(
+    config: Config, environ: Mapping[str, str] = os.environ
+) -> dict[str, Credentials]:
+    """Every role's credentials: the password from the environment if set, else a random one."""
+    out = {}
+    for role in ROLES:
+        password = environ.get(config.auth.password_env_of(role)) or secrets.token_hex(16)
+        out[role] = Credentials(config.auth.user_of(config.run.name, role), password)
+    return out
+
+
+def actor_url(config: Config, role: str, password: str | None = None) -> str:
+    """The Redis URL a process of ``role`` connects with: with auth on, ``run.redis_url`` with
+    the role's own user and password (``password``, else from the environment)."""
+    if not config.auth.enabled:
+        return config.run.redis_url
+    if password is not None:
+        creds = Credentials(config.auth.user_of(config.run.name, role), password)
+    else:
+        creds = role_credentials(config, role)
+    return role_url(config.run.redis_url, creds)
+
+
+async def apply_role_users(
+    config: Config, admin_url: str, credentials: Mapping[str, Credentials]
+) -> None:
+    """Create or update the role users of this run, connected as the admin."""
+    admin = RedisClient(admin_url, max_connections=2)
+    try:
+        await apply_acls(admin, Names(config.run.name), credentials)
+    finally:
+        admin.close()
+
+
+def child_environment(
+    config: Config,
+    base: Mapping[str, str],
+    role: str,
+    url: str,
+    credentials: Mapping[str, Credentials],
+) -> dict[str, str]:
+    """The environment of a child process of ``role``: ``url`` as the Redis URL and, when
+    ``credentials`` are given, its own role's password and no other."""
+    others = {config.auth.password_env_of(r) for r in ROLES}
+    env = {k: v for k, v in base.items() if k not in others}
+    env.update({ENV_REDIS_URL: url, "PYTHONUNBUFFERED": "1"})
+    if role in credentials:
+        env[config.auth.password_env_of(role)] = credentials[role].password
+    return env

@@ -1,0 +1,270 @@
+"""Redis ACL users: one per actor role of a run, each allowed only what that role sends.
+
+:func:`acl_rules` gives the ``ACL SETUSER`` rules of a role in a run; :func:`apply_acls`
+creates or updates the users (idempotent: the rules start from ``reset``); :func:`role_url`
+is the Redis URL a process of that role connects with. Guarantees, on Redis 7.0+ (ACL
+selectors and read/write key permissions; Valkey too):
+
+- every permission is a grant of some commands on some keys (one ACL selector each), so a
+  command is allowed only on the keys it is granted for: a generator may XADD to
+  ``rollouts`` but not read it, may consume ``tasks`` but not add to it, and can reach no key
+  of the learner's (``trajectories``, ``weights`` writes, its counter);
+- a role reaches only keys of its own run (``streamrl:{<run>}:``): runs that share one Redis
+  cannot touch each other;
+- no role may run an administrative or keyspace-wide command (FLUSHALL, CONFIG, KEYS, SCAN,
+  ACL, DEBUG, SHUTDOWN, ...) or use a pub/sub channel;
+- a password is sent as its SHA-256 (``#<hex>``), never in clear.
+
+Scripts: Redis checks EVALSHA against read and write access to all of its KEYS, then checks
+every command the script runs against the grants again, so a script can do no more than its
+caller could do directly.
+
+Not covered (ACL rules do not see arguments): a role that may XADD to a stream may also trim
+it (``XADD ... MAXLEN``); a consumer may acknowledge entries of its group it never handled;
+``CLIENT UNBLOCK`` accepts any client id. The admin is the Redis URL's own user, which needs
+``ACL SETUSER`` (in effect a superuser); no user is created for it. The table of roles is in
+docs/security.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+import redis
+
+from queues import names as N
+from queues.client import RedisClient, RedisURL
+
+ROLES = ("scheduler", "generator", "executor", "verifier", "learner", "monitor")
+"""The roles that get a user. ``monitor`` is what ``streamrl up`` (progress, evaluation rounds,
+the final evaluation) and ``streamrl status`` do."""
+
+CONNECTION = (
+    "ping",
+    "select",
+    "client|id",
+    "client|unblock",
+    "client|setinfo",
+    "script|load",
+    "script|exists",
+)
+"""Key-less commands every role sends: health checks, SELECT of the URL's database, the
+blocking connection's id and its unblock (queues.client), redis-py's library info, and the
+loading of the Lua scripts (redis-py's Script: EVALSHA, SCRIPT LOAD when missing)."""
+
+OPTIONAL = ("client|setinfo",)
+"""Granted where the server knows them (Redis 7.2+); redis-py ignores their refusal."""
+
+CLUSTER = ("cluster|slots", "command", "asking")
+"""Key-less commands of redis-py's cluster client: the slot map, the command table (to find a
+command's keys), and following an ASK redirection during resharding."""
+
+CONSUME = ("xreadgroup", "xack", "xpending", "xautoclaim", "xclaim", "xgroup|create")
+"""queues.streams.StreamConsumer on its input stream: read (own pending, new), delivery
+counts, reclaim, heartbeat, acknowledge, create the group."""
+TRIM = (
+    "exists",
+    "xinfo|groups",
+    "xinfo|consumers",
+    "xrange",
+    "xrevrange",
+    "xtrim",
+    "xgroup|delconsumer",
+)
+"""queues/trim.lua, run by the consumers of a stream (with XPENDING, and DEL of the blobs):
+delete acknowledged entries, forget idle consumers that hold nothing."""
+SCRIPTS = ("evalsha", "eval")
+"""The Lua scripts (EVAL: scripts in a cluster pipeline are sent with their text)."""
+FOLLOW = ("xread", "xrevrange")
+"""queues.streams.EventReader: the latest event, then every new one."""
+OBSERVE = ("xlen", "xinfo|groups", "xrange")
+"""queues.stats: length, lag and pending of a group (XRANGE counts the lag after deletions)."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """``commands`` allowed on these key patterns (ACL globs), as one ACL selector."""
+
+    commands: tuple[str, ...]
+    rw: tuple[str, ...] = ()
+    read: tuple[str, ...] = ()
+    write: tuple[str, ...] = ()
+
+    def selector(self, leave_out: frozenset[str] = frozenset()) -> str:
+        keys = [f"~{p}" for p in self.rw]
+        keys += [f"%R~{p}" for p in self.read]
+        keys += [f"%W~{p}" for p in self.write]
+        commands = [f"+{c}" for c in self.commands if c not in leave_out]
+        return "(" + " ".join(["resetchannels", *keys, *commands]) + ")"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    user: str
+    password: str = field(repr=False)
+
+
+def _glob(key: str) -> str:
+    """``key`` as an ACL pattern matching only itself (run names may hold glob characters)."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", key)
+
+
+def _stream(names: N.Names, stream: str) -> str:
+    return _glob(names.stream(stream))
+
+
+def _blobs(names: N.Names, stream: str) -> str:
+    """The claim-check blobs of ``stream`` (``<stream key>:blob:<id>``, queues/payloads.py)."""
+    return _glob(names.stream(stream) + ":blob:") + "*"
+
+
+def _consume(names: N.Names, stream: str, stage: str, outputs: tuple[str, ...] = ()) -> list[Grant]:
+    """Consume ``stream`` in its group, trim it, and hand its entries off into ``outputs``
+    (handoff scripts: dedup key, XADD, XACK) or to the dead-letter stream; observe the
+    backlog of the work streams it feeds (producer-side backpressure)."""
+    source, blobs = _stream(names, stream), _blobs(names, stream)
+    dead = _stream(names, N.DEAD)
+    outs = tuple(_stream(names, s) for s in outputs)
+    out_blobs = tuple(_blobs(names, s) for s in outputs)
+    dedup = (_glob(names.dedup(stage, "")) + "*",) if outputs else ()
+    grants = [
+        Grant(CONSUME + TRIM, rw=(source,)),
+        Grant(("get", "del"), rw=(blobs,)),  # claim checks: fetched, deleted by the trim
+        Grant(SCRIPTS, rw=(source, blobs, dead, *outs, *dedup, *out_blobs)),
+        Grant(("xadd",), write=(dead, *outs)),
+    ]
+    if outputs:
+        grants.append(Grant(("set",), write=(*dedup, *out_blobs)))
+    fed = tuple(_stream(names, s) for s in outputs if s in N.WORK_STREAMS)
+    if fed:  # backpressure: the backlog of the groups it feeds
+        grants.append(Grant(OBSERVE, read=fed))
+    return grants
+
+
+def _produce(names: N.Names, *streams: str) -> list[Grant]:
+    """queues.streams.Producer.publish: XADD, claim-check blobs first."""
+    return [
+        Grant(("xadd",), write=tuple(_stream(names, s) for s in streams)),
+        Grant(("set",), write=tuple(_blobs(names, s) for s in streams)),
+    ]
+
+
+def _follow(names: N.Names, *streams: str) -> list[Grant]:
+    return [Grant(FOLLOW, read=tuple(_stream(names, s) for s in streams))]
+
+
+def role_grants(names: N.Names, role: str) -> list[Grant]:
+    """Everything a process of ``role`` in run ``names`` may do, beyond :data:`CONNECTION`."""
+    n = names
+    tasks = _stream(n, N.TASKS)
+    if role == "scheduler":
+        admitted = _glob(n.admitted)
+        return [
+            *_follow(n, N.WEIGHTS),  # the policy version
+            Grant(OBSERVE, read=(tasks,)),  # the generator group's backlog
+            *_produce(n, N.TASKS),  # evaluation rounds
+            Grant(SCRIPTS, rw=(tasks, admitted)),  # publish_counted.lua: admission
+            Grant(("get", "incrby"), rw=(admitted,)),
+            Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
+            Grant(("exists",), read=(_glob(n.stop),)),
+        ]
+    if role == "generator":
+        return [*_consume(n, N.TASKS, role, (N.ROLLOUTS,)), *_follow(n, N.WEIGHTS)]
+    if role == "executor":
+        return _consume(n, N.ROLLOUTS, role, (N.EXECUTED,))
+    if role == "verifier":
+        return _consume(n, N.EXECUTED, role, (N.TRAJECTORIES, N.EVALS))
+    if role == "learner":
+        return [
+            *_consume(n, N.TRAJECTORIES, role, (N.WEIGHTS, N.METRICS)),
+            Grant(("get", "incrby"), rw=(_glob(n.counter("")) + "*",)),  # dropped_stale, ...
+            Grant(("xtrim",), write=(_stream(n, N.WEIGHTS), _stream(n, N.METRICS))),
+        ]
+    if role == "monitor":
+        observed = tuple(_stream(n, s) for s in (*N.WORK_STREAMS, N.DEAD))
+        return [
+            *_consume(n, N.EVALS, role),  # record held-out results, acknowledge
+            *_follow(n, N.METRICS, N.WEIGHTS),
+            Grant(OBSERVE, read=observed),
+            # the final evaluation of `streamrl up`: stop admission, publish one more round
+            Grant(("set",), write=(_glob(n.stop),)),
+            Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
+            *_produce(n, N.TASKS),
+        ]
+    raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+
+
+def acl_rules(
+    names: N.Names,
+    role: str,
+    password: str,
+    *,
+    shards: int = 0,
+    cluster: bool = False,
+    leave_out: frozenset[str] = frozenset(),
+) -> list[str]:
+    """The ``ACL SETUSER`` rules of ``role`` in run ``names`` (after the user name).
+
+    ``shards``: the run's work streams are also split into this many shards (queues.shards),
+    each granted like the unsharded layout; ``cluster``: also what redis-py's cluster client
+    sends; ``leave_out``: commands of :data:`OPTIONAL` the server does not know.
+    """
+    digest = hashlib.sha256(password.encode()).hexdigest()
+    connection = [f"+{c}" for c in CONNECTION + (CLUSTER if cluster else ()) if c not in leave_out]
+    layouts = [names, *(names.in_shard(k) for k in range(shards))]
+    grants = dict.fromkeys(g for layout in layouts for g in role_grants(layout, role))
+    selectors = [g.selector(leave_out) for g in grants]
+    reset = ["reset", "on", f"#{digest}", "resetkeys", "resetchannels", "-@all"]
+    return [*reset, *connection, *selectors]
+
+
+def _setuser(
+    sync: redis.Redis, names: N.Names, role: str, creds: Credentials, shards: int, cluster: bool
+) -> None:
+    leave_out: frozenset[str] = frozenset()
+    while True:
+        rules = acl_rules(
+            names, role, creds.password, shards=shards, cluster=cluster, leave_out=leave_out
+        )
+        try:
+            # ACL users are per node: on a cluster, set them on every node
+            on_all = {"target_nodes": "all"} if cluster else {}
+            sync.execute_command("ACL", "SETUSER", creds.user, *rules, **on_all)
+            return
+        except redis.ResponseError as exc:
+            unknown = {c for c in OPTIONAL if f"+{c}'" in str(exc)} - leave_out
+            if not unknown:
+                raise RuntimeError(
+                    f"cannot create the ACL user {creds.user!r} (needs Redis 7.0+ and an admin "
+                    f"user allowed ACL SETUSER; or set auth.enabled = false): {exc}"
+                ) from None
+            leave_out |= unknown
+
+
+async def apply_acls(
+    client: RedisClient,
+    names: N.Names,
+    credentials: Mapping[str, Credentials],
+    *,
+    shards: int = 0,
+) -> None:
+    """Create or update the user of every role in ``credentials`` (role -> user, password),
+    for a run whose work streams are also split in ``shards`` shards (see :func:`acl_rules`).
+
+    ``client`` connects as an admin (a user allowed ``ACL SETUSER``; on a cluster the users
+    are set on every node). A user whose rules or password changed is updated in place: its
+    open connections stay authenticated and get the new rules at once.
+    """
+    for role, creds in credentials.items():
+        cluster = client.url.cluster
+        await client.call(_setuser, client.sync, names, role, creds, shards, cluster)
+
+
+def role_url(base_url: str, credentials: Credentials) -> str:
+    """``base_url`` with ``credentials`` instead of its own (URL-quoted)."""
+    user, password = quote(credentials.user, safe=""), quote(credentials.password, safe="")
+    return RedisURL(base_url).with_credentials(user, password).url
