@@ -1,14 +1,31 @@
 """Every stream, consumer group and key name, in one place.
 
 All keys of one run live under ``streamrl:{<run>}:`` so several runs share one Redis. The
-run name sits in a hash tag: on Redis Cluster every key of a run maps to one slot, so the
-atomic hand-off script (which touches the input stream, the output streams and a dedup
-key) is legal there.
+text in braces is a Redis Cluster hash tag: keys with the same tag map to one slot, which is
+what lets one atomic script touch them together there.
+
+Key layout, and the guarantee it keeps: every key one hand-off script touches (input stream,
+dedup key, output streams, dead-letter stream, claim-check blobs ``<stream key>:blob:<id>``)
+carries the same hash tag, so each hand-off runs in one slot, on one node.
+
+- One shard (``Names(run)``, the default): every key of the run under ``{<run>}``, one slot.
+- Shard ``k`` of a run (``Names(run, shard=k)``): the *work path* of the shard (every stream
+  except ``weights`` and ``metrics``, dead letters included, its dedup keys, its blobs)
+  lives under its own tag ``{<run>.s<k>}``, a slot of its own; the *run-global* keys
+  (``weights``, ``metrics``, the policy version, counters and flags) stay under ``{<run>}``
+  whatever the shard. A hand-off within a shard is one script; one whose outputs are
+  run-global (the learner's step announcement) crosses slots: see :mod:`queues.shards`.
+
+:func:`shard_for` picks a shard from a routing key (a domain name, an episode id).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from redis.crc import key_slot as _key_slot
 
 # Pipeline streams, in order. Each is consumed by the group of the same role name.
 TASKS = "tasks"
@@ -32,24 +49,78 @@ GROUP_OF_STREAM = {
 
 WORK_STREAMS = (TASKS, ROLLOUTS, EXECUTED, TRAJECTORIES, EVALS)
 
+RUN_GLOBAL_STREAMS = (WEIGHTS, METRICS)
+"""Streams of the whole run, never sharded: every shard's actors follow the same policy."""
+
+
+def shard_for(routing_key: str, shards: int) -> int:
+    """The shard (``0 <= k < shards``) of ``routing_key``: the same in every process, host and
+    Python version (CRC-32, not the salted ``hash()``)."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    return zlib.crc32(routing_key.encode()) % shards
+
+
+def key_slot(key: str) -> int:
+    """The Redis Cluster hash slot of ``key`` (CRC16 of its hash tag, mod 16384)."""
+    return int(_key_slot(key.encode()))
+
+
+def one_slot(keys: Iterable[str]) -> bool:
+    """Whether ``keys`` may be used together by one script or transaction on a cluster."""
+    return len({key_slot(k) for k in keys}) <= 1
+
 
 @dataclass(frozen=True)
 class Names:
     run: str = "default"
+    shard: int | None = None
+    """None: one shard, every key under ``{<run>}``. k: the work path of shard k under
+    ``{<run>.s<k>}`` (see the module docstring)."""
 
     @property
     def prefix(self) -> str:
+        """Prefix of the run-global keys (and of every key when unsharded)."""
         return f"streamrl:{{{self.run}}}:"
 
+    @property
+    def shard_prefix(self) -> str:
+        """Prefix of this shard's work path: streams, dead letters, dedup keys, blobs."""
+        if self.shard is None:
+            return self.prefix
+        return f"streamrl:{{{self.run}.s{self.shard}}}:"
+
+    def in_shard(self, shard: int | None) -> Names:
+        """The names of shard ``shard`` of this run (None: unsharded)."""
+        return replace(self, shard=shard)
+
     def stream(self, name: str) -> str:
-        return f"{self.prefix}s:{name}"
+        prefix = self.prefix if name in RUN_GLOBAL_STREAMS else self.shard_prefix
+        return f"{prefix}s:{name}"
 
     def short(self, key: str) -> str:
         """The stream name without the run prefix (for logs and dead letters)."""
-        return key.removeprefix(self.prefix + "s:")
+        for prefix in (self.shard_prefix, self.prefix):
+            if key.startswith(prefix + "s:"):
+                return key[len(prefix) + 2 :]
+        return key
 
     def dedup(self, stage: str, message_id: str) -> str:
-        return f"{self.prefix}dedup:{stage}:{message_id}"
+        return f"{self.shard_prefix}dedup:{stage}:{message_id}"
+
+    def localize(self, key: str) -> str:
+        """``key`` as named by the unsharded layout (``Names(run)``), moved into this shard if
+        it is on the work path (a stream other than weights and metrics, a blob, a dedup
+        key); run-global keys, and keys of other runs, come back unchanged."""
+        if self.shard is None or not key.startswith(self.prefix):
+            return key
+        rest = key[len(self.prefix) :]
+        if rest.startswith("s:"):
+            stream = rest[2:].split(":", 1)[0]
+            return key if stream in RUN_GLOBAL_STREAMS else self.shard_prefix + rest
+        if rest.startswith("dedup:"):
+            return self.shard_prefix + rest
+        return key
 
     @property
     def policy_version(self) -> str:

