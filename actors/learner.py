@@ -9,12 +9,13 @@ Guarantees (exactly-once effect): every group that reaches the learner is traine
 once, never partially, even across crashes of the learner or of Redis. The checkpoint of
 step N is the weights directory ``v{N}`` (with the AdamW state) plus the ledger line of
 step N listing its episode ids (:mod:`learner.checkpoint`), written ledger-first. A
-restarted learner loads both, re-announces its latest step (idempotent: the hand-off's
-dedup key) and acknowledges without training any redelivered group whose episode is in the
-ledger, e.g. the groups of a step whose acknowledgement was lost in a crash. Groups of a
-step that crashed before its weights were complete are still pending and are trained again
-(that step never happened). The same episode twice in one batch (a duplicate published
-after Redis lost a dedup key) is trained once.
+restarted learner loads both, re-announces its latest step with its metrics (saved with
+the weights; idempotent: the hand-off's dedup key) and acknowledges without training any
+redelivered group whose episode is in the ledger, e.g. the groups of a step whose
+acknowledgement was lost in a crash. Groups of a step that crashed before its weights were
+complete are still pending and are trained again (that step never happened). The same
+episode twice in one batch (a duplicate published after Redis lost a dedup key) is trained
+once.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import structlog
 import trio
 
 from actors.context import ActorContext
-from learner.batch import group_staleness
+from learner.batch import build_batch, group_staleness
 from learner.checkpoint import (
     Ledger,
     StepRecord,
@@ -52,6 +53,9 @@ from queues.messages import (
 from queues.streams import Delivery, Handoff, StreamConsumer
 
 log = structlog.get_logger()
+
+STEP_METRICS_FILE = "step_metrics.msgpack"
+"""In each version directory: the step's metrics, so a re-announced step still reports them."""
 
 
 class Learner:
@@ -114,12 +118,17 @@ class Learner:
         """Decode, skip groups already trained, check staleness; anything not trainable is
         settled (acknowledged or dead-lettered) here."""
         if d.payload is None:
-            await self.consumer.dead_letter(d, "entry has no payload field")
+            await self.consumer.dead_letter(d, d.error or "entry has no payload")
             return None
         try:
             traj = decode(d.payload, Trajectory)
         except MessageError as exc:
             await self.consumer.dead_letter(d, f"malformed message: {exc}")
+            return None
+        try:  # what the training step would refuse (killing the learner), refused here alone
+            build_batch([traj])
+        except ValueError as exc:
+            await self.consumer.dead_letter(d, f"malformed group: {exc}")
             return None
         if traj.episode_id in self.ledger or traj.episode_id in in_batch:
             self.duplicates_skipped += 1
@@ -154,8 +163,6 @@ class Learner:
             trajectory_ids=[t.id for _, t in batch],
             entry_ids=[d.entry_id for d, _ in batch],
         )
-        path = await trio.to_thread.run_sync(self._checkpoint, record)
-        self.version = version
         staleness = [group_staleness(t, version - 1) for _, t in batch]
         metrics = StepMetrics(
             id=new_id(),
@@ -173,7 +180,10 @@ class Learner:
             step_seconds=stats.seconds,
             wait_seconds=waited,
         )
+        path = await trio.to_thread.run_sync(self._checkpoint, record, metrics)
+        self.version = version
         await self._announce(version, str(path), record.entry_ids, metrics)
+        await self._trim_events()
         log.info(
             "step",
             policy_version=version,
@@ -184,13 +194,14 @@ class Learner:
             wait_s=round(waited, 2),
         )
 
-    def _checkpoint(self, record: StepRecord) -> Path:
-        """Ledger line first, then the weights (and optimiser state) of ``record.version``."""
+    def _checkpoint(self, record: StepRecord, metrics: StepMetrics) -> Path:
+        """Ledger line first, then the weights (and optimiser state) of ``record.version``,
+        with the step's metrics (announced again if we crash before announcing them)."""
         self.ledger.append(record)
-        extra = None
-        if self.cfg.checkpoint_optimizer:
 
-            def extra(directory: Path) -> None:
+        def extra(directory: Path) -> None:
+            (directory / STEP_METRICS_FILE).write_bytes(encode(metrics))
+            if self.cfg.checkpoint_optimizer:
                 save_trainer_state(self.trainer.optimizer, self.trainer.steps, directory)
 
         path = save_weights(
@@ -217,14 +228,28 @@ class Learner:
             entry_ids, self.ctx.names.dedup("learner", f"step-{version}"), outputs
         )
 
+    async def _trim_events(self) -> None:
+        """Event streams have no consumer group to trim by: keep the newest N of each."""
+        keep = self.ctx.config.queues.retain_events
+
+        def trim() -> None:
+            pipe = self.ctx.client.sync.pipeline(transaction=False)
+            for stream in (N.WEIGHTS, N.METRICS):
+                pipe.xtrim(self.ctx.names.stream(stream), maxlen=keep, approximate=True)
+            pipe.execute()
+
+        await self.ctx.client.call(trim)
+
     async def _finish_interrupted_step(self) -> None:
         """Re-announce the latest saved step: a no-op unless we crashed before announcing."""
         if not self.version:
             return
         last = self.ledger.last()
         entry_ids = last.entry_ids if last is not None and last.version == self.version else []
-        path = str(version_dir(self.root, self.version))
-        await self._announce(self.version, path, entry_ids, None)
+        path = version_dir(self.root, self.version)
+        saved = path / STEP_METRICS_FILE
+        metrics = decode(saved.read_bytes(), StepMetrics) if saved.exists() else None
+        await self._announce(self.version, str(path), entry_ids, metrics)
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -40,6 +40,17 @@ class EvalRound:
         return statistics.fmean(self.rewards) if self.rewards else float("nan")
 
 
+def not_an_eval_result(traj: Trajectory) -> str | None:
+    """Why ``traj`` cannot be recorded as a held-out result (None: it can)."""
+    task = traj.rollout.task
+    if task.split != "eval" or task.eval_round < 0:
+        return f"split {task.split!r}, eval round {task.eval_round}"
+    samples = traj.rollout.samples
+    if not samples or len(traj.rewards) != len(samples):
+        return f"{len(traj.rewards)} rewards for {len(samples)} samples"
+    return None
+
+
 class Summary(msgspec.Struct, kw_only=True):
     run: str
     minutes: float
@@ -87,10 +98,17 @@ class Monitor:
             task_status.started()
             while True:
                 for d in await consumer.read(64):
+                    if d.payload is None:
+                        await consumer.dead_letter(d, d.error or "entry has no payload")
+                        continue
                     try:
-                        traj = decode(d.payload or b"", Trajectory)
+                        traj = decode(d.payload, Trajectory)
                     except MessageError as exc:
                         await consumer.dead_letter(d, f"malformed message: {exc}")
+                        continue
+                    problem = not_an_eval_result(traj)
+                    if problem:
+                        await consumer.dead_letter(d, f"not an evaluation result: {problem}")
                         continue
                     self._record(traj, log_path)
                     await consumer.complete(Handoff(d.entry_id, ""))

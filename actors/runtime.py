@@ -4,7 +4,9 @@
 - exactly one terminal outcome: its outputs published and the entry acknowledged in one
   atomic hand-off, or the entry dead-lettered with the reason; an entry whose process dies
   mid-way stays pending and is redelivered (own pending list on restart, or the reclaimer);
-- it never reads more entries than it has free handler slots (backpressure);
+- it never reads more entries than it has free handler slots (backpressure), and reads
+  nothing while the consumer group of its downstream stream has more than
+  ``max_downstream_backlog`` entries undelivered or pending (producer-side backpressure);
 - entries being handled are heart-beaten, so the reclaimer of another replica does not
   steal live work;
 - malformed input (undecodable, wrong schema or version) is dead-lettered with the reason
@@ -25,6 +27,8 @@ import trio
 
 from actors.policies import Policies, Reject, Retry
 from queues.messages import Message, MessageError, decode, encode
+from queues.payloads import PayloadTooLarge
+from queues.stats import group_state
 from queues.streams import Delivery, Handoff, StreamConsumer
 
 log = structlog.get_logger()
@@ -59,6 +63,11 @@ class RuntimeSettings:
     concurrency: int = 4
     heartbeat_interval_s: float = 10.0
     reclaim_interval_s: float = 5.0
+    downstream: tuple[str, str] | None = None
+    """(stream, group) this actor feeds, for producer-side backpressure."""
+    max_downstream_backlog: int = 0
+    """Pause reading while the downstream group's lag + pending exceeds this (0: off)."""
+    backpressure_poll_s: float = 0.5
 
 
 class ActorRuntime:
@@ -98,12 +107,30 @@ class ActorRuntime:
                     async with self._slot_freed:
                         while self.free <= 0:
                             await self._slot_freed.wait()
+                    await self._wait_for_downstream()
                     for delivery in await self.consumer.read(self.free):
                         self._dispatch(nursery, delivery)
             async with self._slot_freed:  # draining: let the handlers in hand finish
                 while self._in_flight:
                     await self._slot_freed.wait()
             nursery.cancel_scope.cancel()
+
+    async def _wait_for_downstream(self) -> None:
+        s = self.settings
+        if s.downstream is None or s.max_downstream_backlog <= 0:
+            return
+        stream, group = s.downstream
+        paused = False
+        while True:
+            state = await group_state(self.consumer.client, self.consumer.names, stream, group)
+            if state.backlog <= s.max_downstream_backlog:
+                if paused:
+                    log.info("backpressure released", downstream=stream, backlog=state.backlog)
+                return
+            if not paused:
+                log.info("backpressure: paused reading", downstream=stream, backlog=state.backlog)
+                paused = True
+            await trio.sleep(s.backpressure_poll_s)
 
     def drain(self) -> None:
         """Stop taking new entries; :meth:`serve` returns once the in-flight ones are settled."""
@@ -140,7 +167,7 @@ class ActorRuntime:
 
     async def _process_one(self, delivery: Delivery) -> None:
         if delivery.payload is None:
-            return await self._dead_letter(delivery, "entry has no payload field")
+            return await self._dead_letter(delivery, delivery.error or "entry has no payload")
         try:
             message = decode(delivery.payload, self.actor.input_type)
         except MessageError as exc:
@@ -161,7 +188,10 @@ class ActorRuntime:
                 self.consumer.names.dedup(stage, message.id),
                 [(self.consumer.names.stream(o.stream), encode(o.message)) for o in outputs],
             )
-            await self.consumer.complete(handoff)
+            try:
+                await self.consumer.complete(handoff)
+            except PayloadTooLarge as exc:
+                return await self._dead_letter(delivery, f"output refused: {exc}")
             self._handled += 1
             return None
 

@@ -7,6 +7,9 @@ Admission guarantees:
   count of admitted groups lives in Redis, so a restarted scheduler keeps the bound;
 - backpressure: nothing is added while the generator group's backlog (lag + pending)
   exceeds ``max_backlog``;
+- limit: at most ``max_train_groups`` training groups per run (0: no limit);
+- the staleness and limit bounds are exact: tasks and the counter move together in one
+  compare-and-set script, which adds nothing when replayed or when the counter has moved;
 - evaluation: a held-out round (greedy, one sample per item) is published at version 0 and
   every ``eval_every`` versions; evaluation bypasses the staleness bound.
 Once the run's stop flag is set, no more training tasks are admitted.
@@ -26,7 +29,7 @@ from domains.registry import get_domain
 from queues import names as N
 from queues.messages import Sampling, Task, WeightsPublished, decode, encode, new_id, now
 from queues.stats import group_state
-from queues.streams import EventReader, Producer
+from queues.streams import EventReader
 
 log = structlog.get_logger()
 
@@ -76,7 +79,7 @@ async def publish_eval_round(ctx: ActorContext, round_no: int, version: int) -> 
             )
             for it in items
         ]
-    await Producer(ctx.client, ctx.names).publish(N.TASKS, [encode(t) for t in tasks])
+    await ctx.producer().publish(N.TASKS, [encode(t) for t in tasks])
     log.info("eval round published", round=round_no, policy_version=version, tasks=len(tasks))
     return len(tasks)
 
@@ -108,31 +111,28 @@ class Scheduler:
             version=version,
         )
 
-    async def admissible(self, version: int) -> int:
-        """How many training groups may be admitted now."""
+    async def admissible(self, version: int) -> tuple[int, int]:
+        """``(how many training groups may be admitted now, how many were admitted so far)``."""
         c = self.ctx
-        if await c.client.call(c.client.sync.exists, c.names.stop):
-            return 0
         admitted = int(await c.client.call(c.client.sync.get, c.names.admitted) or 0)
+        if await c.client.call(c.client.sync.exists, c.names.stop):
+            return 0, admitted
         learner = c.config.learner
         by_staleness = (version + learner.max_staleness + 1) * learner.groups_per_step - admitted
+        limit = self.cfg.max_train_groups
+        by_limit = limit - admitted if limit else by_staleness
         state = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])
         by_backlog = self.cfg.max_backlog - state.backlog
-        return max(0, min(by_staleness, by_backlog))
+        return max(0, min(by_staleness, by_limit, by_backlog)), admitted
 
-    async def admit(self, count: int, version: int) -> None:
+    async def admit(self, count: int, version: int, admitted: int) -> int:
+        """Publish ``count`` tasks and add them to the admitted counter in one script, only if
+        the counter still reads ``admitted`` (else nothing; the caller re-checks), so the
+        bounds computed from it hold exactly across restarts and replayed calls. Returns the
+        number admitted."""
         c = self.ctx
         tasks = [encode(self.sample(version)) for _ in range(count)]
-        key = c.names.stream(N.TASKS)
-
-        def publish() -> None:
-            pipe = c.client.sync.pipeline(transaction=True)  # tasks and counter move together
-            for t in tasks:
-                pipe.xadd(key, {b"d": t})
-            pipe.incrby(c.names.admitted, count)
-            pipe.execute()
-
-        await c.client.call(publish)
+        return await c.producer().publish_counted(N.TASKS, tasks, c.names.admitted, admitted)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         c = self.ctx
@@ -142,9 +142,8 @@ class Scheduler:
             next_eval = await self._eval_if_due(version, None)
             task_status.started()
             while True:
-                count = await self.admissible(version)
-                if count:
-                    await self.admit(count, version)
+                count, admitted = await self.admissible(version)
+                if count and await self.admit(count, version, admitted):
                     log.info("admitted", groups=count, policy_version=version)
                 # Wait for the next policy version (or re-check the backlog after block_ms).
                 for _, raw in await reader.read():

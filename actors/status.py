@@ -15,7 +15,7 @@ from queues.streams import EventReader
 
 
 async def print_status(config: Config, as_json: bool) -> int:
-    async with open_context(config) as ctx:
+    async with open_context(config, "monitor") as ctx:
         groups = await pipeline_state(ctx.client, ctx.names)
         reader = EventReader(ctx.client, ctx.names, N.WEIGHTS)
         latest = await reader.latest()

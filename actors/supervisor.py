@@ -20,17 +20,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import trio
 
+from actors.auth import apply_role_users, child_environment, credentials_for_up
 from actors.config import Config
 from actors.context import open_context
 from actors.logs import configure_logging, get_logger
 from actors.monitor import Monitor, Summary
 from actors.scheduler import publish_eval_round
+from queues.acl import Credentials
+from queues.client import RedisURL
 from queues.server import ServerProcess
 
 log = get_logger()
@@ -94,11 +98,15 @@ class Child:
 
 
 def _children(
-    config: Config, config_path: str | None, overrides: list[str], url: str
+    config: Config,
+    config_path: str | None,
+    overrides: list[str],
+    credentials: Mapping[str, Credentials],
 ) -> list[Child]:
+    """One child per actor process: Redis URL and its own role's password in its environment
+    (never on its command line)."""
     run_dir = config.run.path
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, STREAMRL_REDIS_URL=url, PYTHONUNBUFFERED="1")
     counts = {
         "scheduler": 1,
         "generator": config.up.generators,
@@ -115,6 +123,7 @@ def _children(
             for o in overrides:
                 argv += ["--set", o]
             log_path = run_dir / "logs" / f"{actor}-{i}.log"
+            env = child_environment(config, os.environ, actor, config.run.redis_url, credentials)
             children.append(Child(actor, i, argv, env, log_path))
     return children
 
@@ -134,11 +143,20 @@ async def _up(
         server = ServerProcess(data_dir=run_dir / "redis").start()
         url = server.url
         print(f"streamrl: embedded Redis on 127.0.0.1:{server.port} (AOF, password)", flush=True)
-    config = msgspec.structs.replace(config, run=msgspec.structs.replace(config.run, redis_url=url))
-    children = _children(config, config_path, overrides, url)
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else math.inf
     try:
-        async with open_context(config) as ctx:
+        credentials: dict[str, Credentials] = {}
+        if config.auth.enabled:  # the actors get their role's user; the admin URL stays here
+            credentials = credentials_for_up(config)
+            await apply_role_users(config, url, credentials)
+            url = RedisURL(url).without_credentials().url
+            print("streamrl: one Redis ACL user per actor role", flush=True)
+        config = msgspec.structs.replace(
+            config, run=msgspec.structs.replace(config.run, redis_url=url)
+        )
+        children = _children(config, config_path, overrides, credentials)
+        own = credentials.get("monitor")  # this process: progress, evaluation rounds
+        async with open_context(config, "monitor", password=own.password if own else None) as ctx:
             monitor = Monitor(
                 ctx, run_dir, config.scheduler.eval_items * len(config.scheduler.domains)
             )

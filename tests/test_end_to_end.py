@@ -2,7 +2,9 @@
 
 Tasks flow scheduler -> generator -> executor -> verifier -> learner; the policy version
 advances; generators pick up the new weights; after a graceful stop nothing is pending
-except the learner's partly collected batch, and every trajectory is accounted for.
+except the learner's partly collected batch, and every trajectory is accounted for. Every
+actor runs as its role's own Redis ACL user (configs/tiny.toml), which proves each role's
+rules are sufficient.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 import redis
 
 from queues import names as N
+from queues.acl import ROLES
 from queues.messages import StepMetrics, Trajectory, WeightsPublished, decode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,6 +68,11 @@ def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
 
     r = redis.Redis.from_url(redis_url)
     names = N.Names(run)
+    # every actor ran as its role's own ACL user (the URL they got has no password), and
+    # Redis refused none of them anything, not even where a failure would be tolerated
+    assert {f"streamrl-{run}-{role}" for role in ROLES} <= set(r.acl_users())
+    refused = [e for e in r.acl_log(count=128) if e["username"].startswith(f"streamrl-{run}-")]
+    assert refused == []
     versions = [decode(x, WeightsPublished).version for x in _entries(r, names, N.WEIGHTS)]
     assert versions[:3] == [1, 2, 3]
     assert all(

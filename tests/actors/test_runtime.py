@@ -5,6 +5,7 @@ Time-based policies run under trio's autojump clock, so a 100 s backoff takes no
 
 from __future__ import annotations
 
+import msgspec
 import trio
 import trio.testing
 
@@ -13,7 +14,8 @@ from actors.runtime import ActorRuntime, Output, RuntimeSettings
 from queues import names as N
 from queues.client import RedisClient
 from queues.messages import DeadLetter, Sampling, Task, decode, encode, new_id, now
-from queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from queues.payloads import PayloadLimits
+from queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 
 
 def _task(i: int = 0) -> Task:
@@ -180,3 +182,59 @@ async def test_redelivery_beyond_limit_is_dead_lettered(
     assert actor.calls == []
     [letter] = await _dead(client, names)
     assert "delivered 4 times" in letter.error
+
+
+async def test_oversize_output_dead_letters_its_input(client: RedisClient, names: N.Names) -> None:
+    class Bloater(Scripted):
+        async def handle(self, task: Task) -> list[Output]:
+            return [Output(N.ROLLOUTS, msgspec.structs.replace(task, prompt="x" * 5000))]
+
+    await Producer(client, names).publish(N.TASKS, [encode(_task())])
+    small = PayloadLimits(max_bytes=1000, claim_check_bytes=500)
+    settings = ConsumerSettings(block_ms=50, limits=small)
+    async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=settings) as c:
+        runtime = ActorRuntime(c, Bloater([]), Policies(), RuntimeSettings(concurrency=1))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.serve)
+            while runtime.statistics().dead_lettered == 0:
+                await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    [letter] = await _dead(client, names)
+    assert "output refused" in letter.error and "over the limit of 1000" in letter.error
+    assert await client.call(client.sync.exists, names.stream(N.ROLLOUTS)) == 0
+
+
+async def test_reading_pauses_while_the_downstream_group_is_backlogged(
+    client: RedisClient, names: N.Names
+) -> None:
+    # Given a downstream group (executor on rollouts) with 3 entries waiting, bound 2
+    await ensure_group(client, names.stream(N.ROLLOUTS), "executor")
+    await Producer(client, names).publish(N.ROLLOUTS, [b"r"] * 3)
+    await Producer(client, names).publish(N.TASKS, [encode(_task(i)) for i in range(2)])
+    settings = RuntimeSettings(
+        concurrency=2,
+        downstream=(N.ROLLOUTS, "executor"),
+        max_downstream_backlog=2,
+        backpressure_poll_s=0.05,
+    )
+    actor = Scripted(["ok"])
+    consumer_settings = ConsumerSettings(block_ms=50)
+    async with open_stream_consumer(
+        client, names, N.TASKS, stage="s", settings=consumer_settings
+    ) as c:
+        runtime = ActorRuntime(c, actor, Policies(), settings)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.serve)
+            # Then nothing is read while the backlog is over the bound
+            await trio.sleep(0.5)
+            assert actor.calls == []
+            # When the downstream consumer catches up, the tasks flow
+            rows = await client.call(
+                client.sync.xreadgroup, "executor", "x", {names.stream(N.ROLLOUTS): ">"}
+            )
+            ids = [eid for eid, _ in rows[0][1]]
+            await client.call(client.sync.xack, names.stream(N.ROLLOUTS), "executor", *ids)
+            with trio.fail_after(10):
+                while runtime.statistics().handled < 2:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,103 @@
+"""Well-formed messages an actor still cannot use are dead-lettered with the reason, and the
+actor keeps going: a group the learner cannot train on, a result the monitor cannot record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import trio
+
+from actors.config import Config, load_config
+from actors.context import ActorContext
+from actors.learner import serve
+from actors.monitor import Monitor
+from learner.batch import make_trajectory
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import DeadLetter, StepMetrics, Trajectory, decode, encode
+from queues.streams import Producer
+
+
+def _config(tmp_path: Path, redis_url: str, run: str) -> Config:
+    return load_config(
+        None,
+        [
+            f"run.name={run}",
+            f"run.redis_url={redis_url}",
+            f"run.work_dir={tmp_path}",
+            "model.spec=tiny",
+            "learner.groups_per_step=2",
+            "learner.max_steps=1",
+            "queues.block_ms=200",
+        ],
+    )
+
+
+def _group(rewards: list[float], tokens: list[int] | None = None) -> Trajectory:
+    return make_trajectory([1, 2, 3], [tokens or [5, 6]] * 2, [[-1.0, -1.0]] * 2, rewards)
+
+
+async def _dead_letters(client: RedisClient, names: N.Names) -> list[DeadLetter]:
+    rows = await client.call(client.sync.xrange, names.stream(N.DEAD))
+    return [decode(f[b"d"], DeadLetter) for _, f in rows]
+
+
+async def test_learner_dead_letters_groups_it_cannot_train_on(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given two good groups and two malformed ones: 3 rewards for 2 samples, 3 tokens for 2
+    # logprobs (either would make the training step raise and the learner exit)
+    good = [_group([0.0, 1.0]), _group([1.0, 0.0])]
+    bad = [
+        msgspec.structs.replace(_group([0.0, 1.0]), rewards=[0.0, 1.0, 1.0]),
+        _group([0.0, 1.0], tokens=[5, 6, 7]),
+    ]
+    payloads = [encode(bad[0]), encode(good[0]), encode(bad[1]), encode(good[1])]
+    await Producer(client, names).publish(N.TRAJECTORIES, payloads)
+    ctx = ActorContext(_config(tmp_path, redis_url, names.run), client, names)
+
+    # When the learner takes its one step
+    with trio.fail_after(120):
+        await serve(ctx)
+
+    # Then it trained the good groups, and dead-lettered the others with the reason
+    [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.METRICS))
+    assert decode(fields[b"d"], StepMetrics).groups == 2
+    letters = await _dead_letters(client, names)
+    assert [x.error.split(":")[0] for x in letters] == ["malformed group"] * 2
+    assert "2 samples, 3 rewards" in letters[0].error
+    assert "3 tokens, 2 logprobs" in letters[1].error
+    pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
+    assert pending["pending"] == 0
+
+
+async def test_monitor_dead_letters_what_is_not_an_evaluation_result(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a training group and an evaluation result without rewards in the evals stream,
+    # then a proper evaluation result
+    train = _group([0.0, 1.0])
+    task = msgspec.structs.replace(train.rollout.task, split="eval", eval_round=0)
+    result = msgspec.structs.replace(
+        train, rollout=msgspec.structs.replace(train.rollout, task=task)
+    )
+    empty = msgspec.structs.replace(result, rewards=[])
+    await Producer(client, names).publish(N.EVALS, [encode(train), encode(empty), encode(result)])
+    ctx = ActorContext(_config(tmp_path, redis_url, names.run), client, names)
+    monitor = Monitor(ctx, tmp_path, eval_items=2)
+
+    # When the monitor reads them
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.serve)
+        with trio.fail_after(30):
+            await monitor.wait_round(0)
+        nursery.cancel_scope.cancel()
+
+    # Then it recorded the result and dead-lettered the other two, and is still running
+    assert monitor.rounds[0].rewards == [0.0, 1.0]
+    letters = await _dead_letters(client, names)
+    assert [x.error for x in letters] == [
+        "not an evaluation result: split 'train', eval round -1",
+        "not an evaluation result: 0 rewards for 2 samples",
+    ]
