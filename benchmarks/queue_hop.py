@@ -1,0 +1,639 @@
+"""Claim: one process moves 4 KB messages through a full queue hop (read, no-op handle, publish
+one output, ack) at >= 30,000/s on two cores, p50 <= 1 ms at low load, faster than the same hop
+over Ray actor calls. JSON out, baselines in the same run.
+
+Every hop uses the project's queue layer as actors do: ``StreamConsumer.read``, then
+``complete_many`` / ``complete`` with a ``Handoff`` carrying a dedup key, flushed by
+``serve_flusher`` through ``handoff_batch.lua`` (per hand-off: SET dedup NX + XADD output, then
+XACK, atomically). The server is a redis-server started here as ``queues.server`` ships it
+(loopback, password, AOF ``everysec``, default auto-rewrite) unless ``--redis-url`` names one.
+Payloads are distinct 4 KB random bytes. Definitions (also in the JSON, ``definitions``):
+
+- ``hop_per_s``: ``--messages`` entries are pre-filled (not timed; then BGREWRITEAOF and wait,
+  so the rewrite of the backlog is not timed: rewrites triggered by the timed writes are, and
+  are counted in ``aof_rewrites_while_timing``). One consumer reads them with
+  ``read(--read-count)`` and hands each read batch off with ``complete_many`` (one 4 KB output
+  per entry), at most ``--in-flight`` entries read but not acked, so reads overlap hand-offs.
+  Rate = messages / wall time from the first read to the last hand-off applied.
+- ``hop_task_per_s``: the same with one trio task per message calling ``complete``, as
+  ``actors.runtime`` does (the flusher batches the concurrent calls).
+- ``hop_unbatched_per_s``: ``read(1)``, then ``complete``, one message per round trip.
+- ``hop_p50_ms`` / ``hop_p99_ms``: a producer process adds one entry at a time at ``--rate``
+  msg/s while the consumer waits in a blocking read (``read(64)`` then ``complete_many``).
+  Latency = from t0, taken right before the producer's XADD is sent (redis-py, in the thread
+  that sends it; the stimulus, not the system under test), to ``complete_many`` returning in
+  the consumer: the output entry is in its stream and the input is acked (applied in Redis; the
+  AOF fsync is ``everysec``, not waited for). ``time.perf_counter`` is CLOCK_MONOTONIC, one
+  clock for both processes. ``publish_hop_p50_ms`` / ``_p99_ms``: the same with the producer
+  using ``Producer.publish`` and t0 taken before that call, so it also counts the producer's
+  hop into its worker thread. The first ``--warmup`` samples are dropped.
+- ``redis_xadd_per_s``: ``redis-benchmark -c 50 -P 16 -x XADD <key> * d`` with a 4 KB value on
+  stdin (``-d`` only sizes the built-in tests' values) on the same server: the ceiling for the
+  one 4 KB write that every hop makes.
+- ``ray_hop_per_s``: Ray (``pip install -e '.[bench]'``), local (``num_cpus=2``, loopback):
+  the driver calls an async consumer actor once per 4 KB payload, at most ``--in-flight`` calls
+  outstanding; the actor runs the no-op handle, awaits a call handing the output to a sink
+  actor, and returns (the ack). ``ray_hop_p50_ms``: one such call at a time, paced at
+  ``--rate``. ``ray_list_hop_per_s``: ``--read-count`` payloads per call instead (batching
+  written into the application; in memory only: no persistence, dedup or redelivery). Ray runs
+  in a child process after the Redis measurements, with the Redis server stopped. Without ray:
+  ``ray_hop_per_s: null`` and ``ray_error`` says why.
+
+Throughput figures are medians of ``--repeats`` runs (all runs are in ``runs``), with CPU per
+hop of this process and of redis-server; load averages are recorded, since figures on a shared
+2-core machine are noisy. Simplifications: one consumer, one stream, the handler gets bytes
+(no message decoding).
+
+    .venv/bin/python benchmarks/queue_hop.py --json
+    .venv/bin/python benchmarks/queue_hop.py --json --messages 20000 --repeats 1 --no-ray
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from queues import names as N
+from queues.client import RedisClient
+from queues.server import ServerProcess
+from queues.streams import (
+    ConsumerSettings,
+    Delivery,
+    Handoff,
+    Producer,
+    StreamConsumer,
+    open_stream_consumer,
+)
+
+STAGE = "hop"
+DEFINITIONS = {
+    "hop_per_s": "pre-filled 4 KB entries / wall time: StreamConsumer.read batches, no-op "
+    "handle, complete_many (dedup SET NX + XADD output + XACK per entry, atomic per entry)",
+    "hop_task_per_s": "the same, one trio task per message calling complete()",
+    "hop_unbatched_per_s": "the same, read(1) then complete(), one message per round trip",
+    "hop_p50_ms": "t0 right before a producer process sends XADD -> complete_many returns in "
+    "the consumer (output in its stream, input acked), paced at latency_rate_per_s",
+    "publish_hop_p50_ms": "as hop_p50_ms, t0 before the producer's Producer.publish call",
+    "redis_xadd_per_s": "redis-benchmark XADD, 4 KB value, 50 clients, pipeline 16",
+    "ray_hop_per_s": "driver -> async consumer actor (no-op) -> awaited sink actor call -> "
+    "return, one call per message, bounded in flight",
+    "ray_list_hop_per_s": "the same with read_count messages per call (in memory only)",
+}
+RAY_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class Timing:
+    per_s: float
+    client_cpu_us: float  # this process, all threads, per message
+    server_cpu_us: float  # redis-server (INFO cpu, without forked children), per message
+    aof_rewrites: int  # AOF rewrites started while timing
+
+
+_RANDOM = [os.urandom(1 << 16) for _ in range(16)]
+
+
+def make_payload(i: int, size: int) -> bytes:
+    """``size`` bytes, distinct per ``i``: an 8-byte stamp/counter, then random bytes (as hard
+    to compress as token ids are, which matters to the AOF rewrite's RDB preamble)."""
+    block = _RANDOM[i % len(_RANDOM)]
+    start = (i * 8) % (len(block) - size)
+    return struct.pack("<d", float(i)) + block[start : start + size - 8]
+
+
+def handle(delivery: Delivery) -> bytes:
+    """The no-op handler: the output is the input."""
+    assert delivery.payload is not None
+    return delivery.payload
+
+
+def quantile_ms(seconds: list[float], q: int) -> float:
+    return round(statistics.quantiles(seconds, n=100)[q - 1] * 1000, 3)
+
+
+# --------------------------------------------------------------------------- redis hops
+
+
+def compact_aof(sync: redis.Redis) -> None:
+    """BGREWRITEAOF and wait for it. The AOF then holds the data set compactly, as on a server
+    that has been running a while, and no rewrite triggered by writing the backlog is still
+    running when timing starts. Rewrites triggered by the timed run's own writes run as
+    configured (``auto-aof-rewrite-percentage``) and are counted."""
+
+    def wait() -> None:
+        while True:
+            info = sync.info("persistence")
+            if not (info["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]):
+                return
+            time.sleep(0.05)
+
+    wait()
+    sync.bgrewriteaof()
+    time.sleep(0.05)
+    wait()
+
+
+class Hop:
+    """One measurement on a fresh run namespace (its keys are deleted afterwards)."""
+
+    def __init__(self, client: RedisClient, args: argparse.Namespace) -> None:
+        self.client = client
+        self.args = args
+        self.names = N.Names(run=f"bench-{uuid.uuid4().hex[:8]}")
+        self.out = self.names.stream(N.ROLLOUTS)
+        self.settings = ConsumerSettings(
+            block_ms=1000, flush_batch=args.flush_batch, dedup_ttl_s=3600
+        )
+
+    def handoff(self, d: Delivery) -> Handoff:
+        return Handoff(d.entry_id, self.names.dedup(STAGE, d.entry_id), [(self.out, handle(d))])
+
+    async def prefill(self, n: int) -> None:
+        producer = Producer(self.client, self.names)
+        for start in range(0, n, 1000):
+            batch = [make_payload(i, self.args.size) for i in range(start, min(n, start + 1000))]
+            await producer.publish(N.TASKS, batch)
+
+    async def timed(
+        self, n: int, consume: Callable[[StreamConsumer, int], Awaitable[None]]
+    ) -> Timing:
+        """Pre-fill ``n`` entries, then time ``consume``; checks every entry was handed off."""
+        await self.prefill(n)
+        if self.args.compact_aof:
+            await self.client.call(compact_aof, self.client.sync)
+        async with open_stream_consumer(
+            self.client, self.names, N.TASKS, stage=STAGE, settings=self.settings
+        ) as c:
+            server_cpu, rewrites = await self.server_counters()
+            cpu = time.process_time()
+            started = time.perf_counter()
+            await consume(c, n)
+            elapsed = time.perf_counter() - started
+            cpu = time.process_time() - cpu
+            server_cpu_end, rewrites_end = await self.server_counters()
+            await self.check(c, n)
+        per_hop_us = 1e6 / n
+        return Timing(
+            n / elapsed,
+            cpu * per_hop_us,
+            (server_cpu_end - server_cpu) * per_hop_us,
+            rewrites_end - rewrites,
+        )
+
+    async def server_counters(self) -> tuple[float, int]:
+        """(redis-server CPU seconds, AOF rewrites so far)."""
+        info = await self.client.call(self.client.sync.info)
+        cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        return cpu, int(info.get("aof_rewrites", 0)) + int(info.get("aof_rewrite_in_progress", 0))
+
+    async def check(self, c: StreamConsumer, n: int) -> None:
+        sync = self.client.sync
+        published = await self.client.call(sync.xlen, self.out)
+        pending = (await self.client.call(sync.xpending, c.stream, c.group))["pending"]
+        if published != n or pending != 0:
+            raise RuntimeError(f"{published} outputs of {n}, {pending} still pending")
+
+    async def batched(self, c: StreamConsumer, n: int) -> None:
+        in_flight = read = 0
+        freed = trio.Event()
+
+        async def hand_off(ds: list[Delivery]) -> None:
+            nonlocal in_flight
+            await c.complete_many([self.handoff(d) for d in ds])
+            in_flight -= len(ds)
+            freed.set()
+
+        async with trio.open_nursery() as nursery:
+            while read < n:
+                while in_flight >= self.args.in_flight:
+                    freed = trio.Event()
+                    await freed.wait()
+                ds = await c.read(min(self.args.read_count, self.args.in_flight - in_flight))
+                read += len(ds)
+                in_flight += len(ds)
+                nursery.start_soon(hand_off, ds)
+
+    async def task_per_message(self, c: StreamConsumer, n: int) -> None:
+        in_flight = read = 0
+        freed = trio.Event()
+
+        async def hand_off(d: Delivery) -> None:
+            nonlocal in_flight
+            await c.complete(self.handoff(d))
+            in_flight -= 1
+            freed.set()
+
+        async with trio.open_nursery() as nursery:
+            while read < n:
+                while in_flight >= self.args.in_flight:
+                    freed = trio.Event()
+                    await freed.wait()
+                ds = await c.read(min(self.args.read_count, self.args.in_flight - in_flight))
+                read += len(ds)
+                in_flight += len(ds)
+                for d in ds:
+                    nursery.start_soon(hand_off, d)
+
+    async def unbatched(self, c: StreamConsumer, n: int) -> None:
+        done = 0
+        while done < n:
+            for d in await c.read(1):
+                await c.complete(self.handoff(d))
+                done += 1
+
+    async def latency(self, stimulus: str) -> list[float]:
+        """Seconds from XADD to hand-off applied, for ``rate * seconds`` messages paced by a
+        producer process (see :func:`produce`; ``stimulus`` is its mode)."""
+        a = self.args
+        total = a.warmup + int(a.rate * a.latency_seconds)
+        samples: list[float] = []
+        async with open_stream_consumer(
+            self.client, self.names, N.TASKS, stage=STAGE, settings=self.settings
+        ) as c:
+
+            async def consume() -> None:
+                while len(samples) < total:
+                    ds = await c.read(64)
+                    if ds:
+                        await c.complete_many([self.handoff(d) for d in ds])
+                    now = time.perf_counter()
+                    samples.extend(now - struct.unpack_from("<d", handle(d))[0] for d in ds)
+
+            argv = [sys.executable, __file__, "--only", "produce", "--stimulus", stimulus]
+            argv += ["--run", self.names.run, "--rate", str(a.rate), "--size", str(a.size)]
+            argv += ["--messages", str(total)]
+            env = {**os.environ, "QUEUE_HOP_REDIS_URL": self.client.url.url}
+            with trio.fail_after(total / a.rate + 60):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(consume)
+                    await trio.sleep(0.2)  # the consumer is waiting in its blocking read
+                    await trio.run_process(argv, env=env)
+            await self.check(c, total)
+        return samples[a.warmup :]
+
+    async def drop(self) -> None:
+        """Delete every key of this run (streams, dedup keys)."""
+
+        def run() -> None:
+            sync = self.client.sync
+            batch = []
+            for key in sync.scan_iter(match=f"{self.names.prefix}*", count=1000):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    sync.unlink(*batch)
+                    batch.clear()
+            if batch:
+                sync.unlink(*batch)
+
+        await self.client.call(run)
+
+
+async def redis_hops(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    plan = [  # name, messages
+        ("hop", args.messages),
+        ("hop_task", args.messages),
+        ("hop_unbatched", args.unbatched_messages),
+    ]
+    runs: dict[str, list[Timing]] = {name: [] for name, _ in plan}
+    latencies: dict[str, list[float]] = {}
+    client = RedisClient(url)
+    try:
+        for _ in range(args.repeats):
+            for name, n in plan:
+                hop = Hop(client, args)
+                consume = {"hop_task": hop.task_per_message, "hop_unbatched": hop.unbatched}
+                try:
+                    runs[name].append(await hop.timed(n, consume.get(name, hop.batched)))
+                finally:
+                    await hop.drop()
+        for stimulus in ("xadd", "publish"):
+            hop = Hop(client, args)
+            try:
+                latencies[stimulus] = await hop.latency(stimulus)
+            finally:
+                await hop.drop()
+    finally:
+        client.close()
+    rates = {name: [round(t.per_s) for t in timings] for name, timings in runs.items()}
+    report: dict[str, Any] = {
+        name + "_per_s": round(statistics.median(rate)) for name, rate in rates.items()
+    }
+    report.update(
+        {
+            "hop_p50_ms": quantile_ms(latencies["xadd"], 50),
+            "hop_p99_ms": quantile_ms(latencies["xadd"], 99),
+            "publish_hop_p50_ms": quantile_ms(latencies["publish"], 50),
+            "publish_hop_p99_ms": quantile_ms(latencies["publish"], 99),
+            "latency_samples": len(latencies["xadd"]),
+            "cpu_us_per_hop": {
+                name: {
+                    "client": round(statistics.median(t.client_cpu_us for t in timings), 1),
+                    "server": round(statistics.median(t.server_cpu_us for t in timings), 1),
+                }
+                for name, timings in runs.items()
+            },
+            "aof_rewrites_while_timing": {
+                name: [t.aof_rewrites for t in timings] for name, timings in runs.items()
+            },
+            "runs": rates,
+        }
+    )
+    return report
+
+
+def produce(args: argparse.Namespace) -> None:
+    """The paced producer of the latency run (its own process, as a stage is). Each payload
+    starts with its t0 (``time.perf_counter``: CLOCK_MONOTONIC, one clock for all processes).
+    ``xadd``: t0 is taken right before a redis-py XADD in the thread that sends it.
+    ``publish``: t0 is taken before ``Producer.publish`` (which runs the XADD in a worker
+    thread), so it also counts the producer's own hop into that thread."""
+    url = os.environ["QUEUE_HOP_REDIS_URL"]
+    names = N.Names(run=args.run)
+    fillers = [make_payload(i, args.size)[8:] for i in range(64)]
+    if args.stimulus == "xadd":
+        sync = redis.Redis.from_url(url)
+        key = names.stream(N.TASKS)
+        start = time.perf_counter()
+        for i in range(args.messages):
+            time.sleep(max(0.0, start + i / args.rate - time.perf_counter()))
+            sync.xadd(key, {b"d": struct.pack("<d", time.perf_counter()) + fillers[i % 64]})
+        sync.close()
+        return
+
+    async def run() -> None:
+        producer = Producer(RedisClient(url), names)
+        start = trio.current_time()
+        for i in range(args.messages):
+            await trio.sleep_until(start + i / args.rate)
+            payload = struct.pack("<d", time.perf_counter()) + fillers[i % 64]
+            await producer.publish(N.TASKS, [payload])
+
+    trio.run(run)
+
+
+# --------------------------------------------------------------------------- redis-benchmark
+
+
+def redis_xadd(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    exe = shutil.which("redis-benchmark")
+    if exe is None:
+        return {"redis_xadd_per_s": None, "redis_xadd_error": "redis-benchmark not on PATH"}
+    parts = urlsplit(url)
+    key = f"streamrl:{{bench-{uuid.uuid4().hex[:8]}}}:xadd"
+    cmd = [exe, "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 6379)]
+    if parts.password:
+        cmd += ["-a", parts.password]  # redis-benchmark reads no password from the environment
+    cmd += ["-n", str(args.xadd_requests), "-c", "50", "-P", "16", "--csv", "-x"]
+    cmd += ["XADD", key, "*", "d"]
+    rates = []
+    sync = redis.Redis.from_url(url)
+    try:
+        for _ in range(args.repeats):
+            done = subprocess.run(cmd, input=make_payload(0, args.size), capture_output=True)
+            sync.unlink(key)
+            try:
+                row = done.stdout.decode().strip().splitlines()[-1]
+                rates.append(round(float(row.split(",")[1].strip('"'))))
+            except (IndexError, ValueError):
+                error = (done.stderr or done.stdout).decode(errors="replace").strip()[-300:]
+                return {"redis_xadd_per_s": None, "redis_xadd_error": error}
+    finally:
+        sync.close()
+    return {
+        "redis_xadd_per_s": round(statistics.median(rates)),
+        "redis_xadd_command": "redis-benchmark -c 50 -P 16 -n "
+        f"{args.xadd_requests} --csv -x XADD <key> * d  (stdin: {args.size} bytes)",
+        "redis_xadd_runs": rates,
+    }
+
+
+# --------------------------------------------------------------------------- ray
+
+
+def ray_hops(args: argparse.Namespace) -> dict[str, Any]:
+    """The same hop over Ray actor calls (runs in a child process: ``--only ray``)."""
+    import ray
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        object_store_memory=512 * 1024 * 1024,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+    @ray.remote
+    class Sink:
+        def __init__(self) -> None:
+            self.count = 0
+
+        def put(self, payload: bytes) -> None:
+            self.count += 1
+
+        def put_list(self, payloads: list[bytes]) -> None:
+            self.count += len(payloads)
+
+        def total(self) -> int:
+            return self.count
+
+    @ray.remote
+    class Consumer:
+        def __init__(self, sink: Any) -> None:
+            self.sink = sink
+
+        async def hop(self, payload: bytes) -> None:
+            await self.sink.put.remote(payload)  # no-op handle, publish, then return (ack)
+
+        async def hop_list(self, payloads: list[bytes]) -> None:
+            await self.sink.put_list.remote(payloads)
+
+    sink = Sink.remote()  # type: ignore[attr-defined]
+    consumer = Consumer.remote(sink)  # type: ignore[attr-defined]
+    pool = [make_payload(i, args.size) for i in range(1024)]
+    n = args.ray_messages
+
+    def per_call() -> float:
+        started = time.perf_counter()
+        window: list[Any] = []
+        half = max(1, args.in_flight // 2)
+        for i in range(n):
+            window.append(consumer.hop.remote(pool[i % len(pool)]))
+            if len(window) >= args.in_flight:
+                ray.get(window[:half])
+                window = window[half:]
+        ray.get(window)
+        return n / (time.perf_counter() - started)
+
+    def per_list() -> float:
+        started = time.perf_counter()
+        window: list[Any] = []
+        b = args.read_count
+        depth = max(1, args.in_flight // b)
+        for start in range(0, n, b):
+            chunk = [pool[i % len(pool)] for i in range(start, min(n, start + b))]
+            window.append(consumer.hop_list.remote(chunk))
+            if len(window) > depth:
+                ray.get(window.pop(0))
+        ray.get(window)
+        return n / (time.perf_counter() - started)
+
+    ray.get(consumer.hop.remote(pool[0]))  # warm-up: actors started
+    per_call_runs, per_list_runs = [], []
+    for _ in range(args.repeats):
+        per_call_runs.append(round(per_call()))
+        per_list_runs.append(round(per_list()))
+    latencies = []
+    total = args.warmup + int(args.rate * args.latency_seconds)
+    start = time.perf_counter()
+    for i in range(total):
+        time.sleep(max(0.0, start + i / args.rate - time.perf_counter()))
+        sent = time.perf_counter()
+        ray.get(consumer.hop.remote(pool[i % len(pool)]))
+        latencies.append(time.perf_counter() - sent)
+    expected = 1 + args.repeats * 2 * n + total
+    received = ray.get(sink.total.remote())
+    ray.shutdown()
+    if received != expected:
+        raise RuntimeError(f"sink got {received} of {expected}")
+    return {
+        "ray_hop_per_s": round(statistics.median(per_call_runs)),
+        "ray_hop_p50_ms": quantile_ms(latencies[args.warmup :], 50),
+        "ray_hop_p99_ms": quantile_ms(latencies[args.warmup :], 99),
+        "ray_list_hop_per_s": round(statistics.median(per_list_runs)),
+        "ray_version": ray.__version__,
+        "ray_runs": {"hop": per_call_runs, "list_hop": per_list_runs},
+    }
+
+
+def ray_in_child(argv: list[str]) -> dict[str, Any]:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return {"ray_hop_per_s": None, "ray_error": "ray not installed: pip install -e '.[bench]'"}
+    try:
+        done = subprocess.run(
+            [sys.executable, __file__, *argv, "--only", "ray"],
+            capture_output=True,
+            text=True,
+            timeout=RAY_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ray_hop_per_s": None, "ray_error": f"no result within {RAY_TIMEOUT_S} s"}
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+        return {"ray_hop_per_s": None, "ray_error": " | ".join(tail) or f"rc {done.returncode}"}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def server_info(url: str) -> dict[str, Any]:
+    sync = redis.Redis.from_url(url)
+    try:
+        persistence = sync.info("persistence")
+        return {
+            "version": sync.info("server")["redis_version"],
+            "aof_enabled": bool(persistence.get("aof_enabled")),
+        }
+    finally:
+        sync.close()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--redis-url", help="use this server instead of starting one")
+    parser.add_argument("--messages", type=int, default=50_000)
+    parser.add_argument("--unbatched-messages", type=int, default=5_000)
+    parser.add_argument("--ray-messages", type=int, default=20_000)
+    parser.add_argument("--xadd-requests", type=int, default=100_000)
+    parser.add_argument("--size", type=int, default=4096, help="payload bytes")
+    parser.add_argument("--read-count", type=int, default=256, help="COUNT of each read")
+    parser.add_argument("--in-flight", type=int, default=1024, help="read but not yet acked")
+    parser.add_argument("--flush-batch", type=int, default=256, help="hand-offs per script")
+    parser.add_argument("--rate", type=float, default=300.0, help="latency: messages/s")
+    parser.add_argument("--latency-seconds", type=float, default=5.0)
+    parser.add_argument("--warmup", type=int, default=50, help="latency samples dropped")
+    parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
+    parser.add_argument("--no-ray", action="store_true")
+    parser.add_argument("--only", choices=["ray", "produce"], help=argparse.SUPPRESS)
+    parser.add_argument("--stimulus", choices=["xadd", "publish"], help=argparse.SUPPRESS)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.size < 16:
+        parser.error("--size must be at least 16")
+    args.compact_aof = args.redis_url is None  # never BGREWRITEAOF someone else's server
+    if args.only == "ray":
+        print(json.dumps(ray_hops(args)))
+        return
+    if args.only == "produce":
+        produce(args)
+        return
+
+    report: dict[str, Any] = {
+        "benchmark": "queue_hop",
+        "definitions": DEFINITIONS,
+        "payload_bytes": args.size,
+        "messages": args.messages,
+        "read_count": args.read_count,
+        "in_flight": args.in_flight,
+        "flush_batch": args.flush_batch,
+        "latency_rate_per_s": args.rate,
+        "repeats": args.repeats,
+        "aof_compacted_before_timing": args.compact_aof,
+        "cpus": os.cpu_count(),
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+    }
+    with tempfile.TemporaryDirectory(prefix="queue-hop-") as data_dir:
+        server = None if args.redis_url else ServerProcess(data_dir=Path(data_dir)).start()
+        url = args.redis_url or server.url  # type: ignore[union-attr]
+        try:
+            report["redis"] = server_info(url)
+            report.update(trio.run(redis_hops, url, args))
+            report.update(redis_xadd(url, args))
+        finally:
+            if server is not None:
+                server.stop()
+    if args.no_ray:
+        report.update({"ray_hop_per_s": None, "ray_error": "skipped (--no-ray)"})
+    else:
+        report.update(ray_in_child(sys.argv[1:]))
+    report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    for name in ("ray_hop_per_s", "ray_list_hop_per_s"):
+        other = report.get(name)
+        ratio = round(report["hop_per_s"] / other, 2) if other else None
+        report["hop_vs_" + name.removesuffix("_hop_per_s").removesuffix("_per_s")] = ratio
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return
+    for key, value in report.items():
+        print(f"{key:>24}: {value}")
+
+
+if __name__ == "__main__":
+    main()
