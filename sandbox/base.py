@@ -12,6 +12,7 @@ Guarantees every backend keeps:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 
@@ -54,11 +55,45 @@ class ExecResult:
         return self.exit_code == 0 and not self.timed_out and not self.oom_killed
 
 
+class SandboxSession(Protocol):
+    """One episode's sandbox: files persist across ``run`` calls until ``reset``.
+
+    Multi-turn episodes hold one session for their whole life; ``reset`` returns it to the
+    clean state (empty work dir, no processes) so a pool can hand it to the next episode.
+    ``run`` results follow the same rules as :meth:`Sandbox.run` (data, never exceptions for
+    what the code did); infrastructure failures raise :class:`SandboxUnavailable`.
+    """
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """Run ``request.argv`` in the session's work dir after writing ``request.files``."""
+        ...
+
+    async def put_files(self, files: dict[str, bytes]) -> None: ...
+
+    async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
+        """Read files (relative to the work dir); a missing file maps to None."""
+        ...
+
+    async def reset(self) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
 class Sandbox(Protocol):
-    """A backend. ``run`` is safe to call concurrently."""
+    """A backend. ``run`` is safe to call concurrently.
+
+    ``run`` is a one-shot session: a fresh work dir, one command, everything torn down.
+    ``session(limits, label)`` opens a :class:`SandboxSession` (``label`` names/labels what the
+    backend creates, e.g. the message id, so leftovers of a dead executor can be reaped); it is
+    released on every exit path of the ``async with``.
+    """
 
     name: str
 
     async def run(self, request: ExecRequest) -> ExecResult: ...
+
+    def session(
+        self, limits: Limits, label: str = ""
+    ) -> AbstractAsyncContextManager[SandboxSession]: ...
 
     async def aclose(self) -> None: ...
