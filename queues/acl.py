@@ -258,10 +258,29 @@ async def apply_acls(
     ``client`` connects as an admin (a user allowed ``ACL SETUSER``; on a cluster the users
     are set on every node). A user whose rules or password changed is updated in place: its
     open connections stay authenticated and get the new rules at once.
+
+    Where the server has an ACL file (``aclfile``: the embedded server and the shipped Redis
+    configuration), the users are saved to it, so a Redis restart keeps them; without one they
+    live in memory only and must be applied again after a restart.
     """
+    cluster = client.url.cluster
     for role, creds in credentials.items():
-        cluster = client.url.cluster
         await client.call(_setuser, client.sync, names, role, creds, shards, cluster)
+    await client.call(_save_if_aclfile, client.sync, cluster)
+
+
+def _save_if_aclfile(sync: redis.Redis, cluster: bool) -> bool:
+    """``ACL SAVE`` on every node that has an ``aclfile``; True when at least one did."""
+    on_all = {"target_nodes": "all"} if cluster else {}
+    try:
+        found = sync.config_get("aclfile", **on_all)
+    except redis.ResponseError:  # CONFIG not allowed for this admin: cannot tell, do not save
+        return False
+    replies = found.values() if cluster else [found]
+    if not any(isinstance(r, dict) and r.get("aclfile") for r in replies):
+        return False
+    sync.execute_command("ACL", "SAVE", **on_all)
+    return True
 
 
 def role_url(base_url: str, credentials: Credentials) -> str:

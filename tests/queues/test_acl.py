@@ -12,7 +12,7 @@ import trio
 
 from queues import names as N
 from queues.acl import ROLES, Credentials, acl_rules, apply_acls, role_url
-from queues.client import RedisClient
+from queues.client import Reconnect, RedisClient
 from queues.payloads import PayloadLimits
 from queues.server import ClusterProcess
 from queues.shards import open_sharded_consumer, publish_routed
@@ -417,7 +417,7 @@ async def test_apply_is_idempotent_and_rotates_passwords(
     # Then its rules are unchanged, the new password works and the old one does not
     assert client.sync.execute_command("ACL", "GETUSER", user)[b"selectors"] == before[b"selectors"]
     fresh = RedisClient(role_url(client.url.url, new))
-    stale = RedisClient(old)
+    stale = RedisClient(old, reconnect=Reconnect(timeout_s=0))
     try:
         assert await fresh.execute("PING")
         with pytest.raises(redis.AuthenticationError):
@@ -440,3 +440,33 @@ def test_rules_reach_only_the_runs_keys_and_never_all_commands() -> None:
                 assert token.split("~", 1)[1].startswith("streamrl:{r}:"), (role, token)
     with pytest.raises(ValueError, match="unknown role"):
         acl_rules(names, "admin", "pw")
+
+
+async def test_users_survive_a_restart_of_the_embedded_server(tmp_path: Any) -> None:
+    # Given the embedded server (it has an ACL file) with the run's users applied
+    from queues.server import ServerProcess
+
+    names = N.Names(run="restart")
+    credentials = _credentials(names)
+    with ServerProcess(tmp_path / "redis") as server:
+        admin = RedisClient(server.url)
+        try:
+            await apply_acls(admin, names, credentials)
+        finally:
+            admin.close()
+        # When the server restarts
+        server.stop()
+        server.start()
+        # Then a role's user still logs in with its rules, and the admin password still holds
+        learner = RedisClient(role_url(server.url, credentials["learner"]), reconnect=Reconnect(0))
+        generator = RedisClient(role_url(server.url, credentials["generator"]))
+        try:
+            assert await learner.execute("PING")
+            await _denied(lambda: generator.execute("FLUSHALL"))
+        finally:
+            learner.close()
+            generator.close()
+        anonymous = redis.Redis(host="127.0.0.1", port=server.port)
+        with pytest.raises(redis.AuthenticationError):
+            anonymous.ping()
+        anonymous.close()
