@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -80,10 +80,21 @@ def bytes_to_floats(raw: bytes) -> np.ndarray:
 # --------------------------------------------------------------------------- RL messages
 
 
-class Sampling(msgspec.Struct, frozen=True, kw_only=True):
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
+# Bounds on fields that size work: a message outside them is malformed (dead-lettered on
+# arrival) rather than an out-of-memory for the actor that takes it.
+MAX_GROUP_SIZE = 1024
+MAX_NEW_TOKENS = 1 << 17
+
+GroupSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_GROUP_SIZE)]
+NewTokens = Annotated[int, msgspec.Meta(ge=1, le=MAX_NEW_TOKENS)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0, le=100.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_new_tokens: NewTokens = 64
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     seed: int | None = None
 
 
@@ -95,7 +106,7 @@ class Task(Message, frozen=True, kw_only=True):
     split: str  # "train" or "eval"
     prompt: str
     spec: dict[str, Any]  # domain-specific, e.g. the expected answer
-    group_size: int
+    group_size: GroupSize
     sampling: Sampling
     eval_round: int = -1  # >= 0 for held-out evaluation tasks
 

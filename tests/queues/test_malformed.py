@@ -9,7 +9,17 @@ import trio
 from learner.batch import make_trajectory
 from queues import names as N
 from queues.client import RedisClient
-from queues.messages import DeadLetter, Executed, MessageError, decode, encode
+from queues.messages import (
+    DeadLetter,
+    Executed,
+    MessageError,
+    Sampling,
+    Task,
+    decode,
+    encode,
+    new_id,
+    now,
+)
 from queues.streams import ConsumerSettings, Producer, open_stream_consumer
 
 
@@ -18,6 +28,30 @@ def test_a_message_with_unknown_fields_is_refused() -> None:
     trajectory = make_trajectory([1, 2], [[3, 4]], [[-1.0, -1.0]], [1.0])
     with pytest.raises(MessageError, match="unknown field `rewards`"):
         decode(encode(trajectory), Executed)
+
+
+@pytest.mark.parametrize(
+    ("group_size", "sampling", "field"),
+    [
+        (0, Sampling(), "group_size"),
+        (10**6, Sampling(), "group_size"),
+        (4, Sampling(max_new_tokens=10**9), "max_new_tokens"),
+        (4, Sampling(max_new_tokens=0), "max_new_tokens"),
+        (4, Sampling(top_p=0.0), "top_p"),
+        (4, Sampling(temperature=-1.0), "temperature"),
+    ],
+)
+def test_a_task_that_would_size_work_out_of_bounds_is_refused(
+    group_size: int, sampling: Sampling, field: str
+) -> None:
+    task = Task(
+        id=new_id(), created_at=now(), policy_version=0, domain="arith", item_id="1",
+        split="train", prompt="p", spec={}, group_size=group_size, sampling=sampling,
+    )  # fmt: skip
+    with pytest.raises(MessageError, match=field):
+        decode(encode(task), Task)
+    ok = Task(**{**{f: getattr(task, f) for f in task.__struct_fields__}, "group_size": 4})
+    assert decode(encode(ok.__replace__(sampling=Sampling())), Task).group_size == 4
 
 
 async def test_an_entry_held_by_two_consumers_is_dead_lettered_once(
