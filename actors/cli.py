@@ -2,7 +2,8 @@
 
     streamrl up --config configs/demo.toml [--max-minutes M] [--summary-json PATH]
     streamrl run {scheduler,generator,executor,verifier,learner} --config FILE
-    streamrl status --config FILE [--json]
+    streamrl status --config FILE [--json] [--watch]
+    streamrl dlq|replay|report ... (see actors/ops_cli.py)
     streamrl acl apply --config FILE
 
 Every command takes ``--set section.key=value`` overrides (repeatable).
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import signal
 import sys
@@ -22,6 +24,7 @@ import trio
 
 from actors.config import Config, ConfigError, load_config, to_dict
 from actors.logs import configure_logging, get_logger
+from actors.ops_cli import OPS_COMMANDS, add_ops_parsers, run_ops_command
 from queues.client import RedisURL
 
 ACTORS = ("scheduler", "generator", "executor", "verifier", "learner")
@@ -126,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="queue depths, policy version, dead letters")
     common(status)
     status.add_argument("--json", action="store_true")
+    status.add_argument("--watch", action="store_true", help="refresh every --interval s")
+    status.add_argument("--samples", type=int, default=2, help="samples to judge the bottleneck")
+    status.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    add_ops_parsers(sub, common)
     show = sub.add_parser("config", help="print the merged config as JSON")
     common(show)
     acl = sub.add_parser("acl", help="create the per-role Redis users of a run (auth.enabled)")
@@ -156,7 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         from actors.status import print_status
 
         configure_logging(actor="status", level="warning")
-        return trio.run(print_status, config, args.json)
+        return trio.run(
+            functools.partial(
+                print_status, config, args.json, watch=args.watch, samples=args.samples,
+                interval_s=args.interval,
+            )
+        )
+    if args.command in OPS_COMMANDS:
+        configure_logging(actor=args.command, level="warning")
+        return run_ops_command(args, config)
     if args.command == "acl":
         return trio.run(apply_acl, config)
     if args.command == "up":

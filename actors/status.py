@@ -1,38 +1,266 @@
-"""``streamrl status``: per-stream backlog, policy version, dead letters (text or JSON)."""
+"""``streamrl status``: what every stream and consumer group of a run is doing, and which
+stage is the bottleneck.
+
+Per work stream and its group: length, lag (not yet delivered), pending (delivered, not
+acknowledged), the age of the oldest pending entry, the highest delivery count among pending
+entries, every consumer with its pending count and idle time, and the dead letters that came
+from it; for the run: the learner's policy version and step rate, dead letters in all.
+
+Bottleneck: over several samples (``--samples``, or the history of ``--watch``), the stage
+whose input backlog (lag + pending) grows. Backpressure makes every stage upstream of a slow
+one back up too, so the bottleneck is the *most downstream* stage whose backlog grows.
+
+Reads only. Never waits long for Redis: the connection uses short socket timeouts and the
+reconnect window of :data:`OPS_RECONNECT`, so an unreachable server is a clear error in
+seconds (exit status 2), not a 60 s hang.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
-import msgspec
+import redis
+import trio
 
 from actors.config import Config
-from actors.context import open_context
 from queues import names as N
-from queues.messages import WeightsPublished, decode
-from queues.stats import pipeline_state, stream_length
-from queues.streams import EventReader
+from queues.client import TRANSIENT_ERRORS, Reconnect, RedisClient
+from queues.messages import MessageError, WeightsPublished, decode
+from queues.stats import group_state
+
+OPS_RECONNECT = Reconnect(timeout_s=3.0, backoff_s=0.1, max_backoff_s=0.5)
+"""Operator commands give up on an unreachable Redis after about 3 s."""
+SOCKET_TIMEOUT_S = 5.0
+PIPELINE = (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
+"""The training path in order (``evals`` feeds the monitor, off the path)."""
 
 
-async def print_status(config: Config, as_json: bool) -> int:
-    async with open_context(config, "monitor") as ctx:
-        groups = await pipeline_state(ctx.client, ctx.names)
-        reader = EventReader(ctx.client, ctx.names, N.WEIGHTS)
-        latest = await reader.latest()
-        reader.close()
-        version = decode(latest[1], WeightsPublished).version if latest else 0
-        dead = await stream_length(ctx.client, ctx.names, N.DEAD)
-    status = {
-        "run": config.run.name,
-        "policy_version": version,
-        "dead_letters": dead,
-        "streams": [msgspec.to_builtins(g.__dict__) for g in groups],
+class RedisUnreachable(RuntimeError):
+    pass
+
+
+def ops_client(config: Config) -> RedisClient:
+    """A client for operator commands: ``run.redis_url`` as given (the operator's own
+    credentials; with ``auth.enabled`` the role users cannot run XPENDING / XDEL), short
+    socket timeouts, a reconnect window of a few seconds."""
+    url = config.run.redis_url
+    if not url:
+        raise RedisUnreachable("run.redis_url is empty: set $STREAMRL_REDIS_URL or --set")
+    parts = urlsplit(url)
+    if "+cluster" not in parts.scheme and parts.scheme != "unix":
+        extra = f"socket_connect_timeout={SOCKET_TIMEOUT_S}&socket_timeout={SOCKET_TIMEOUT_S}"
+        query = f"{parts.query}&{extra}" if parts.query else extra
+        url = urlunsplit(parts._replace(query=query))
+    return RedisClient(url, max_connections=8, reconnect=OPS_RECONNECT)
+
+
+@dataclass(frozen=True)
+class Consumer:
+    name: str
+    pending: int
+    idle_s: float
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    stream: str
+    group: str
+    length: int
+    lag: int
+    pending: int
+    backlog: int
+    oldest_pending_age_s: float | None
+    max_deliveries: int
+    dead_letters: int
+    consumers: list[Consumer] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    run: str
+    at: float
+    policy_version: int
+    steps_per_min: float | None
+    dead_letters: int
+    groups: list[GroupStatus]
+    bottleneck: str | None = None
+    """The stage (consumer group) whose backlog grows, most downstream; None if none does."""
+    growth: dict[str, int] = field(default_factory=dict)
+    """Backlog change per stream across the samples the bottleneck was judged on."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _s(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def _group_detail(
+    client: RedisClient, names: N.Names, stream: str, group: str
+) -> tuple[float | None, int, list[Consumer]]:
+    key = names.stream(stream)
+
+    def fetch() -> tuple[float | None, int, list[Consumer]]:
+        try:
+            rows = client.sync.xpending_range(key, group, "-", "+", 1000)
+            consumers = client.sync.xinfo_consumers(key, group)
+        except redis.ResponseError as exc:  # no stream or no group yet
+            if "no such key" in str(exc).lower() or "nogroup" in str(exc).lower():
+                return None, 0, []
+            raise
+        oldest = None
+        if rows:  # the lowest id is the oldest entry; its age from the id's timestamp
+            first_ms = int(_s(rows[0]["message_id"]).split("-")[0])
+            oldest = max(0.0, time.time() - first_ms / 1000)
+        max_deliveries = max((int(r["times_delivered"]) for r in rows), default=0)
+        return oldest, max_deliveries, [
+            Consumer(_s(c["name"]), int(c["pending"]), int(c["idle"]) / 1000) for c in consumers
+        ]
+
+    return await client.call(fetch)
+
+
+async def _dead_by_stream(client: RedisClient, names: N.Names) -> tuple[int, dict[str, int]]:
+    from actors.dlq import list_dead
+
+    total = int(await client.call(client.sync.xlen, names.stream(N.DEAD)))
+    counts: dict[str, int] = {}
+    if total <= 10_000:  # beyond that only the total: listing would take long
+        for entry in await list_dead(client, names):
+            stream = entry.letter.stream if entry.letter else "?"
+            counts[stream] = counts.get(stream, 0) + 1
+    return total, counts
+
+
+async def _learner(client: RedisClient, names: N.Names) -> tuple[int, float | None]:
+    latest: Any = await client.call(client.sync.xrevrange, names.stream(N.WEIGHTS), count=1)
+    version = 0
+    for _, fields in latest or []:
+        with contextlib.suppress(MessageError, KeyError):
+            version = decode(fields[b"d"], WeightsPublished).version
+    rows = await client.call(client.sync.xrevrange, names.stream(N.METRICS), count=20)
+    times = []
+    for raw_id, _ in rows or []:
+        times.append(int(_s(raw_id).split("-")[0]) / 1000)
+    rate = None
+    if len(times) >= 2 and max(times) > min(times):
+        rate = (len(times) - 1) / (max(times) - min(times)) * 60
+    return version, rate
+
+
+async def snapshot(client: RedisClient, names: N.Names) -> Snapshot:
+    total_dead, dead = await _dead_by_stream(client, names)
+    groups = []
+    for stream in N.WORK_STREAMS:
+        group = N.GROUP_OF_STREAM[stream]
+        state = await group_state(client, names, stream, group)
+        oldest, max_deliveries, consumers = await _group_detail(client, names, stream, group)
+        groups.append(
+            GroupStatus(
+                stream, group, state.length, state.lag, state.pending, state.backlog, oldest,
+                max_deliveries, dead.get(stream, 0), consumers,
+            )
+        )
+    version, rate = await _learner(client, names)
+    return Snapshot(names.run, time.time(), version, rate, total_dead, groups)
+
+
+def bottleneck(samples: Sequence[Snapshot]) -> tuple[str | None, dict[str, int]]:
+    """The most downstream stage of the training path whose backlog grew from the first
+    sample to the last (and never shrank on the way), with every stream's growth."""
+    if len(samples) < 2:
+        return None, {}
+    series = {
+        stream: [next(g.backlog for g in s.groups if g.stream == stream) for s in samples]
+        for stream in PIPELINE
     }
-    if as_json:
-        print(json.dumps(status, indent=2))
-        return 0
-    print(f"run {status['run']}: policy v{version}, {dead} dead letters")
-    print(f"{'stream':<14}{'group':<12}{'length':>8}{'lag':>8}{'pending':>9}{'consumers':>11}")
-    for g in groups:
-        print(f"{g.stream:<14}{g.group:<12}{g.length:>8}{g.lag:>8}{g.pending:>9}{g.consumers:>11}")
-    return 0
+    growth = {stream: values[-1] - values[0] for stream, values in series.items()}
+    growing = [
+        stream
+        for stream, values in series.items()
+        if values[-1] > values[0] and all(b >= a for a, b in itertools.pairwise(values))
+    ]
+    if not growing:
+        return None, growth
+    return N.GROUP_OF_STREAM[growing[-1]], growth
+
+
+async def sample(
+    client: RedisClient, names: N.Names, samples: int, interval_s: float
+) -> Snapshot:
+    """``samples`` snapshots ``interval_s`` apart; the last one, with the bottleneck judged."""
+    taken = []
+    for i in range(samples):
+        if i:
+            await trio.sleep(interval_s)
+        taken.append(await snapshot(client, names))
+    stage, growth = bottleneck(taken)
+    last = taken[-1]
+    return Snapshot(**{**last.__dict__, "bottleneck": stage, "growth": growth})
+
+
+def render(s: Snapshot) -> str:
+    rate = f"{s.steps_per_min:.2f} steps/min" if s.steps_per_min is not None else "no steps yet"
+    lines = [
+        f"run {s.run}: policy v{s.policy_version}, {rate}, {s.dead_letters} dead letters,"
+        f" bottleneck: {s.bottleneck or '-'}",
+        f"{'stream':<14}{'group':<11}{'length':>8}{'lag':>7}{'pending':>9}{'oldest':>9}"
+        f"{'maxdel':>8}{'dead':>6}  consumers (pending/idle)",
+    ]
+    for g in s.groups:
+        oldest = f"{g.oldest_pending_age_s:.0f}s" if g.oldest_pending_age_s is not None else "-"
+        consumers = ", ".join(f"{c.name} ({c.pending}/{c.idle_s:.0f}s)" for c in g.consumers)
+        lines.append(
+            f"{g.stream:<14}{g.group:<11}{g.length:>8}{g.lag:>7}{g.pending:>9}{oldest:>9}"
+            f"{g.max_deliveries:>8}{g.dead_letters:>6}  {consumers or '-'}"
+        )
+    return "\n".join(lines)
+
+
+async def print_status(
+    config: Config,
+    as_json: bool,
+    *,
+    watch: bool = False,
+    samples: int = 2,
+    interval_s: float = 1.0,
+) -> int:
+    names = N.Names(config.run.name)
+    try:
+        client = ops_client(config)
+    except (RedisUnreachable, ValueError) as exc:
+        print(f"streamrl status: {exc}", file=sys.stderr)
+        return 2
+    try:
+        if not watch:
+            snap = await sample(client, names, max(1, samples), interval_s)
+            print(json.dumps(snap.to_json(), indent=2) if as_json else render(snap))
+            return 0
+        history: list[Snapshot] = []
+        while True:  # --watch: one snapshot per interval, bottleneck over the last ten
+            history = [*history[-9:], await snapshot(client, names)]
+            stage, growth = bottleneck(history)
+            snap = Snapshot(**{**history[-1].__dict__, "bottleneck": stage, "growth": growth})
+            if as_json:
+                print(json.dumps(snap.to_json()), flush=True)
+            else:
+                print("\x1b[2J\x1b[H" + render(snap), flush=True)
+            await trio.sleep(interval_s)
+    except TRANSIENT_ERRORS as exc:
+        print(
+            f"streamrl status: cannot reach Redis at {client.url.redacted}: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    finally:
+        client.close()

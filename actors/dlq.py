@@ -1,0 +1,260 @@
+"""``streamrl dlq``: inspect, requeue and purge dead letters.
+
+Guarantees:
+- ``requeue`` puts a dead letter's original payload back on its original stream as a new
+  entry, so it runs again through the normal path (the stream's consumer group, every
+  policy), and deletes it from the dead-letter stream in the same Lua script: a letter is
+  requeued once even if two operators requeue it at once or a reply is lost and the call
+  is repeated (the script adds nothing for a letter that is no longer there);
+- ``purge`` deletes only the letters it listed (letters dead-lettered meanwhile stay), and
+  only after confirmation (``--yes`` for scripts);
+- nothing here decodes more than it shows: a payload that does not decode as its stream's
+  message is shown as bytes with the decoding error.
+
+The dead-letter stream of the default (unsharded) layout is read; dead letters of sharded
+runs are not covered yet.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import (
+    DeadLetter,
+    Executed,
+    MessageError,
+    Rollout,
+    Task,
+    Trajectory,
+    decode,
+)
+from queues.payloads import PayloadLimits, prepare_many, store_blobs
+
+MESSAGE_OF_STREAM: dict[str, type[msgspec.Struct]] = {
+    N.TASKS: Task,
+    N.ROLLOUTS: Rollout,
+    N.EXECUTED: Executed,
+    N.TRAJECTORIES: Trajectory,
+    N.EVALS: Trajectory,
+}
+
+# Requeue one dead letter: XADD its payload to the original stream and XDEL it from the
+# dead-letter stream, in one script (both keys share the run's hash tag).
+# KEYS[1] dead-letter stream, KEYS[2] original stream; ARGV[1] dead entry id, ARGV[2] payload.
+# Returns the new entry id, or false if the letter was no longer there (already requeued
+# or purged): then nothing is added.
+REQUEUE_LUA = """
+if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then
+  return false
+end
+local id = redis.call('XADD', KEYS[2], '*', 'd', ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[1])
+return id
+"""
+
+
+@dataclass(frozen=True)
+class DeadEntry:
+    dead_id: str
+    """Entry id in the dead-letter stream (what ``show``/``requeue``/``purge`` take)."""
+    letter: DeadLetter | None
+    """None: the dead entry itself could not be decoded (see ``error``)."""
+    error: str
+
+    @property
+    def age_s(self) -> float:
+        if self.letter is not None:
+            return max(0.0, time.time() - self.letter.at)
+        return max(0.0, time.time() - int(self.dead_id.split("-")[0]) / 1000)
+
+    def summary(self) -> dict[str, Any]:
+        letter = self.letter
+        return {
+            "id": self.dead_id,
+            "stream": letter.stream if letter else None,
+            "group": letter.group if letter else None,
+            "entry_id": letter.entry_id if letter else None,
+            "deliveries": letter.deliveries if letter else None,
+            "age_s": round(self.age_s, 1),
+            "error": self.error,
+            "payload_bytes": len(letter.payload) if letter else None,
+        }
+
+
+@dataclass(frozen=True)
+class Selection:
+    ids: tuple[str, ...] = ()
+    stream: str | None = None
+    error: str | None = None
+    """Regular expression searched in the error text."""
+    all: bool = False
+
+    @property
+    def empty(self) -> bool:
+        return not (self.ids or self.stream or self.error or self.all)
+
+    def matches(self, entry: DeadEntry) -> bool:
+        if self.ids and entry.dead_id not in self.ids:
+            return False
+        if self.stream and (entry.letter is None or entry.letter.stream != self.stream):
+            return False
+        return not (self.error and not re.search(self.error, entry.error))
+
+
+def _str(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def list_dead(
+    client: RedisClient, names: N.Names, selection: Selection | None = None
+) -> list[DeadEntry]:
+    """Every dead letter of the run (oldest first) that ``selection`` matches."""
+    rows: Any = await client.call(client.sync.xrange, names.stream(N.DEAD))
+    out = []
+    for raw_id, fields in rows or []:
+        dead_id = _str(raw_id)
+        try:
+            letter: DeadLetter | None = decode(fields.get(b"d", b""), DeadLetter)
+            error = letter.error if letter else ""
+        except MessageError as exc:
+            letter, error = None, f"(undecodable dead letter: {exc})"
+        entry = DeadEntry(dead_id, letter, error)
+        if selection is None or selection.matches(entry):
+            out.append(entry)
+    return out
+
+
+def _readable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return f"<{len(value)} bytes>"
+    if isinstance(value, dict):
+        return {k: _readable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_readable(v) for v in value]
+    return value
+
+
+def decoded_payload(letter: DeadLetter) -> dict[str, Any]:
+    """The payload as its stream's message (bytes fields shown by size), or why it is not one."""
+    kind = MESSAGE_OF_STREAM.get(letter.stream)
+    if kind is None:
+        return {"undecoded": f"<{len(letter.payload)} bytes>", "why": "unknown stream"}
+    try:
+        message = decode(letter.payload, kind)
+    except MessageError as exc:
+        return {"undecoded": letter.payload[:256].hex(), "why": str(exc)}
+    return {"type": kind.__name__, "message": _readable(msgspec.to_builtins(
+        message, builtin_types=(bytes,)))}
+
+
+async def requeue(
+    client: RedisClient,
+    names: N.Names,
+    entries: list[DeadEntry],
+    limits: PayloadLimits | None = None,
+) -> list[tuple[str, str | None]]:
+    """Requeue each entry to its original stream; [(dead id, new entry id or None if it was
+    gone already)]. A payload over the claim-check size goes through the claim check."""
+    script = client.sync.register_script(REQUEUE_LUA)
+    limits = limits or PayloadLimits()
+    done: list[tuple[str, str | None]] = []
+    for entry in entries:
+        if entry.letter is None or entry.letter.stream not in N.WORK_STREAMS:
+            raise ValueError(f"dead letter {entry.dead_id} has no original work stream")
+        key = names.stream(entry.letter.stream)
+        prepared, blobs = prepare_many([(key, entry.letter.payload)], limits)
+
+        def run(
+            key: str = key, dead_id: str = entry.dead_id, payload: bytes = prepared[0][1],
+            blobs: Any = blobs,
+        ) -> Any:
+            if blobs:
+                pipe = client.sync.pipeline(transaction=False)
+                store_blobs(pipe, blobs, limits)
+                pipe.execute()
+            return script(keys=[names.stream(N.DEAD), key], args=[dead_id, payload])
+
+        new_id = await client.call(run)
+        done.append((entry.dead_id, _str(new_id) if new_id else None))
+    return done
+
+
+async def purge(client: RedisClient, names: N.Names, entries: list[DeadEntry]) -> int:
+    """Delete exactly these dead letters; returns how many were still there."""
+    if not entries:
+        return 0
+    ids = [e.dead_id for e in entries]
+    return int(await client.call(client.sync.xdel, names.stream(N.DEAD), *ids))
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _print_table(entries: list[DeadEntry]) -> None:
+    print(f"{'id':<17}{'stream':<14}{'deliv':>6}{'age':>9}  error")
+    for e in entries:
+        s = e.summary()
+        first = (s["error"] or "").splitlines()[0] if s["error"] else ""
+        print(
+            f"{s['id']:<17}{s['stream'] or '?':<14}{s['deliveries'] or 0:>6}"
+            f"{s['age_s']:>8.0f}s  {first[:100]}"
+        )
+    print(f"{len(entries)} dead letter(s)")
+
+
+async def run_dlq(
+    client: RedisClient,
+    names: N.Names,
+    action: str,
+    selection: Selection,
+    *,
+    as_json: bool = False,
+    yes: bool = False,
+    limits: PayloadLimits | None = None,
+    confirm: Any = input,
+) -> int:
+    """The body of ``streamrl dlq ACTION``; returns the exit status."""
+    if action in ("requeue", "purge", "show") and selection.empty:
+        print(f"streamrl dlq {action}: name letter ids, --stream, --error or --all",
+              file=sys.stderr)
+        return 2
+    entries = await list_dead(client, names, selection)
+    if action == "list":
+        if as_json:
+            print(json.dumps([e.summary() for e in entries], indent=2))
+        else:
+            _print_table(entries)
+        return 0
+    if action == "show":
+        shown = [
+            {**e.summary(), "payload": decoded_payload(e.letter) if e.letter else None}
+            for e in entries
+        ]
+        print(json.dumps(shown, indent=2, default=str))
+        return 0 if entries else 1
+    if not entries:
+        print(f"streamrl dlq {action}: no dead letter matches", file=sys.stderr)
+        return 1
+    if action == "requeue":
+        for dead_id, new_id in await requeue(client, names, entries, limits):
+            print(f"{dead_id} -> {new_id}" if new_id else f"{dead_id}: gone already, skipped")
+        return 0
+    if action == "purge":
+        if not yes:
+            _print_table(entries)
+            answer = confirm(f"delete these {len(entries)} dead letter(s)? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("nothing deleted")
+                return 1
+        print(f"deleted {await purge(client, names, entries)} dead letter(s)")
+        return 0
+    raise ValueError(f"unknown dlq action {action!r}")

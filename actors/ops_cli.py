@@ -1,0 +1,103 @@
+"""The operator subcommands of ``streamrl``: ``dlq``, ``replay``, ``report``.
+
+    streamrl dlq list|show|requeue|purge [IDS...] [--stream S] [--error REGEX] [--all]
+                 [--json] [--yes] --config FILE
+    streamrl replay list|show|rescore|retrain|export [selection] --config FILE
+    streamrl report --out DIR --config FILE
+
+They connect with ``run.redis_url`` as given (the operator's credentials), give up on an
+unreachable Redis within seconds (exit status 2) and import their heavy parts lazily.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from actors.config import Config
+
+OPS_COMMANDS = ("dlq", "replay", "report")
+
+
+def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    dlq = sub.add_parser("dlq", help="list, show, requeue or purge dead letters")
+    dlq.add_argument("action", choices=["list", "show", "requeue", "purge"])
+    dlq.add_argument("ids", nargs="*", help="dead-letter entry ids (from `dlq list`)")
+    dlq.add_argument("--stream", help="only letters from this stream (tasks, rollouts, ...)")
+    dlq.add_argument("--error", help="only letters whose error matches this regex")
+    dlq.add_argument("--all", action="store_true", help="every letter")
+    dlq.add_argument("--json", action="store_true")
+    dlq.add_argument("--yes", action="store_true", help="purge without asking")
+    common(dlq)
+
+    replay = sub.add_parser("replay", help="select, show, rescore, retrain, export trajectories")
+    replay.add_argument("action", choices=["list", "show", "rescore", "retrain", "export"])
+    replay.add_argument("--source", choices=["live", "archive", "both"], default="both")
+    replay.add_argument("--archive", help="archive directory (default: <work_dir>/archive)")
+    replay.add_argument("--stream", choices=["trajectories", "evals"], default=None)
+    replay.add_argument("--from-id", help="first stream entry id (live)")
+    replay.add_argument("--to-id", help="last stream entry id (live)")
+    replay.add_argument("--since", type=float, help="created at or after (unix seconds)")
+    replay.add_argument("--until", type=float, help="created before (unix seconds)")
+    replay.add_argument("--domain")
+    replay.add_argument("--episode", action="append", default=[], help="episode id (repeat)")
+    replay.add_argument("--min-reward", type=float, help="group mean reward at least")
+    replay.add_argument("--max-reward", type=float, help="group mean reward at most")
+    replay.add_argument("--policy-version", type=int)
+    replay.add_argument("--limit", type=int, default=0, help="at most N (0: all)")
+    replay.add_argument("--checkpoint", help="retrain: weights directory v{N} to start from")
+    replay.add_argument("--step", type=int, help="retrain: the recorded step to reproduce")
+    replay.add_argument("--jsonl", help="export: JSONL path")
+    replay.add_argument("--parquet", help="export: Parquet path")
+    replay.add_argument("--json", action="store_true")
+    common(replay)
+
+    report = sub.add_parser("report", help="PNG charts and a Markdown summary of a run")
+    report.add_argument("--out", required=True)
+    report.add_argument("--archive", help="archive directory (default: <work_dir>/archive)")
+    common(report)
+
+
+def run_ops_command(args: argparse.Namespace, config: Config) -> int:
+    from actors.status import RedisUnreachable, ops_client
+    from queues.client import TRANSIENT_ERRORS
+    from queues.names import Names
+
+    try:
+        client = ops_client(config)
+    except (RedisUnreachable, ValueError) as exc:
+        print(f"streamrl {args.command}: {exc}", file=sys.stderr)
+        return 2
+    names = Names(config.run.name)
+    try:
+        if args.command == "dlq":
+            from actors.dlq import Selection, run_dlq
+
+            selection = Selection(tuple(args.ids), args.stream, args.error, args.all)
+            return trio.run(
+                lambda: run_dlq(
+                    client, names, args.action, selection, as_json=args.json, yes=args.yes
+                )
+            )
+        if args.command == "replay":
+            from actors.replay import run_replay
+
+            return trio.run(run_replay, client, names, config, args)
+        if args.command == "report":
+            from actors.report import run_report
+
+            return trio.run(run_report, client, names, config, args)
+    except TRANSIENT_ERRORS as exc:
+        print(
+            f"streamrl {args.command}: cannot reach Redis at {client.url.redacted}: "
+            f"{type(exc).__name__}: {exc}",
+            file=sys.stderr,
+        )
+        return 2
+    finally:
+        client.close()
+    return 2

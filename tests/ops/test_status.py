@@ -1,0 +1,128 @@
+"""``streamrl status``: the JSON schema, the bottleneck on a staged backlog, and a fast,
+clear failure when Redis is down."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from actors.status import bottleneck, sample, snapshot
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import encode
+from queues.streams import Producer, StreamConsumer, ensure_group
+from tests.ops.helpers import config, executed
+
+NUM = (int, float)
+GROUP_SCHEMA = {
+    "stream": str, "group": str, "length": int, "lag": int, "pending": int, "backlog": int,
+    "oldest_pending_age_s": (float, type(None)), "max_deliveries": int, "dead_letters": int,
+    "consumers": list,
+}
+TOP_SCHEMA = {
+    "run": str, "at": float, "policy_version": int, "steps_per_min": (float, type(None)),
+    "dead_letters": int, "groups": list, "bottleneck": (str, type(None)), "growth": dict,
+}
+
+
+def _check(obj: dict, schema: dict) -> None:
+    assert set(obj) == set(schema), set(obj) ^ set(schema)
+    for key, kind in schema.items():
+        assert isinstance(obj[key], kind), (key, obj[key])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "actors.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+async def test_status_json_schema_through_the_cli(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a rollouts entry delivered to an executor twice and never acknowledged
+    await Producer(client, names).publish(N.ROLLOUTS, [encode(executed("1", ["1"]).rollout)])
+    await ensure_group(client, names.stream(N.ROLLOUTS), "executor")
+    consumer = StreamConsumer(client, names, N.ROLLOUTS, "executor", stage="executor",
+                              consumer="exec-1")
+    [d] = await consumer.read(1)
+    await client.call(client.sync.xclaim, names.stream(N.ROLLOUTS), "executor", "exec-1", 0,
+                      [d.entry_id])
+    consumer.close()
+
+    # When status runs as a command
+    done = _cli("status", "--json", "--samples", "1", "--set", f"run.name={names.run}",
+                "--set", f"run.redis_url={redis_url}")
+    assert done.returncode == 0, done.stderr
+    status = json.loads(done.stdout)
+
+    # Then it has the schema, and the rollouts group shows the pending entry and its consumer
+    _check(status, TOP_SCHEMA)
+    assert [g["stream"] for g in status["groups"]] == list(N.WORK_STREAMS)
+    for g in status["groups"]:
+        _check(g, GROUP_SCHEMA)
+        for c in g["consumers"]:
+            _check(c, {"name": str, "pending": int, "idle_s": NUM})
+    rollouts = status["groups"][1]
+    assert (rollouts["length"], rollouts["lag"], rollouts["pending"]) == (1, 0, 1)
+    assert rollouts["max_deliveries"] == 2
+    assert rollouts["oldest_pending_age_s"] is not None
+    assert [c["name"] for c in rollouts["consumers"]] == ["exec-1"]
+
+
+async def test_bottleneck_is_the_most_downstream_growing_backlog(
+    client: RedisClient, names: N.Names
+) -> None:
+    producer = Producer(client, names)
+    group = executed("1", ["1"])
+    # Given a standing tasks backlog (upstream, constant) ...
+    await producer.publish(N.TASKS, [encode(group.rollout.task)] * 3)
+    first = await snapshot(client, names)
+    # ... and executed entries piling up between samples (the verifier is slow)
+    samples = [first]
+    for _ in range(2):
+        await producer.publish(N.EXECUTED, [encode(group)] * 2)
+        samples.append(await snapshot(client, names))
+    stage, growth = bottleneck(samples)
+    assert stage == "verifier"
+    assert growth == {N.TASKS: 0, N.ROLLOUTS: 0, N.EXECUTED: 4, N.TRAJECTORIES: 0}
+
+    # When the rollouts backlog also grows, the verifier is still the most downstream one
+    await producer.publish(N.ROLLOUTS, [encode(group.rollout)])
+    await producer.publish(N.EXECUTED, [encode(group)])
+    assert bottleneck([*samples, await snapshot(client, names)])[0] == "verifier"
+    # A backlog that drains is no bottleneck; nothing growing: None
+    assert bottleneck([samples[-1], samples[0]]) == (None, {k: -v for k, v in growth.items()})
+    assert (await sample(client, names, 2, 0.01)).bottleneck is None
+
+
+def test_status_fails_fast_when_redis_is_down(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a loopback port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    done = _cli("status", "--set", f"run.redis_url=redis://127.0.0.1:{port}/0")
+    took = time.monotonic() - start
+    assert done.returncode == 2
+    assert "cannot reach Redis at redis://127.0.0.1" in done.stderr
+    assert took < 15, took
+
+
+def test_status_without_url_is_a_clear_error() -> None:
+    done = _cli("status", "--set", "run.redis_url=")
+    assert done.returncode == 2 and "run.redis_url is empty" in done.stderr
+
+
+@pytest.mark.parametrize("action", ["list"])
+def test_dlq_cli_lists(action: str, redis_url: str, names: N.Names, tmp_path: Path) -> None:
+    cfg = config(tmp_path, redis_url, names.run)
+    done = _cli("dlq", action, "--json", "--set", f"run.name={cfg.run.name}",
+                "--set", f"run.redis_url={redis_url}")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == []
