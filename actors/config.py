@@ -183,6 +183,16 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """torch threads in the learner process (0: torch's default)."""
     max_steps: NonNegInt = 0
     """Stop after this many steps (0: run until stopped)."""
+    tis_cap: PosFloat = 2.0
+    """Truncated importance-sampling cap, used with recompute_old_logprobs."""
+    recompute_old_logprobs: bool = False
+    """Anchor the PPO ratio to logprobs the learner recomputes before the step and weight
+    each token by min(pi_old / pi_behaviour, tis_cap); off: the ratio is taken against the
+    generator's behaviour logprobs directly (docs/learner.md)."""
+    kl_coef: Annotated[float, Meta(ge=0)] = 0.0
+    """Weight of the k3 KL penalty to the frozen base model (0: no reference model)."""
+    device: str = "cpu"
+    """Torch device of the learner ("cuda" under torchrun: each rank its LOCAL_RANK GPU)."""
 
 
 class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

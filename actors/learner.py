@@ -37,7 +37,7 @@ from learner.checkpoint import (
     save_trainer_state,
 )
 from learner.model import resolve_model
-from learner.train import StepStats, TrainConfig, Trainer
+from learner.train import StepStats, TrainConfig, Trainer, rng_state
 from learner.weights import latest_version, save_weights, version_dir
 from queues import names as N
 from queues.messages import (
@@ -77,7 +77,12 @@ class Learner:
                 grad_checkpointing=self.cfg.grad_checkpointing,
                 seed=ctx.config.run.seed,
                 num_threads=self.cfg.threads or None,
+                tis_cap=self.cfg.tis_cap,
+                recompute_old_logprobs=self.cfg.recompute_old_logprobs,
+                kl_coef=self.cfg.kl_coef,
+                device=self.cfg.device,
             ),
+            ref_dir=self.base_dir,
         )
         self.ledger = Ledger.open(self.root, self.version)
         state = load_trainer_state(start) if self.version else None
@@ -202,7 +207,9 @@ class Learner:
         def extra(directory: Path) -> None:
             (directory / STEP_METRICS_FILE).write_bytes(encode(metrics))
             if self.cfg.checkpoint_optimizer:
-                save_trainer_state(self.trainer.optimizer, self.trainer.steps, directory)
+                save_trainer_state(
+                    self.trainer.optimizer, self.trainer.steps, directory, rng=rng_state()
+                )
 
         path = save_weights(
             self.trainer.model,

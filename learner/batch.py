@@ -66,21 +66,24 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
+    def rows(self, rows: slice) -> Batch:
+        """Samples ``rows`` (e.g. one rank's shard), trimmed to their own longest sample."""
+        width = int(self.lengths[rows].max())
+        return Batch(
+            input_ids=self.input_ids[rows, :width],
+            attention_mask=self.attention_mask[rows, :width],
+            loss_mask=self.loss_mask[rows, : width - 1],
+            old_logprobs=self.old_logprobs[rows, : width - 1],
+            advantages=self.advantages[rows, : width - 1],
+            temperature=self.temperature[rows],
+            rewards=self.rewards[rows],
+            lengths=self.lengths[rows],
+        )
+
     def micro_batches(self, size: int) -> Iterator[Batch]:
         """Consecutive slices of ``size`` samples, each trimmed to its own longest sample."""
         for start in range(0, self.size, size):
-            rows = slice(start, start + size)
-            width = int(self.lengths[rows].max())
-            yield Batch(
-                input_ids=self.input_ids[rows, :width],
-                attention_mask=self.attention_mask[rows, :width],
-                loss_mask=self.loss_mask[rows, : width - 1],
-                old_logprobs=self.old_logprobs[rows, : width - 1],
-                advantages=self.advantages[rows, : width - 1],
-                temperature=self.temperature[rows],
-                rewards=self.rewards[rows],
-                lengths=self.lengths[rows],
-            )
+            yield self.rows(slice(start, start + size))
 
 
 def group_staleness(trajectory: Trajectory, learner_version: int) -> int:

@@ -15,8 +15,8 @@ group twice (its episode id is in the ledger: the redelivered entry is only ackn
 and never skips one (a group is in the ledger only if its step's weights exist; groups of
 a void step are still pending in Redis and get redelivered).
 
-``trainer_state.pt`` holds the AdamW moments and the step count; only the newest version
-keeps it (it is twice the size of the weights), older versions keep only the weights.
+``trainer_state.pt`` holds the AdamW moments, the step count and the RNG states; only the
+newest version keeps it (it is twice the size of the weights), older versions keep only the weights.
 """
 
 from __future__ import annotations
@@ -123,11 +123,18 @@ class Ledger:
         self.consumed.update(record.episode_ids)
 
 
-def save_trainer_state(optimizer: torch.optim.Optimizer, steps: int, directory: Path) -> None:
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "steps": steps},
-        Path(directory) / TRAINER_STATE_FILE,
-    )
+def save_trainer_state(
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    directory: Path,
+    rng: dict[str, Any] | None = None,
+) -> None:
+    """AdamW state, step count and (optionally) the RNG states of
+    :func:`learner.train.rng_state`; everything loads with ``weights_only=True``."""
+    state: dict[str, Any] = {"optimizer": optimizer.state_dict(), "steps": steps}
+    if rng is not None:
+        state["rng"] = rng
+    torch.save(state, Path(directory) / TRAINER_STATE_FILE)
 
 
 def load_trainer_state(directory: Path) -> dict[str, Any] | None:

@@ -14,9 +14,11 @@ Notation, per completion token t of sample i (all tensors share one shape, e.g. 
     ratio_t = exp(new_logprob_t - old_logprob_t)          # pi_theta / pi_old
     A_i     = (r_i - mean(r_group)) / (std(r_group) + eps)
     L_t     = -min(ratio_t * A_i, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A_i)
-    loss    = sum_t mask_t * w_t * L_t / normalizer        # normalizer = sum_t mask_t
+    k3_t    = exp(ref_t - new_t) - (ref_t - new_t) - 1      # KL(pi_theta || pi_ref), k3
+    loss    = sum_t mask_t * (w_t * L_t + beta * k3_t) / normalizer   # normalizer = sum_t mask_t
 
-``w_t`` is the truncated importance-sampling weight (1 unless ``behaviour_logprobs`` is given).
+``w_t`` is the truncated importance-sampling weight (1 unless ``behaviour_logprobs`` is given);
+the KL term is there only when ``ref_logprobs`` is given (``beta`` = ``kl_coef``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def policy_loss(
     tis_cap: float | None = None,
     behaviour_logprobs: Tensor | None = None,
     normalizer: float | Tensor | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clipped surrogate loss (to minimise) and detached statistics.
 
@@ -68,12 +72,17 @@ def policy_loss(
             unused.
         normalizer: the token count to divide by; default ``mask.sum()``. Pass the token
             count of the whole step when this call sees one micro-batch of it.
+        ref_logprobs, kl_coef: log pi_ref(token) under a frozen reference model; adds
+            ``kl_coef * k3`` per token, the unbiased, always non-negative k3 estimator of
+            KL(pi_theta || pi_ref) on tokens sampled from (approximately) pi_theta. Its
+            gradient pulls each token's logprob towards the reference's.
 
     Returns:
         ``(loss, stats)``; stats are means over the masked tokens of this call:
         ``clip_frac`` (tokens whose clipped term was the active one), ``ratio_mean``,
         ``approx_kl`` (k3 estimator of KL(pi_old || pi_theta):
-        ``mean(ratio - 1 - log ratio)``), ``tis_weight_mean``, and ``tokens``.
+        ``mean(ratio - 1 - log ratio)``), ``tis_weight_mean``, ``kl_ref`` (mean k3 to the
+        reference, 0 without one) and ``tokens``.
     """
     keep = mask.bool()
     mask = mask.to(new_logprobs.dtype)
@@ -91,6 +100,12 @@ def policy_loss(
         if tis_cap is not None:
             weight = torch.clamp(weight, max=tis_cap)
     per_token = per_token * weight
+    if ref_logprobs is not None:
+        ref_minus_new = torch.where(keep, ref_logprobs - new_logprobs, 0.0)
+        k3 = torch.exp(ref_minus_new) - ref_minus_new - 1.0
+        per_token = per_token + kl_coef * k3
+    else:
+        k3 = torch.zeros_like(per_token)
 
     tokens = mask.sum()
     denom = tokens if normalizer is None else normalizer
@@ -106,6 +121,7 @@ def policy_loss(
             "ratio_mean": float((ratio * mask).sum() / n),
             "approx_kl": float(((ratio - 1.0 - log_ratio) * mask).sum() / n),
             "tis_weight_mean": float((weight * mask).sum() / n),
+            "kl_ref": float((k3 * mask).sum() / n),
             "tokens": float(tokens),
         }
     return loss, stats

@@ -9,25 +9,38 @@ Guarantees:
 - a step either updates the weights with a finite gradient, or raises and leaves the weights
   untouched (non-finite gradient norm), or is skipped and says so (no group with signal).
 
-Simplifications: one process, one device, no FSDP/tensor parallelism, no reference-model
-KL penalty, no entropy bonus; zero-advantage groups are dropped rather than re-sampled.
+- with ``torch.distributed`` initialised (``torchrun``, see :mod:`learner.distributed`),
+  every rank builds the same batch, trains on its own contiguous slice of the samples and
+  the gradients are summed across ranks before clipping, so N ranks take the same step as
+  one process on the whole batch (up to float summation order);
+- the trainer's RNG states (torch, CUDA, python ``random``, numpy) travel with the
+  optimiser state (:meth:`Trainer.state_dict`), so a resumed run draws the same random
+  numbers (dropout) as one that never stopped.
+
+Simplifications: data parallel only (no FSDP/tensor parallelism: a model must fit on one
+device), no entropy bonus; zero-advantage groups are dropped rather than re-sampled.
 The Redis actor loop (staleness policy, publishing weights, metrics) lives in the learner
 actor; this module only does the math.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
+import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from learner import distributed as dist_util
 from learner.batch import Batch, build_batch, has_signal
 from learner.loss import policy_loss
 from learner.model import load_model
@@ -63,6 +76,21 @@ class TrainConfig:
     drop_zero_advantage: bool = True
     """Drop groups whose rewards are all equal before the forward pass: their advantages
     are zero, so they cost compute and only dilute the token normaliser."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap (> 0; None: no cap). Used when
+    ``recompute_old_logprobs`` is on: each token is weighted by
+    ``min(pi_old / pi_behaviour, tis_cap)``."""
+    recompute_old_logprobs: bool = False
+    """Anchor the PPO ratio to logprobs recomputed by the learner (no-grad pass with the
+    weights before the step) instead of the generator's behaviour logprobs, and correct for
+    the behaviour policy with truncated importance sampling. Off: the ratio's anchor *is*
+    the behaviour policy and the clip bounds the importance ratio itself."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to a frozen reference model (>= 0; 0: no reference model
+    is loaded)."""
+    bf16: bool = True
+    """Autocast the forward passes to bfloat16 on CUDA (weights and optimiser stay fp32);
+    ignored on CPU."""
     adv_eps: float = 1e-6
     """Added to the group's reward std before dividing (> 0)."""
     seed: int = 0
@@ -83,6 +111,8 @@ class TrainConfig:
             "micro_batch_size >= 1": self.micro_batch_size >= 1,
             "temperature > 0": self.temperature is None or self.temperature > 0,
             "adv_eps > 0": self.adv_eps > 0,
+            "tis_cap > 0": self.tis_cap is None or self.tis_cap > 0,
+            "kl_coef >= 0": self.kl_coef >= 0,
             "num_threads >= 1": self.num_threads is None or self.num_threads >= 1,
         }
         broken = [rule for rule, ok in checks.items() if not ok]
@@ -101,6 +131,7 @@ class StepStats:
     clip_frac: float
     ratio_mean: float
     approx_kl: float
+    kl_ref: float  # mean k3 KL to the reference model (0 without one)
     reward_mean: float  # over every sample received, including dropped groups
     groups: int  # groups trained on
     samples: int  # samples trained on
@@ -144,10 +175,45 @@ def _enable_checkpointing(model: Any) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-class Trainer:
-    """The policy in train mode, its AdamW optimiser, and :meth:`step`."""
+def _autocast(config: TrainConfig) -> Any:
+    if config.bf16 and torch.device(config.device).type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
-    def __init__(self, model: Any, config: TrainConfig | None = None) -> None:
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a step may draw from, as tensors and plain values (``weights_only`` safe)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class Trainer:
+    """The policy in train mode, its AdamW optimiser, and :meth:`step`.
+
+    ``ref_model`` is the frozen reference of the KL penalty; with ``kl_coef > 0`` and none
+    given, a frozen copy of ``model`` as passed in is taken.
+    """
+
+    def __init__(
+        self, model: Any, config: TrainConfig | None = None, ref_model: Any = None
+    ) -> None:
         self.config = config = config or TrainConfig()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -155,8 +221,13 @@ class Trainer:
         self.model = model.to(config.device)
         self.model.train()
         self.model.config.use_cache = False
+        self.ref_model: Any = None
+        if config.kl_coef > 0:
+            ref = copy.deepcopy(self.model) if ref_model is None else ref_model
+            self.ref_model = ref.to(config.device).eval().requires_grad_(False)
         if config.grad_checkpointing:
             _enable_checkpointing(self.model)
+        dist_util.broadcast_parameters(self.model)  # no-op in one process
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -167,21 +238,34 @@ class Trainer:
         self.steps = 0
 
     @classmethod
-    def from_dir(cls, model_dir: Path | str, config: TrainConfig | None = None) -> Trainer:
-        return cls(load_model(model_dir), config)
+    def from_dir(
+        cls, model_dir: Path | str, config: TrainConfig | None = None,
+        ref_dir: Path | str | None = None,
+    ) -> Trainer:  # fmt: skip
+        config = config or TrainConfig()
+        ref = load_model(ref_dir) if ref_dir is not None and config.kl_coef > 0 else None
+        return cls(load_model(model_dir), config, ref)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimiser state, step count and RNG states: what resuming needs besides the weights."""
+        return {"optimizer": self.optimizer.state_dict(), "steps": self.steps, "rng": rng_state()}
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
-        """Resume from :func:`learner.checkpoint.load_trainer_state`'s dict. The learning
-        rate and betas of the current config win over the saved ones."""
+        """Resume from :meth:`state_dict` (as saved by :func:`learner.checkpoint.
+        save_trainer_state`). The learning rate and betas of the current config win over the
+        saved ones; RNG states are restored when present."""
         self.optimizer.load_state_dict(state["optimizer"])
         for group in self.optimizer.param_groups:
             group["lr"] = self.config.lr
             group["betas"] = self.config.betas
             group["weight_decay"] = self.config.weight_decay
         self.steps = int(state.get("steps", 0))
+        if "rng" in state:
+            set_rng_state(state["rng"])
 
     def step(self, trajectories: Sequence[Trajectory]) -> StepStats:
-        """One optimiser step on ``trajectories`` (already filtered for staleness)."""
+        """One optimiser step on ``trajectories`` (already filtered for staleness). In a
+        distributed run every rank must call it with the same trajectories."""
         cfg = self.config
         started = time.perf_counter()
         all_rewards = [r for t in trajectories for r in t.rewards]
@@ -191,36 +275,28 @@ class Trainer:
         if not groups:
             return StepStats(
                 step=self.steps, skipped=True, loss=0.0, grad_norm=0.0, clip_frac=0.0,
-                ratio_mean=1.0, approx_kl=0.0, reward_mean=reward_mean, groups=0, samples=0,
-                tokens=0, dropped_groups=dropped, seconds=time.perf_counter() - started,
+                ratio_mean=1.0, approx_kl=0.0, kl_ref=0.0, reward_mean=reward_mean, groups=0,
+                samples=0, tokens=0, dropped_groups=dropped,
+                seconds=time.perf_counter() - started,
             )  # fmt: skip
 
-        batch = build_batch(groups, pad_id=self.pad_id, eps=cfg.adv_eps).to(cfg.device)
-        total_tokens = batch.loss_mask.sum()
+        full = build_batch(groups, pad_id=self.pad_id, eps=cfg.adv_eps)
+        total_tokens = full.loss_mask.sum().to(cfg.device)  # of the whole batch, every rank
+        shard = dist_util.shard_rows(full.size)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
 
-        # Forward/backward per micro-batch; each divides by the step's token count, so the
-        # accumulated gradient is the full batch's gradient.
+        # Forward/backward per micro-batch of this rank's shard; each divides by the whole
+        # step's token count, so the summed gradient is the full batch's gradient.
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        sums = {"clip_frac": 0.0, "ratio_mean": 0.0, "approx_kl": 0.0}
-        for mb in batch.micro_batches(cfg.micro_batch_size):
-            new_logprobs = token_logprobs(self.model, mb, cfg.temperature)
-            loss, stats = policy_loss(
-                new_logprobs,
-                mb.old_logprobs,
-                mb.advantages,
-                mb.loss_mask,
-                clip_eps_low=cfg.clip_eps,
-                clip_eps_high=clip_high,
-                normalizer=total_tokens,
-            )
-            loss.backward()
-            loss_sum += loss.item()
-            for key in sums:
-                sums[key] += stats[key] * stats["tokens"]
+        sums = torch.zeros(5, dtype=torch.float64)  # loss, clip, ratio, approx_kl, kl_ref
+        if shard.stop > shard.start:
+            local = full.rows(shard).to(cfg.device)
+            for mb in local.micro_batches(cfg.micro_batch_size):
+                sums += self._micro_step(mb, total_tokens, clip_high)
+        dist_util.all_reduce_grads(self.model)
+        sums = dist_util.all_reduce_sum(sums)
 
-        # Clip, then step only with a finite gradient.
+        # Clip, then step only with a finite gradient (the same decision on every rank).
         params = [p for p in self.model.parameters() if p.grad is not None]
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         if not math.isfinite(grad_norm):
@@ -231,18 +307,53 @@ class Trainer:
         self.steps += 1
 
         tokens = max(float(total_tokens), 1.0)
+        loss_sum, clip, ratio, kl, kl_ref = sums.tolist()
         return StepStats(
             step=self.steps,
             skipped=False,
             loss=loss_sum,
             grad_norm=grad_norm,
-            clip_frac=sums["clip_frac"] / tokens,
-            ratio_mean=sums["ratio_mean"] / tokens,
-            approx_kl=sums["approx_kl"] / tokens,
+            clip_frac=clip / tokens,
+            ratio_mean=ratio / tokens,
+            approx_kl=kl / tokens,
+            kl_ref=kl_ref / tokens,
             reward_mean=reward_mean,
             groups=len(groups),
-            samples=batch.size,
+            samples=full.size,
             tokens=int(total_tokens),
             dropped_groups=dropped,
             seconds=time.perf_counter() - started,
         )
+
+    def _micro_step(self, mb: Batch, total_tokens: Tensor, clip_high: float) -> Tensor:
+        """Forward + backward of one micro-batch; returns its token-weighted statistic sums."""
+        cfg = self.config
+        old, behaviour = mb.old_logprobs, None
+        ref = None
+        with torch.no_grad(), _autocast(cfg):
+            if cfg.recompute_old_logprobs:
+                old, behaviour = token_logprobs(self.model, mb, cfg.temperature), old
+            if self.ref_model is not None:
+                ref = token_logprobs(self.ref_model, mb, cfg.temperature)
+        with _autocast(cfg):
+            new_logprobs = token_logprobs(self.model, mb, cfg.temperature)
+        loss, stats = policy_loss(
+            new_logprobs,
+            old,
+            mb.advantages,
+            mb.loss_mask,
+            clip_eps_low=cfg.clip_eps,
+            clip_eps_high=clip_high,
+            tis_cap=cfg.tis_cap,
+            behaviour_logprobs=behaviour,
+            normalizer=total_tokens,
+            ref_logprobs=ref,
+            kl_coef=cfg.kl_coef,
+        )
+        loss.backward()
+        n = stats["tokens"]
+        return torch.tensor(
+            [loss.item(), stats["clip_frac"] * n, stats["ratio_mean"] * n,
+             stats["approx_kl"] * n, stats["kl_ref"] * n],
+            dtype=torch.float64,
+        )  # fmt: skip

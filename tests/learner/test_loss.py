@@ -101,3 +101,23 @@ def test_truncated_importance_weight_hook() -> None:
     loss, stats = policy_loss(new, old, adv, mask, tis_cap=2.0)
     assert loss.item() == pytest.approx(-1.0)
     assert stats["tis_weight_mean"] == 1.0
+
+
+def test_k3_kl_to_the_reference_by_hand() -> None:
+    # new = [0, log 0.5], ref = [log 0.5, 0]; zero advantages: only the KL term is left.
+    new = torch.tensor([[0.0, math.log(0.5), 7.0]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.5), 0.0, -9.0]])
+    zeros = torch.zeros(1, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, stats = policy_loss(new, zeros, zeros, mask, ref_logprobs=ref, kl_coef=0.1)
+    # k3 = exp(ref - new) - (ref - new) - 1:
+    #   t0: 0.5 - log 0.5 - 1 = log 2 - 0.5;  t1: 2 - log 2 - 1 = 1 - log 2;  sum = 0.5
+    assert stats["kl_ref"] == pytest.approx(0.25)
+    assert loss.item() == pytest.approx(0.1 * 0.5 / 2)
+    # d k3 / d new = 1 - exp(ref - new): t0 -> 0.5, t1 -> -1; times 0.1 / 2 tokens
+    loss.backward()
+    assert new.grad is not None
+    assert torch.allclose(new.grad, torch.tensor([[0.025, -0.05, 0.0]]))
+    # and no reference, no KL
+    loss, stats = policy_loss(new, zeros, zeros, mask)
+    assert loss.item() == 0.0 and stats["kl_ref"] == 0.0
