@@ -42,6 +42,10 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
 
     serve = _serve_function(actor)
     log = get_logger()
+    if config.ops.metrics_port:
+        from actors.metrics import start_metrics_server
+
+        start_metrics_server(config.ops.metrics_port, config.ops.metrics_addr)
     async with open_context(config, actor) as ctx:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:

@@ -202,6 +202,16 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     progress_interval_s: PosFloat = 10.0
 
 
+class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    """Serve Prometheus metrics on this port at ``/metrics`` in every actor process started
+    with ``streamrl run`` (0: off). Replicas on one host need a port each (``--set``)."""
+    metrics_addr: str = "127.0.0.1"
+    """Address the metrics endpoint listens on (0.0.0.0 to be scraped from elsewhere)."""
+    archive_dir: str = ""
+    """Where the archiver writes trajectory Parquet files (empty: ``<work_dir>/archive``)."""
+
+
 class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
@@ -214,6 +224,7 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     verifier: VerifierConfig = msgspec.field(default_factory=VerifierConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     up: UpConfig = msgspec.field(default_factory=UpConfig)
+    ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
 
 
 class ConfigError(ValueError):

@@ -25,6 +25,7 @@ import msgspec
 import structlog
 import trio
 
+from actors import metrics
 from actors.policies import Policies, Reject, Retry
 from queues.messages import Message, MessageError, decode, encode
 from queues.payloads import PayloadTooLarge
@@ -123,6 +124,7 @@ class ActorRuntime:
         paused = False
         while True:
             state = await group_state(self.consumer.client, self.consumer.names, stream, group)
+            metrics.record_queue(self.consumer.names.run, stream, state.lag, state.pending)
             if state.backlog <= s.max_downstream_backlog:
                 if paused:
                     log.info("backpressure released", downstream=stream, backlog=state.backlog)
@@ -166,6 +168,7 @@ class ActorRuntime:
                 self._slot_freed.notify_all()
 
     async def _process_one(self, delivery: Delivery) -> None:
+        started = trio.current_time()
         if delivery.payload is None:
             return await self._dead_letter(delivery, delivery.error or "entry has no payload")
         try:
@@ -193,6 +196,10 @@ class ActorRuntime:
             except PayloadTooLarge as exc:
                 return await self._dead_letter(delivery, f"output refused: {exc}")
             self._handled += 1
+            metrics.record_handled(
+                self.consumer.names.run, stage, trio.current_time() - started,
+                [o.message for o in outputs],
+            )
             return None
 
     async def _handle_with_retries(
@@ -218,12 +225,14 @@ class ActorRuntime:
                 delay = self.policies.retry.delay(retry, self._rng) if delay is None else delay
                 log.warning("handler failed, retrying", error=error, retry=retry, delay_s=delay)
                 self._retried += 1
+                metrics.record_retry(self.consumer.names.run, self.actor.stage)
                 await trio.sleep(delay)
 
     async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
         log.error("dead-lettered", entry_id=delivery.entry_id, reason=reason[:500])
         await self.consumer.dead_letter(delivery, reason)
         self._dead += 1
+        metrics.record_dead(self.consumer.names.run, self.actor.stage, reason)
 
 
 async def serve_actor(
