@@ -5,6 +5,7 @@
     streamrl status --config FILE [--json] [--watch]
     streamrl dlq|replay|report ... (see actors/ops_cli.py)
     streamrl acl apply --config FILE
+    streamrl serve-model --model tiny|smollm2|DIR --port P [--host 127.0.0.1]
 
 Every command takes ``--set section.key=value`` overrides (repeatable).
 """
@@ -142,11 +143,26 @@ def _parser() -> argparse.ArgumentParser:
     acl = sub.add_parser("acl", help="create the per-role Redis users of a run (auth.enabled)")
     acl.add_argument("action", choices=["apply"])
     common(acl)
+    serve_model = sub.add_parser(
+        "serve-model", help="serve a model over the SGLang HTTP protocol subset (CPU)"
+    )
+    serve_model.add_argument("--model", default="tiny", help="tiny, smollm2 or a HF directory")
+    serve_model.add_argument("--host", default="127.0.0.1")
+    serve_model.add_argument("--port", type=int, default=30000)
+    serve_model.add_argument("--max-batch", type=int, default=32)
+    serve_model.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
+    serve_model.add_argument("--weight-version", default="default")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve-model":
+        from inference.server import main_serve_model
+
+        configure_logging(actor="serve-model")
+        return main_serve_model(args.model, args.host, args.port, args.max_batch, args.threads,
+                                args.weight_version)
     try:
         config = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as exc:

@@ -1,0 +1,320 @@
+"""The SGLang HTTP client behind the :class:`~inference.engine.Engine` interface.
+
+One client speaks to SGLang servers (GPU) and to ``streamrl serve-model`` (CPU) alike,
+through the protocol subset in ``shared/reference/sglang.md``.
+
+Guarantees:
+- ``generate`` sends one batched ``/generate`` (``input_ids``, ``return_logprob``,
+  ``logprob_start_len=-1``) and returns one :class:`Completion` per prompt whose logprobs,
+  finish reason and weight version are read from ``meta_info``; an answer that does not
+  have that shape raises :class:`ProtocolError` (server data is untrusted);
+- with several servers the client balances: the least-loaded healthy server (requests in
+  flight from this client), sticky per ``session`` (an episode id) so a multi-turn episode
+  reuses one server's prefix cache; with ``router_url`` every request goes to the router;
+- a server that fails (connection error, 5xx, an aborted answer) is taken out of rotation
+  and the request is tried on the next healthy one; when none is left
+  :class:`ServerUnavailable` is raised: the caller's message is retried, the run does not
+  fail. :meth:`SGLangEngine.serve_health_checks` probes ``/health`` and brings a server
+  back only after it serves the current weight version;
+- ``update_weights`` runs ``pause_generation -> update_weights_from_disk(weight_version=N)
+  -> continue_generation`` on every server at once; a server that misses it is taken out
+  and re-synced by the health checks before it takes work again (so does a replica that
+  joins mid-run);
+- renamed endpoints are tried under the new name, then the old one on 404
+  (``/model_info`` -> ``/get_model_info``, ``/server_info`` -> ``/get_server_info``).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import structlog
+import trio
+
+from inference.engine import Completion
+from queues.messages import Sampling
+
+log = structlog.get_logger()
+
+RENAMED = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}
+MAX_STICKY = 10_000
+
+
+class ServerUnavailable(RuntimeError):
+    """No healthy server could answer; retry the message later."""
+
+
+class ProtocolError(ValueError):
+    """A server's answer does not have the SGLang shape."""
+
+
+def parse_version(value: Any) -> int:
+    """SGLang's ``weight_version`` is a string ("default" before any update)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+@dataclass(eq=False)
+class Server:
+    url: str
+    healthy: bool = False
+    inflight: int = 0
+    weight_version: int | None = None  # the version this server was last seen serving
+    syncing: bool = False  # a weight update to it is under way
+
+    def __repr__(self) -> str:
+        return f"Server({self.url}, healthy={self.healthy}, v={self.weight_version})"
+
+
+def _completion(answer: Any) -> Completion:
+    try:
+        meta = answer["meta_info"]
+        tokens = np.asarray(answer["output_ids"], dtype=np.int32)
+        pairs = meta["output_token_logprobs"]
+        logprobs = np.asarray([float(p[0]) for p in pairs], dtype=np.float32)
+        if [int(p[1]) for p in pairs] != tokens.tolist():
+            raise ProtocolError("output_token_logprobs do not match output_ids")
+        reason = meta["finish_reason"]["type"]
+        text = str(answer["text"])
+        version = parse_version(meta.get("weight_version"))
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        if isinstance(exc, ProtocolError):
+            raise
+        raise ProtocolError(f"malformed /generate answer: {exc!r}") from None
+    if reason not in ("stop", "length"):
+        raise ServerUnavailable(f"request ended with {meta['finish_reason']}")
+    return Completion(tokens=tokens, logprobs=logprobs, text=text, finish_reason=reason,
+                      weight_version=version)
+
+
+class SGLangEngine:
+    """See the module docstring. Use :func:`open_sglang_engine`."""
+
+    def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], *,
+                 router_url: str = "", pause_mode: str = "in_place") -> None:
+        if not urls and not router_url:
+            raise ValueError("need at least one server URL or a router URL")
+        self.client = client
+        self.servers = [Server(u.rstrip("/")) for u in urls]
+        self.router = Server(router_url.rstrip("/"), healthy=True) if router_url else None
+        self.pause_mode = pause_mode
+        self._sticky: OrderedDict[str, Server] = OrderedDict()
+        self._target: tuple[str, int] | None = None  # (path, version) every server must serve
+        self._version = 0
+        self._sync_lock = trio.Lock()
+
+    # ------------------------------------------------------------------ Engine API
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def generate(self, prompts: list[list[int]], sampling: Sampling, *,
+                       session: str | None = None) -> list[Completion]:
+        if not prompts:
+            return []
+        body: dict[str, Any] = {
+            "input_ids": [list(map(int, p)) for p in prompts],
+            "sampling_params": {"max_new_tokens": sampling.max_new_tokens,
+                                "temperature": sampling.temperature, "top_p": sampling.top_p},
+            "return_logprob": True,
+            "logprob_start_len": -1,
+            "rid": uuid.uuid4().hex,
+        }
+        if sampling.seed is not None:
+            body["sampling_params"]["sampling_seed"] = sampling.seed
+        tried: set[int] = set()
+        while True:
+            server = self._pick(session, tried)
+            if server is None:
+                raise ServerUnavailable(f"no healthy server among {self.servers}")
+            tried.add(id(server))
+            try:
+                answers = await self._post_generate(server, body)
+            except ServerUnavailable as exc:
+                log.warning("server failed", url=server.url, error=str(exc))
+                if server is not self.router:
+                    server.healthy = False
+                    if session is not None:
+                        self._sticky.pop(session, None)
+                continue
+            if not isinstance(answers, list) or len(answers) != len(prompts):
+                raise ProtocolError(f"expected {len(prompts)} answers from {server.url}")
+            return [_completion(a) for a in answers]
+
+    async def update_weights(self, path: str | Path, version: int) -> None:
+        """Every healthy server serves ``version`` when this returns; raises
+        :class:`ServerUnavailable` if none could load it."""
+        self._target = (str(path), version)
+        healthy = [s for s in self.servers if s.healthy] or ([self.router] if self.router else [])
+        async with trio.open_nursery() as nursery:
+            for server in healthy:
+                nursery.start_soon(self._sync_one, server)
+        if self.servers and not any(s.healthy for s in self.servers):
+            raise ServerUnavailable(f"no server loaded weights version {version}")
+        self._version = version
+
+    # ------------------------------------------------------------------ health
+
+    async def check_all(self) -> None:
+        """Probe every server once: a dead one goes out; one that answers comes (back) in
+        only after it serves the current weights."""
+        async with trio.open_nursery() as nursery:
+            for server in self.servers:
+                nursery.start_soon(self._check, server)
+
+    async def serve_health_checks(self, interval_s: float = 2.0, *,
+                                  task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                                  ) -> None:
+        await self.check_all()
+        task_status.started()
+        while True:
+            await trio.sleep(interval_s)
+            await self.check_all()
+
+    async def _check(self, server: Server) -> None:
+        if server.syncing:
+            return
+        try:
+            with trio.fail_after(5):
+                response = await self.client.get(server.url + "/health")
+            ok = response.status_code == 200
+            if ok:  # a server restarted between probes serves its initial weights again
+                with trio.fail_after(5):
+                    info = await self.get_json(server, "/model_info")
+                server.weight_version = parse_version(info.get("weight_version"))
+        except (httpx.HTTPError, trio.TooSlowError, ValueError, ProtocolError):
+            ok = False
+        if not ok:
+            if server.healthy:
+                log.warning("server down", url=server.url)
+            server.healthy = False
+            server.weight_version = None
+            return
+        if self._target is not None and server.weight_version != self._target[1]:
+            await self._sync_one(server)
+        elif not server.healthy:
+            server.healthy = True
+            log.info("server up", url=server.url, weight_version=server.weight_version)
+
+    async def _sync_one(self, server: Server) -> None:
+        """pause -> update_weights_from_disk -> continue; marks the server healthy iff it
+        ends up serving the target version."""
+        assert self._target is not None
+        path, version = self._target
+        server.syncing = True
+        try:
+            await self._post(server, "/pause_generation", {"mode": self.pause_mode})
+            try:
+                answer = await self._post(server, "/update_weights_from_disk", {
+                    "model_path": path, "weight_version": str(version),
+                    "flush_cache": self.pause_mode != "in_place",
+                })
+            finally:
+                with trio.CancelScope(shield=True):
+                    await self._post(server, "/continue_generation", {})
+            if not answer.get("success"):
+                raise ProtocolError(f"update refused: {answer.get('message')}")
+        except (httpx.HTTPError, ServerUnavailable, ProtocolError, ValueError) as exc:
+            log.warning("weight update failed", url=server.url, version=version, error=str(exc))
+            server.healthy = False
+            server.weight_version = None
+            return
+        finally:
+            server.syncing = False
+        server.weight_version = version
+        server.healthy = True
+        log.info("server weights updated", url=server.url, weight_version=version)
+
+    # ------------------------------------------------------------------ HTTP
+
+    async def get_json(self, server: Server, path: str) -> dict[str, Any]:
+        """GET a control endpoint, under its old name if the new one is a 404."""
+        response = await self.client.get(server.url + path)
+        if response.status_code == 404 and path in RENAMED:
+            response = await self.client.get(server.url + RENAMED[path])
+        response.raise_for_status()
+        data = response.json()
+        if not isinstance(data, dict):
+            raise ProtocolError(f"{path}: expected a JSON object")
+        return data
+
+    async def _post(self, server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = await self.client.post(server.url + path, json=body)
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"{server.url}{path}: {exc!r}") from exc
+        if response.status_code >= 500:
+            raise ServerUnavailable(f"{server.url}{path}: HTTP {response.status_code}")
+        try:
+            data = response.json()
+        except ValueError:
+            data = {}
+        if response.status_code >= 400:
+            raise ProtocolError(f"{server.url}{path}: HTTP {response.status_code} {data}")
+        return data if isinstance(data, dict) else {}
+
+    async def _post_generate(self, server: Server, body: dict[str, Any]) -> Any:
+        server.inflight += 1
+        try:
+            response = await self.client.post(server.url + "/generate", json=body)
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(f"{server.url}: {exc!r}") from exc
+        finally:
+            server.inflight -= 1
+        if response.status_code >= 500:
+            raise ServerUnavailable(f"{server.url}: HTTP {response.status_code}")
+        if response.status_code >= 400:
+            raise ValueError(f"{server.url} refused the request: {response.text[:500]}")
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise ProtocolError(f"{server.url}: answer is not JSON") from exc
+
+    def _pick(self, session: str | None, tried: set[int]) -> Server | None:
+        if self.router is not None:
+            return None if id(self.router) in tried else self.router
+        if session is not None:
+            server = self._sticky.get(session)
+            if server is not None and server.healthy and id(server) not in tried:
+                self._sticky.move_to_end(session)
+                return server
+        candidates = [s for s in self.servers if s.healthy and id(s) not in tried]
+        if not candidates:
+            return None
+        server = min(candidates, key=lambda s: s.inflight)
+        if session is not None:
+            self._sticky[session] = server
+            if len(self._sticky) > MAX_STICKY:
+                self._sticky.popitem(last=False)
+        return server
+
+
+@asynccontextmanager
+async def open_sglang_engine(
+    urls: Sequence[str], *, router_url: str = "", health_interval_s: float = 2.0,
+    request_timeout_s: float = 600.0, pause_mode: str = "in_place",
+) -> AsyncIterator[SGLangEngine]:
+    """A client with its health checks running (one probe done before it is handed out)."""
+    timeout = httpx.Timeout(request_timeout_s, connect=5.0)
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    async with (
+        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
+        trio.open_nursery() as nursery,
+    ):
+        engine = SGLangEngine(client, urls, router_url=router_url, pause_mode=pause_mode)
+        await nursery.start(engine.serve_health_checks, health_interval_s)
+        try:
+            yield engine
+        finally:
+            nursery.cancel_scope.cancel()
