@@ -25,9 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import torch
 import trio
 
+from actors.config import Config
 from actors.context import ActorContext
+from learner import distributed as dist_util
 from learner.batch import build_batch, group_staleness
 from learner.checkpoint import (
     Ledger,
@@ -58,6 +61,59 @@ STEP_METRICS_FILE = "step_metrics.msgpack"
 """In each version directory: the step's metrics, so a re-announced step still reports them."""
 
 
+def open_trainer(config: Config) -> tuple[Trainer, int, bool]:
+    """``(trainer, version, resumed_optimizer)``: the latest version under the run's
+    ``weights/`` (else the base model) with its optimiser and RNG state. Every rank of a
+    distributed learner calls this on the same directory (one machine or a shared disk)."""
+    cfg = config.learner
+    root = config.run.path / "weights"
+    base_dir = resolve_model(config.model.spec)
+    version = latest_version(root) or 0
+    start = version_dir(root, version) if version else base_dir
+    device = cfg.device
+    if device == "cuda" and dist_util.is_distributed():
+        device = f"cuda:{torch.cuda.current_device()}"
+    trainer = Trainer.from_dir(
+        start,
+        TrainConfig(
+            lr=cfg.lr,
+            clip_eps=cfg.clip_eps,
+            max_grad_norm=cfg.max_grad_norm,
+            micro_batch_size=cfg.micro_batch_size,
+            grad_checkpointing=cfg.grad_checkpointing,
+            seed=config.run.seed,
+            num_threads=cfg.threads or None,
+            tis_cap=cfg.tis_cap,
+            recompute_old_logprobs=cfg.recompute_old_logprobs,
+            kl_coef=cfg.kl_coef,
+            device=device,
+        ),
+        ref_dir=base_dir,
+    )
+    state = load_trainer_state(start) if version else None
+    if state is not None:
+        trainer.load_optimizer_state(state)
+    return trainer, version, state is not None
+
+
+def distributed_step(trainer: Trainer, trajectories: list[Trajectory]) -> StepStats:
+    """Rank 0's step: send the groups to the other ranks (a no-op alone), then step."""
+    dist_util.broadcast_payloads([encode(t) for t in trajectories])
+    return trainer.step(trajectories)
+
+
+def follow(config: Config) -> int:
+    """Ranks > 0 of a distributed learner: take every step rank 0 takes, on the groups it
+    broadcasts, until it broadcasts an empty step (its end). No Redis, no disk writes.
+    Returns the number of steps taken."""
+    trainer, _, _ = open_trainer(config)
+    steps = 0
+    while payloads := dist_util.broadcast_payloads(None):
+        trainer.step([decode(p, Trajectory) for p in payloads])
+        steps += 1
+    return steps
+
+
 class Learner:
     def __init__(self, ctx: ActorContext, consumer: StreamConsumer) -> None:
         self.ctx = ctx
@@ -65,30 +121,8 @@ class Learner:
         self.consumer = consumer
         self.root = ctx.config.run.path / "weights"
         self.base_dir = resolve_model(ctx.config.model.spec)
-        self.version = latest_version(self.root) or 0
-        start = version_dir(self.root, self.version) if self.version else self.base_dir
-        self.trainer = Trainer.from_dir(
-            start,
-            TrainConfig(
-                lr=self.cfg.lr,
-                clip_eps=self.cfg.clip_eps,
-                max_grad_norm=self.cfg.max_grad_norm,
-                micro_batch_size=self.cfg.micro_batch_size,
-                grad_checkpointing=self.cfg.grad_checkpointing,
-                seed=ctx.config.run.seed,
-                num_threads=self.cfg.threads or None,
-                tis_cap=self.cfg.tis_cap,
-                recompute_old_logprobs=self.cfg.recompute_old_logprobs,
-                kl_coef=self.cfg.kl_coef,
-                device=self.cfg.device,
-            ),
-            ref_dir=self.base_dir,
-        )
+        self.trainer, self.version, self.resumed_optimizer = open_trainer(ctx.config)
         self.ledger = Ledger.open(self.root, self.version)
-        state = load_trainer_state(start) if self.version else None
-        if state is not None:
-            self.trainer.load_optimizer_state(state)
-        self.resumed_optimizer = state is not None
         self.dropped_stale = 0
         self.duplicates_skipped = 0
 
@@ -106,9 +140,11 @@ class Learner:
             batch = await self._collect(self.cfg.groups_per_step)
             waited = time.monotonic() - t0
             stats = await trio.to_thread.run_sync(
-                self.trainer.step, [t for _, t in batch], abandon_on_cancel=False
+                distributed_step, self.trainer, [t for _, t in batch], abandon_on_cancel=False
             )
             await self._publish_step(batch, stats, waited)
+        if dist_util.is_distributed():  # the end: release the other ranks
+            await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
 
     async def _collect(self, n: int) -> list[tuple[Delivery, Trajectory]]:
         batch: list[tuple[Delivery, Trajectory]] = []
@@ -265,3 +301,35 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
     async with ctx.consumer(N.TRAJECTORIES, "learner", consumer="learner-0") as consumer:
         learner = await trio.to_thread.run_sync(Learner, ctx, consumer)
         await learner.serve(task_status=task_status)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``torchrun --nproc-per-node N -m actors.learner --config FILE [--set k=v ...]``: rank
+    0 is the learner actor (Redis, checkpoints, publishing), the other ranks follow it.
+    Without torchrun it is the plain single-process learner."""
+    import argparse
+
+    from actors.cli import run_actor
+    from actors.config import load_config
+    from actors.logs import configure_logging
+
+    parser = argparse.ArgumentParser(prog="python -m actors.learner")
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    distributed = dist_util.init_from_env()
+    configure_logging(actor=f"learner-rank{dist_util.rank()}" if distributed else "learner")
+    try:
+        if dist_util.rank() == 0:
+            trio.run(run_actor, "learner", config)
+        else:
+            follow(config)
+    finally:
+        if distributed:
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -183,11 +183,11 @@ def _autocast(config: TrainConfig) -> Any:
 
 def rng_state() -> dict[str, Any]:
     """Every RNG a step may draw from, as tensors and plain values (``weights_only`` safe)."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    kind, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "numpy": (kind, torch.from_numpy(np.asarray(keys, dtype=np.int64)), pos, has_gauss, gauss),
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
