@@ -1,6 +1,13 @@
-"""The domain contract: where tasks come from and how a completion is scored.
+"""The domain contract: where tasks come from, how they are shown, run and scored.
 
-A domain is a data set of items plus a verifier. Guarantees every domain keeps:
+A domain is a plugin: a data set of items (the task source), a prompt renderer, an episode
+policy (single- or multi-turn), a sandbox spec (backend, image, limits, files to stage) and a
+verifier. Built-in domains are registered exactly as third-party ones are, through the
+``streamrl.domains`` entry-point group (``domains.registry``); adding one touches no actor
+code, and its weight, priority, limits and turns come from a ``[domain.<name>]`` TOML table
+(``actors.config.DomainConfig``).
+
+Guarantees every domain keeps:
 - ``item_type`` is a msgspec-convertible type (a ``msgspec.Struct``) with at least ``id`` and
   ``prompt`` fields; items travel on the wire as ``msgspec.to_builtins(item)`` in
   ``Task.spec`` and are rebuilt with ``msgspec.convert(spec, domain.item_type)``;
@@ -8,20 +15,72 @@ A domain is a data set of items plus a verifier. Guarantees every domain keeps:
   prompt;
 - ``render_prompt`` uses the model's own chat template;
 - ``exec_request`` and ``score`` never raise for anything the model wrote: code that is
-  missing, malformed, crashing or hanging just scores low. ``score`` is in [0, 1].
+  missing, malformed, crashing or hanging, or an answer that is garbage, huge or hostile,
+  just scores low. ``score`` is in [0, 1].
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
-from sandbox.base import ExecRequest, ExecResult
+import msgspec
+
+from sandbox.base import ExecRequest, ExecResult, Limits
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EpisodePolicy:
+    """How many model turns an episode may take. Single-turn: one completion, one verdict.
+    Multi-turn: the model acts, the sandbox's observation is appended, until the domain says
+    done, ``max_turns`` model turns, or ``max_total_tokens`` tokens in the context."""
+
+    multi_turn: bool = False
+    max_turns: int = 1
+    max_total_tokens: int = 0  # 0: no budget beyond the model's context
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or (not self.multi_turn and self.max_turns != 1):
+            raise ValueError("max_turns must be >= 1, and exactly 1 for a single-turn domain")
+
+
+SINGLE_TURN = EpisodePolicy()
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Where a domain's code runs: backend name (``executor.backend`` when empty), container
+    image (for container backends; the process backend runs the host's python3), resource
+    limits, and files staged into the work dir of every run before the request's own."""
+
+    backend: str = ""
+    image: str = ""
+    limits: Limits = field(default_factory=Limits)
+    files: dict[str, bytes] = field(default_factory=dict)
+
+    def with_overrides(self, timeout_s: float = 0.0, memory_mb: int = 0) -> SandboxSpec:
+        """This spec with the limits a domain's TOML table sets (0: keep the domain's)."""
+        limits = self.limits
+        if timeout_s:
+            limits = replace(limits, timeout_s=timeout_s, cpu_s=max(1, int(timeout_s + 0.999)))
+        if memory_mb:
+            limits = replace(limits, memory_mb=memory_mb)
+        return replace(self, limits=limits)
+
+
+NO_SANDBOX = SandboxSpec()
 
 
 class Domain(Protocol):
     name: str
     item_type: type
     default_max_new_tokens: int  # the calibrated generation budget for this domain
+    episode: EpisodePolicy
+    sandbox: SandboxSpec
 
     def load_items(self, split: str) -> list[Any]: ...
 
@@ -40,3 +99,47 @@ def chat_prompt_ids(tokenizer: Any, user: str, system: str | None = None) -> lis
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+def load_task_file(path: Path, item_type: type[T]) -> list[T]:
+    """The task source: items from a local ``.jsonl`` (one JSON object a line) or ``.parquet``
+    file (one row an item), validated against ``item_type``. A bad row is an error naming
+    the file and the row, raised at load time, never mid-run."""
+    rows: list[Any]
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # optional: only parquet task files need it
+
+        rows = pq.read_table(path).to_pylist()
+    else:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    items = []
+    for i, row in enumerate(rows):
+        try:
+            items.append(msgspec.convert(row, item_type))
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{path}: row {i}: {exc}") from None
+    return items
+
+
+def write_jsonl(items: list[Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [msgspec.json.encode(it).decode() for it in items]
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+class SplitFiles:
+    """Mixin: ``load_items`` from ``<data_dir>/<split>.jsonl`` (or ``.parquet``), cached."""
+
+    item_type: type
+    data_dir: Path
+
+    def load_items(self, split: str) -> list[Any]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
+        cache: dict[str, list[Any]] = self.__dict__.setdefault("_split_cache", {})
+        if split not in cache:
+            path = self.data_dir / f"{split}.jsonl"
+            if not path.exists() and (self.data_dir / f"{split}.parquet").exists():
+                path = self.data_dir / f"{split}.parquet"
+            cache[split] = load_task_file(path, self.item_type)
+        return list(cache[split])

@@ -39,8 +39,7 @@ from typing import Any
 
 import msgspec
 
-from domains.base import chat_prompt_ids
-from domains.registry import register
+from domains.base import SINGLE_TURN, SandboxSpec, chat_prompt_ids
 from sandbox.base import ExecRequest, ExecResult, Limits
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -71,11 +70,12 @@ def extract_program(text: str) -> str:
     return (match.group(1) if match else text).strip()
 
 
-@register("arith")
 class Arith:
     name = "arith"
     item_type = ArithItem
     default_max_new_tokens = MAX_NEW_TOKENS
+    episode = SINGLE_TURN
+    sandbox = SandboxSpec(limits=LIMITS)
 
     def __init__(self, data_dir: Path = DATA_DIR, clean_run_credit: float = 0.0) -> None:
         if not 0.0 <= clean_run_credit < 1.0:

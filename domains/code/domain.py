@@ -1,0 +1,121 @@
+"""The ``code`` domain: write a Python function; hidden tests decide, in the sandbox.
+
+The program is the first fenced code block of the completion (as in ``arith``). The sandbox
+runs ``python3 -I harness.py`` (:mod:`domains.code.harness`, staged by the sandbox spec)
+with the source, the entry point, the hidden tests and a nonce on stdin; every test runs in
+its own child process with a per-test deadline, and the harness compares the results itself
+(type-strict JSON values). Reward = fraction of tests passed, counted only from a result the
+harness printed: exit code 0, no host timeout, and stdout exactly one line ``<nonce> <json
+list of one boolean per test>``. Anything else scores 0: a submission that prints "PASSED",
+exits early (``os._exit(0)`` only ends its own child), edits or deletes files (the tests are
+not files), monkey-patches (it never shares a process with the checker), returns an object
+whose ``__eq__`` is always True (not a plain JSON value: fails), or floods its output (its
+output goes to /dev/null; a flood of the result pipe is cut at a byte cap: fails).
+
+The nonce is an HMAC of the item id and the completion under a key: ``$STREAMRL_VERIFY_KEY``
+when set (a deployment sets one per run, the same for executors and verifiers), else the
+item's own ``salt`` (like the hidden tests, never shown to the model). Executor and
+verifier compute it independently, so it never travels in a message the code can see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
+from sandbox.base import ExecRequest, ExecResult, Limits
+
+DATA_DIR = Path(__file__).parent / "data"
+HARNESS = "harness.py"
+HARNESS_SOURCE = (Path(__file__).parent / "harness.py").read_bytes()
+KEY_ENV = "STREAMRL_VERIFY_KEY"
+MAX_NEW_TOKENS = 160
+PER_TEST_TIMEOUT_S = 2.0
+MAX_RESULT_BYTES = 64 << 10
+LIMITS = Limits(timeout_s=20.0, memory_mb=512, cpu_s=20, max_processes=32, max_file_mb=4,
+                output_bytes=64 << 10)
+
+_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+
+
+class Case(msgspec.Struct, frozen=True):
+    args: list[Any]
+    expected: Any
+
+
+class CodeItem(msgspec.Struct, frozen=True, kw_only=True):
+    id: str
+    prompt: str
+    entry: str  # the function's name
+    tests: list[Case]  # hidden
+    salt: str  # hidden; the nonce key when no $STREAMRL_VERIFY_KEY
+
+
+def extract_program(text: str) -> str:
+    match = _FENCE.search(text)
+    return (match.group(1) if match else text).strip()
+
+
+def nonce(item: CodeItem, completion_text: str) -> str:
+    key = (os.environ.get(KEY_ENV) or item.salt).encode()
+    msg = item.id.encode() + b"\0" + completion_text.encode("utf-8", "replace")
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+class Code(SplitFiles):
+    name = "code"
+    item_type = CodeItem
+    default_max_new_tokens = MAX_NEW_TOKENS
+    episode = SINGLE_TURN
+    sandbox = SandboxSpec(limits=LIMITS, files={HARNESS: HARNESS_SOURCE})
+
+    def __init__(self, data_dir: Path = DATA_DIR,
+                 per_test_timeout_s: float = PER_TEST_TIMEOUT_S) -> None:
+        self.data_dir = data_dir
+        self.per_test_timeout_s = per_test_timeout_s
+
+    def render_prompt(self, item: CodeItem, tokenizer: Any) -> list[int]:
+        return chat_prompt_ids(tokenizer, item.prompt)
+
+    def exec_request(self, item: CodeItem, completion_text: str) -> ExecRequest | None:
+        source = extract_program(completion_text)
+        if not source:
+            return None
+        spec = {
+            "nonce": nonce(item, completion_text),
+            "entry": item.entry,
+            "source": source,
+            "tests": [{"args": c.args, "expected": c.expected} for c in item.tests],
+            "timeout_s": self.per_test_timeout_s,
+            "max_result_bytes": MAX_RESULT_BYTES,
+        }
+        budget = self.per_test_timeout_s * len(item.tests) + 5.0
+        limits = Limits(**{**LIMITS.__dict__, "timeout_s": max(LIMITS.timeout_s, budget),
+                           "cpu_s": int(max(LIMITS.cpu_s, budget))})
+        return ExecRequest(argv=["python3", "-I", HARNESS], files=dict(self.sandbox.files),
+                           stdin=json.dumps(spec).encode(), limits=limits)
+
+    def score(self, item: CodeItem, completion_text: str, result: ExecResult | None) -> float:
+        if result is None or result.timed_out or result.exit_code != 0 or not item.tests:
+            return 0.0
+        lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
+        if len(lines) != 1 or result.stdout_dropped:
+            return 0.0
+        head, _, body = lines[0].partition(" ")
+        if not hmac.compare_digest(head, nonce(item, completion_text)):
+            return 0.0
+        try:
+            passed = json.loads(body)
+        except ValueError:
+            return 0.0
+        if type(passed) is not list or len(passed) != len(item.tests):
+            return 0.0
+        return sum(1 for p in passed if p is True) / len(item.tests)
