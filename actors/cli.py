@@ -28,7 +28,7 @@ from actors.logs import configure_logging, get_logger
 from actors.ops_cli import OPS_COMMANDS, add_ops_parsers, run_ops_command
 from queues.client import RedisURL
 
-ACTORS = ("scheduler", "generator", "executor", "verifier", "learner")
+ACTORS = ("scheduler", "generator", "executor", "verifier", "learner", "archiver")
 
 
 def _serve_function(actor: str) -> Any:

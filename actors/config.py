@@ -208,6 +208,8 @@ class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     with ``streamrl run`` (0: off). Replicas on one host need a port each (``--set``)."""
     metrics_addr: str = "127.0.0.1"
     """Address the metrics endpoint listens on (0.0.0.0 to be scraped from elsewhere)."""
+    archive: bool = True
+    """``streamrl up`` starts the archiver (not with ``auth.enabled``: it has no ACL role yet)."""
     archive_dir: str = ""
     """Where the archiver writes trajectory Parquet files (empty: ``<work_dir>/archive``)."""
 

@@ -29,7 +29,7 @@ log = structlog.get_logger()
 try:
     import prometheus_client as prom
 except ImportError:  # pragma: no cover - exercised only without the dependency
-    prom = None
+    prom = None  # type: ignore[assignment]
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 

@@ -97,6 +97,16 @@ class Child:
         await proc.wait()
 
 
+def _archiving(config: Config) -> bool:
+    """Whether ``up`` starts the archiver: wanted, pyarrow installed, no ACL users (the
+    archiver's consumer group has no role in queues/acl.py yet)."""
+    import importlib.util
+
+    return config.ops.archive and not config.auth.enabled and bool(
+        importlib.util.find_spec("pyarrow")
+    )
+
+
 def _children(
     config: Config,
     config_path: str | None,
@@ -113,6 +123,9 @@ def _children(
         "executor": config.up.executors,
         "verifier": config.up.verifiers,
         "learner": 1,
+        # keeps every trajectory on disk (actors/archiver.py); its consumer group has no ACL
+        # role yet, so with auth.enabled it is not started
+        "archiver": 1 if _archiving(config) else 0,
     }
     children = []
     for actor, n in counts.items():

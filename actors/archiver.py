@@ -1,0 +1,131 @@
+"""The archiver: every trajectory (training and evaluation groups) kept on disk as Parquet,
+beyond the streams' retention, so old runs can be replayed (``streamrl replay --source
+archive``) and reported on.
+
+Guarantees:
+- at-least-once into the archive: the archiver reads ``trajectories`` and ``evals`` through
+  its own consumer group (``archiver``, beside the learner's and the monitor's, which it
+  never disturbs) and acknowledges entries only after the Parquet file holding them is
+  written, fsynced and renamed into place; a crash in between archives them again in a
+  later file, and readers drop the duplicates (same trajectory id);
+- the streams' trimming keeps every entry its group still needs, so while the archiver's
+  group exists no trajectory is trimmed before it is archived (an archiver that stays down
+  holds trimming back: delete its group with ``XGROUP DESTROY`` to let go);
+- one file per flush: ``<dir>/<stream>/<first entry id>_<n>.parquet``; the full message is
+  in the ``payload`` column (MessagePack, the wire format), the other columns are for
+  selecting without decoding.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from actors.context import ActorContext
+from queues import names as N
+from queues.messages import MessageError, Trajectory, decode
+from queues.streams import Delivery, StreamConsumer
+
+log = structlog.get_logger()
+
+GROUP = "archiver"
+STREAMS = (N.TRAJECTORIES, N.EVALS)
+COLUMNS = (
+    "entry_id", "stream", "trajectory_id", "episode_id", "created_at", "policy_version",
+    "domain", "split", "item_id", "reward_mean", "rewards", "payload",
+)  # fmt: skip
+
+
+def archive_dir(ctx_config: Any) -> Path:
+    configured = ctx_config.ops.archive_dir
+    return Path(configured) if configured else ctx_config.run.path / "archive"
+
+
+def row(stream: str, entry_id: str, payload: bytes) -> dict[str, Any]:
+    """One archive row; raises MessageError for a payload that is not a Trajectory."""
+    t = decode(payload, Trajectory)
+    task = t.rollout.task
+    return {
+        "entry_id": entry_id,
+        "stream": stream,
+        "trajectory_id": t.id,
+        "episode_id": t.episode_id,
+        "created_at": t.created_at,
+        "policy_version": t.policy_version,
+        "domain": task.domain,
+        "split": task.split,
+        "item_id": task.item_id,
+        "reward_mean": sum(t.rewards) / len(t.rewards) if t.rewards else 0.0,
+        "rewards": list(t.rewards),
+        "payload": payload,
+    }
+
+
+def write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write ``rows`` to ``path`` atomically (temporary file, fsync, rename, fsync dir)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({c: [r[c] for r in rows] for c in COLUMNS})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+async def archive_batch(
+    consumer: StreamConsumer, root: Path, deliveries: list[Delivery]
+) -> int:
+    """Archive what can be archived, acknowledge everything read; returns rows written.
+    Entries that are not trajectories are acknowledged and logged: the archive is a copy, the
+    stage that consumes the stream dead-letters them."""
+    rows = []
+    for d in deliveries:
+        if d.payload is None:
+            log.warning("not archived", entry_id=d.entry_id, reason=d.error)
+            continue
+        try:
+            rows.append(row(consumer.stream_name, d.entry_id, d.payload))
+        except MessageError as exc:
+            log.warning("not archived", entry_id=d.entry_id, reason=str(exc))
+    if rows:
+        path = root / consumer.stream_name / f"{rows[0]['entry_id']}_{len(rows)}.parquet"
+        await trio.to_thread.run_sync(write_parquet, path, rows)
+    await consumer.ack([d.entry_id for d in deliveries])
+    return len(rows)
+
+
+async def serve_stream(
+    ctx: ActorContext, stream: str, root: Path, batch: int,
+    *, task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:  # fmt: skip
+    async with ctx.consumer(stream, GROUP, group=GROUP) as consumer:
+        task_status.started()
+        while not ctx.shutdown.is_set():
+            deliveries = await consumer.read(batch)
+            deliveries += await consumer.reclaim(batch)  # a crashed archiver's entries
+            if deliveries:
+                n = await archive_batch(consumer, root, deliveries)
+                log.info("archived", stream=stream, rows=n)
+
+
+async def serve(
+    ctx: ActorContext, *, batch: int = 256, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Archive ``trajectories`` and ``evals`` until cancelled (or shutdown is set)."""
+    root = archive_dir(ctx.config)
+    async with trio.open_nursery() as nursery:
+        for stream in STREAMS:
+            await nursery.start(serve_stream, ctx, stream, root, batch)
+        task_status.started()

@@ -1,0 +1,391 @@
+"""``streamrl replay``: select trajectories from the live streams and the archive, then show,
+rescore, retrain or export them.
+
+- selection (:class:`Query`): stream entry id range (live), creation time range, domain,
+  group mean reward range, policy version, episode ids; live entries and archived rows are
+  merged and deduplicated by trajectory id (the archive is at-least-once);
+- ``show``: an episode turn by turn: the prompt, then per sample the model output, the
+  sandbox's exit code and stdout/stderr, the reward, the versions;
+- ``rescore``: the domain's verifier (as the code is now) run again on the recorded outputs
+  and sandbox outcomes; prints every reward that changed (old -> new);
+- ``retrain``: one learner step reproduced: the weights of version N-1 (the base model for
+  N = 1), the groups the ledger says step N trained, in the ledger's order, the learner's
+  training config; loss and gradient norm are compared with the step's recorded metrics.
+  Both are computed before the optimiser step, so the optimiser state does not matter;
+- ``export``: JSONL (one decoded trajectory per line, token arrays as lists) and Parquet
+  (the archive's columns).
+Reads only; never acknowledges or changes a stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from actors.archiver import COLUMNS, archive_dir, row, write_parquet
+from actors.config import Config
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import (
+    MessageError,
+    StepMetrics,
+    Trajectory,
+    bytes_to_floats,
+    bytes_to_ids,
+    decode,
+)
+from queues.payloads import PayloadLimits, resolve
+
+
+@dataclass(frozen=True)
+class Query:
+    streams: tuple[str, ...] = (N.TRAJECTORIES, N.EVALS)
+    from_id: str = "-"
+    to_id: str = "+"
+    since: float | None = None
+    until: float | None = None
+    domain: str | None = None
+    min_reward: float | None = None
+    max_reward: float | None = None
+    policy_version: int | None = None
+    episodes: frozenset[str] = field(default_factory=frozenset)
+    trajectory_ids: frozenset[str] = field(default_factory=frozenset)
+    limit: int = 0
+
+    def matches(self, t: Trajectory) -> bool:
+        task = t.rollout.task
+        mean = sum(t.rewards) / len(t.rewards) if t.rewards else 0.0
+        checks = (
+            self.since is None or t.created_at >= self.since,
+            self.until is None or t.created_at < self.until,
+            self.domain is None or task.domain == self.domain,
+            self.min_reward is None or mean >= self.min_reward,
+            self.max_reward is None or mean <= self.max_reward,
+            self.policy_version is None or t.policy_version == self.policy_version,
+            not self.episodes or t.episode_id in self.episodes,
+            not self.trajectory_ids or t.id in self.trajectory_ids,
+        )
+        return all(checks)
+
+
+@dataclass(frozen=True)
+class Found:
+    stream: str
+    entry_id: str
+    source: str  # "live" or "archive"
+    trajectory: Trajectory
+    payload: bytes
+
+
+async def select_live(client: RedisClient, names: N.Names, query: Query) -> list[Found]:
+    out = []
+    for stream in query.streams:
+        key = names.stream(stream)
+        rows: Any = await client.call(client.sync.xrange, key, query.from_id, query.to_id)
+        entries = [(e.decode(), (f or {}).get(b"d")) for e, f in rows or []]
+        resolved = await client.call(resolve, client.sync, entries, PayloadLimits())
+        for (entry_id, _), r in zip(entries, resolved, strict=True):
+            if r.payload is None:
+                continue
+            try:
+                t = decode(r.payload, Trajectory)
+            except MessageError:
+                continue
+            if query.matches(t):
+                out.append(Found(stream, entry_id, "live", t, r.payload))
+    return out
+
+
+def select_archive(root: Path, query: Query) -> list[Found]:
+    """Rows of every archive file under ``root`` that match (filters pushed down to Parquet
+    where a column exists, the rest on the decoded message)."""
+    import pyarrow.parquet as pq
+
+    out = []
+    for stream in query.streams:
+        for path in sorted((root / stream).glob("*.parquet")):
+            table = pq.read_table(path, columns=["entry_id", "payload"])
+            for entry_id, payload in zip(
+                table.column("entry_id").to_pylist(), table.column("payload").to_pylist(),
+                strict=True,
+            ):
+                t = decode(payload, Trajectory)
+                if query.matches(t):
+                    out.append(Found(stream, entry_id, "archive", t, payload))
+    return out
+
+
+async def select(
+    client: RedisClient | None, names: N.Names, query: Query, archive: Path | None
+) -> list[Found]:
+    """Live entries first, then archived ones not seen live; by creation time; deduplicated
+    by trajectory id; at most ``query.limit`` (0: all)."""
+    found = await select_live(client, names, query) if client is not None else []
+    if archive is not None and archive.exists():
+        found += select_archive(archive, query)
+    seen: set[str] = set()
+    unique = []
+    for f in found:
+        if f.trajectory.id not in seen:
+            seen.add(f.trajectory.id)
+            unique.append(f)
+    unique.sort(key=lambda f: f.trajectory.created_at)
+    return unique[: query.limit] if query.limit else unique
+
+
+# --------------------------------------------------------------------------- show
+
+
+def render_episode(f: Found) -> str:
+    t = f.trajectory
+    task = t.rollout.task
+    lines = [
+        f"episode {t.episode_id}  trajectory {t.id}  ({f.source} {f.stream} {f.entry_id})",
+        f"domain {task.domain}  item {task.item_id}  split {task.split}  "
+        f"policy v{t.policy_version}  task v{task.policy_version}  attempt {t.attempt}",
+        "--- prompt",
+        task.prompt,
+    ]
+    for i, (sample, outcome, reward) in enumerate(
+        zip(t.rollout.samples, t.outcomes, t.rewards, strict=True)
+    ):
+        flags = [n for n, on in (("timed out", outcome.timed_out),
+                                 ("OOM", outcome.oom_killed)) if on]
+        lines += [
+            f"--- turn {i + 1}/{len(t.rollout.samples)}: sample {i}, weights "
+            f"v{sample.weight_version}, {len(bytes_to_ids(sample.tokens))} tokens, "
+            f"finish {sample.finish_reason}",
+            sample.text,
+            f"--- sandbox: exit {outcome.exit_code} in {outcome.duration_s:.2f}s"
+            + (f" ({', '.join(flags)})" if flags else ""),
+            "stdout: " + (outcome.stdout.rstrip() or "(empty)"),
+            "stderr: " + (outcome.stderr.rstrip() or "(empty)"),
+            f"--- reward {reward:g}",
+        ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- rescore
+
+
+@dataclass(frozen=True)
+class RewardChange:
+    trajectory_id: str
+    episode_id: str
+    sample: int
+    old: float
+    new: float
+
+
+def rescore(found: Iterable[Found]) -> tuple[int, list[RewardChange]]:
+    """(samples scored, rewards that differ) with the domains' verifiers as they are now."""
+    from actors.context import domain_item
+    from actors.executor import from_outcome
+
+    scored, changes = 0, []
+    for f in found:
+        t = f.trajectory
+        domain, item = domain_item(t.rollout.task)
+        for i, (sample, outcome) in enumerate(zip(t.rollout.samples, t.outcomes, strict=True)):
+            new = float(domain.score(item, sample.text, from_outcome(outcome)))
+            scored += 1
+            if not math.isclose(new, t.rewards[i], abs_tol=1e-9):
+                changes.append(RewardChange(t.id, t.episode_id, i, t.rewards[i], new))
+    return scored, changes
+
+
+# --------------------------------------------------------------------------- retrain
+
+
+@dataclass(frozen=True)
+class Retrained:
+    step: int
+    groups: int
+    loss: float
+    grad_norm: float
+    recorded_loss: float | None
+    recorded_grad_norm: float | None
+
+    def matches(self, rel: float = 1e-4, abs_: float = 1e-6) -> bool:
+        if self.recorded_loss is None or self.recorded_grad_norm is None:
+            return False
+        return math.isclose(self.loss, self.recorded_loss, rel_tol=rel, abs_tol=abs_) and (
+            math.isclose(self.grad_norm, self.recorded_grad_norm, rel_tol=rel, abs_tol=abs_)
+        )
+
+
+def recorded_step(config: Config, step: int) -> StepMetrics | None:
+    """The metrics the learner recorded for ``step`` in its version directory."""
+    from actors.learner import STEP_METRICS_FILE
+    from learner.weights import version_dir
+
+    path = version_dir(config.run.path / "weights", step) / STEP_METRICS_FILE
+    return decode(path.read_bytes(), StepMetrics) if path.exists() else None
+
+
+async def recorded_step_live(
+    client: RedisClient, names: N.Names, step: int
+) -> StepMetrics | None:
+    rows: Any = await client.call(client.sync.xrange, names.stream(N.METRICS))
+    found = None
+    for _, fields in rows or []:
+        try:
+            m = decode(fields[b"d"], StepMetrics)
+        except (MessageError, KeyError):
+            continue
+        if m.step == step:
+            found = m
+    return found
+
+
+def retrain(
+    config: Config, step: int, groups: list[Trajectory], checkpoint: Path | None = None
+) -> tuple[float, float]:
+    """Loss and gradient norm of one step on ``groups`` from ``checkpoint`` (default: the
+    version before ``step``), with the learner's training config."""
+    from learner.model import resolve_model
+    from learner.train import TrainConfig, Trainer
+    from learner.weights import version_dir
+
+    cfg = config.learner
+    base = resolve_model(config.model.spec)
+    if checkpoint is None:
+        checkpoint = version_dir(config.run.path / "weights", step - 1) if step > 1 else base
+    if not Path(checkpoint).exists():
+        raise FileNotFoundError(f"checkpoint {checkpoint} is gone (learner.keep_last)")
+    trainer = Trainer.from_dir(  # the same TrainConfig as actors.learner.open_trainer
+        checkpoint,
+        TrainConfig(
+            lr=cfg.lr, clip_eps=cfg.clip_eps, max_grad_norm=cfg.max_grad_norm,
+            micro_batch_size=cfg.micro_batch_size, grad_checkpointing=cfg.grad_checkpointing,
+            seed=config.run.seed, num_threads=cfg.threads or None, tis_cap=cfg.tis_cap,
+            recompute_old_logprobs=cfg.recompute_old_logprobs, kl_coef=cfg.kl_coef,
+            device=cfg.device,
+        ),
+        ref_dir=base,
+    )  # fmt: skip
+    stats = trainer.step(groups)
+    return stats.loss, stats.grad_norm
+
+
+def ledger_groups(config: Config, step: int) -> list[str]:
+    """Trajectory ids step ``step`` trained, in the learner's order (the ledger)."""
+    from learner.checkpoint import Ledger
+
+    root = config.run.path / "weights"
+    for record in Ledger.open(root, latest=10**9).records:
+        if record.version == step:
+            return record.trajectory_ids
+    raise LookupError(f"step {step} is not in the ledger {root}/consumed.jsonl")
+
+
+# --------------------------------------------------------------------------- export
+
+
+def to_json(t: Trajectory) -> dict[str, Any]:
+    data: dict[str, Any] = msgspec.to_builtins(t, builtin_types=(bytes,))
+    data["rollout"]["prompt_ids"] = bytes_to_ids(t.rollout.prompt_ids).tolist()
+    for s, raw in zip(data["rollout"]["samples"], t.rollout.samples, strict=True):
+        s["tokens"] = bytes_to_ids(raw.tokens).tolist()
+        s["logprobs"] = bytes_to_floats(raw.logprobs).tolist()
+    return data
+
+
+def export(found: list[Found], jsonl: Path | None, parquet: Path | None) -> None:
+    if jsonl is not None:
+        jsonl.parent.mkdir(parents=True, exist_ok=True)
+        with open(jsonl, "w") as f:
+            for item in found:
+                f.write(json.dumps(to_json(item.trajectory)) + "\n")
+    if parquet is not None:
+        write_parquet(parquet, [row(i.stream, i.entry_id, i.payload) for i in found])
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def query_from_args(args: argparse.Namespace) -> Query:
+    return Query(
+        streams=(args.stream,) if args.stream else (N.TRAJECTORIES, N.EVALS),
+        from_id=args.from_id or "-",
+        to_id=args.to_id or "+",
+        since=args.since,
+        until=args.until,
+        domain=args.domain,
+        min_reward=args.min_reward,
+        max_reward=args.max_reward,
+        policy_version=args.policy_version,
+        episodes=frozenset(args.episode),
+        limit=args.limit,
+    )
+
+
+async def run_replay(
+    client: RedisClient, names: N.Names, config: Config, args: argparse.Namespace
+) -> int:
+    archive = Path(args.archive) if args.archive else archive_dir(config)
+    live = client if args.source in ("live", "both") else None
+    use_archive = archive if args.source in ("archive", "both") else None
+    query = query_from_args(args)
+    if args.action == "retrain":
+        if args.step is None:
+            print("streamrl replay retrain: --step N is required", file=sys.stderr)
+            return 2
+        ids = ledger_groups(config, args.step)
+        query = replace(query, streams=(N.TRAJECTORIES,), trajectory_ids=frozenset(ids), limit=0)
+    found = await select(live, names, query, use_archive)
+    if args.action == "list":
+        rows = [
+            {"trajectory_id": f.trajectory.id, "episode_id": f.trajectory.episode_id,
+             "source": f.source, "stream": f.stream, "entry_id": f.entry_id,
+             "domain": f.trajectory.rollout.task.domain,
+             "policy_version": f.trajectory.policy_version, "rewards": f.trajectory.rewards}
+            for f in found
+        ]  # fmt: skip
+        print(json.dumps(rows, indent=2))
+        return 0
+    if args.action == "show":
+        print("\n\n".join(render_episode(f) for f in found) or "no trajectory matches")
+        return 0 if found else 1
+    if args.action == "rescore":
+        scored, changes = rescore(found)
+        for c in changes:
+            print(f"{c.episode_id} sample {c.sample}: {c.old:g} -> {c.new:g}")
+        print(f"{len(changes)} of {scored} rewards changed in {len(found)} groups")
+        return 0
+    if args.action == "export":
+        if not args.jsonl and not args.parquet:
+            print("streamrl replay export: give --jsonl and/or --parquet", file=sys.stderr)
+            return 2
+        export(found, Path(args.jsonl) if args.jsonl else None,
+               Path(args.parquet) if args.parquet else None)
+        print(f"exported {len(found)} trajectories")
+        return 0
+    if args.action == "retrain":
+        by_id = {f.trajectory.id: f.trajectory for f in found}
+        missing = [i for i in ids if i not in by_id]
+        if missing:
+            print(f"streamrl replay retrain: {len(missing)} groups of step {args.step} are "
+                  f"neither live nor archived: {missing[:3]}", file=sys.stderr)
+            return 1
+        recorded = recorded_step(config, args.step) or await recorded_step_live(
+            client, names, args.step)
+        loss, grad_norm = retrain(config, args.step, [by_id[i] for i in ids],
+                                  Path(args.checkpoint) if args.checkpoint else None)
+        result = Retrained(args.step, len(ids), loss, grad_norm,
+                           recorded.loss if recorded else None,
+                           recorded.grad_norm if recorded else None)
+        print(json.dumps({**result.__dict__, "matches": result.matches()}, indent=2))
+        return 0 if result.matches() else 1
+    raise ValueError(f"unknown replay action {args.action!r}")
+
+
+__all__ = ["COLUMNS", "Query", "export", "rescore", "retrain", "select"]
