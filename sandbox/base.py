@@ -11,8 +11,8 @@ Guarantees every backend keeps:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -29,6 +29,7 @@ class Limits:
     max_file_mb: int = 16
     max_open_files: int = 256
     output_bytes: int = 1 << 20  # per stream; the rest is drained and counted
+    disk_mb: int = 64  # total size of the work dir (+ /tmp) where the backend can cap it
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class SandboxSession(Protocol):
 
     Multi-turn episodes hold one session for their whole life; ``reset`` returns it to the
     clean state (empty work dir, no processes) so a pool can hand it to the next episode.
+    Every ``run`` of a session uses the session's limits (``request.limits`` is ignored).
     ``run`` results follow the same rules as :meth:`Sandbox.run` (data, never exceptions for
     what the code did); infrastructure failures raise :class:`SandboxUnavailable`.
     """
@@ -68,10 +70,14 @@ class SandboxSession(Protocol):
         """Run ``request.argv`` in the session's work dir after writing ``request.files``."""
         ...
 
-    async def put_files(self, files: dict[str, bytes]) -> None: ...
+    async def put_files(self, files: dict[str, bytes]) -> None:
+        """Write files into the work dir, replacing whatever the code left at those paths
+        (links included: a planted link never redirects the write)."""
+        ...
 
     async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
-        """Read files (relative to the work dir); a missing file maps to None."""
+        """Read regular files (relative to the work dir). A missing path, a symlink, a fifo or
+        a directory maps to None: what the code planted can neither leak a file nor block."""
         ...
 
     async def reset(self) -> None: ...

@@ -1,7 +1,11 @@
 """The local process sandbox: run untrusted code as a short-lived, unprivileged child process.
 
 Guarantees (on top of :mod:`sandbox.base`):
-- every run gets a fresh temporary work directory, owned by the sandbox uid, removed afterwards;
+- every session (a one-shot ``run`` is a session of one command) gets a fresh private work
+  directory (``streamrl-sbx-<label>-*``), owned by the session's uid, removed when the session
+  ends on any exit path; its files persist across the session's runs, ``reset`` kills what the
+  session started and empties it. Host-side file I/O (``put_files``/``get_files``) never
+  follows a link or opens a fifo the code planted;
 - the child runs with a scrubbed environment (PATH, LANG, HOME=work dir, two PYTHON* knobs),
   in its own session / process group, with rlimits set before exec (CPU, AS, NPROC, FSIZE,
   NOFILE, CORE=0) and ``PR_SET_NO_NEW_PRIVS``;
@@ -33,8 +37,11 @@ no gVisor/VM, so a kernel exploit escapes); CPU is limited per process in CPU se
 shared fairly in wall time (no cgroups: N runs can saturate N cores); memory is an address
 space limit per process (RLIMIT_AS), not a cgroup limit, so a tree of processes can use
 ``max_processes * memory_mb``; total disk use of the work dir is not capped (only per-file
-size and the number of open files); without root (developer machines) the uid is not switched
-and RLIMIT_NPROC counts every process of the invoking user.
+size and the number of open files: a session can fill the disk its work dir is on); only
+``bwrap`` forbids nested user namespaces, in ``unshare``/``none`` the code can create its
+own (harmless to the host's mounts, but more kernel attack surface); without root
+(developer machines) the uid is not switched and RLIMIT_NPROC counts every process of the
+invoking user.
 
 Result conventions:
 - ``exit_code``: the child's exit status; a child killed by signal N reports ``128 + N``
@@ -55,15 +62,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
+import fcntl
 import logging
 import os
 import resource
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
@@ -115,25 +125,38 @@ class ProcessSandbox:
     # -- public API ---------------------------------------------------------------------
 
     async def run(self, request: ExecRequest) -> ExecResult:
+        """A one-shot session: fresh work dir, one command, everything torn down."""
+        async with self.session(request.limits) as session:
+            return await session.run(request)
+
+    def session(
+        self, limits: Limits, label: str = ""
+    ) -> contextlib.AbstractAsyncContextManager[ProcessSession]:
+        return self._open_session(limits, label)
+
+    @contextlib.asynccontextmanager
+    async def _open_session(self, limits: Limits, label: str) -> AsyncIterator[ProcessSession]:
         if self._closed:
             raise SandboxUnavailable("ProcessSandbox is closed")
-        files = [(_checked_path(name), data) for name, data in request.files.items()]
         async with self._lease_uid() as uid:
-            workdir = self._make_workdir(files, uid)
+            session = ProcessSession(self, limits, uid, self._make_workdir(uid, label))
             try:
-                return await self._execute(request, workdir, uid)
+                yield session
             finally:
-                shutil.rmtree(workdir, ignore_errors=True)
+                with trio.CancelScope(shield=True):
+                    await session.aclose()
 
     async def aclose(self) -> None:
         self._closed = True
 
     # -- one run ------------------------------------------------------------------------
 
-    async def _execute(self, request: ExecRequest, workdir: str, uid: int | None) -> ExecResult:
-        limits = request.limits
+    async def _execute(
+        self, request: ExecRequest, limits: Limits, workdir: str, uid: int | None, live: set[int]
+    ) -> ExecResult:
         start = time.monotonic()
         proc = await self._spawn(request.argv, workdir, uid, limits)
+        live.add(proc.pid)
         out, err = _Capture(limits.output_bytes), _Capture(limits.output_bytes)
         try:
             with trio.move_on_after(limits.timeout_s) as deadline:
@@ -148,6 +171,7 @@ class ProcessSandbox:
             with trio.CancelScope(shield=True):
                 self._kill_all(proc.pid, uid)
                 await proc.wait()
+                live.discard(proc.pid)
                 for stream in (proc.stdin, proc.stdout, proc.stderr):
                     if stream is not None:
                         await stream.aclose()
@@ -232,17 +256,17 @@ class ProcessSandbox:
     def _lease_uid(self) -> _UidLease:
         return _UidLease(self)
 
-    def _make_workdir(self, files: list[tuple[PurePosixPath, bytes]], uid: int | None) -> str:
-        workdir = tempfile.mkdtemp(prefix="streamrl-sbx-", dir=self._tmp_dir)
-        for rel, data in files:
-            target = Path(workdir, rel)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-        if uid is not None:
-            for root, dirs, names in os.walk(workdir):
-                for entry in (root, *(os.path.join(root, n) for n in dirs + names)):
-                    os.chown(entry, uid, uid)
-        os.chmod(workdir, 0o700)
+    def _make_workdir(self, uid: int | None, label: str = "") -> str:
+        """A fresh private directory for one session, owned by its uid."""
+        tag = "".join(c if c.isalnum() or c in "-_." else "_" for c in label)[:64]
+        try:
+            workdir = tempfile.mkdtemp(prefix=f"streamrl-sbx-{tag + '-' if tag else ''}",
+                                       dir=self._tmp_dir)  # fmt: skip
+            if uid is not None:
+                os.chown(workdir, uid, uid)
+            os.chmod(workdir, 0o700)
+        except OSError as exc:
+            raise SandboxUnavailable(f"cannot create the sandbox work dir: {exc}") from exc
         return workdir
 
     def _probe(self, wanted: Isolation) -> str:
@@ -261,7 +285,7 @@ class ProcessSandbox:
         raise SandboxUnavailable("no usable isolation mode: " + "; ".join(problems))
 
     def _try_mode(self, mode: str, uid: int | None) -> str | None:
-        workdir = self._make_workdir([], uid)
+        workdir = self._make_workdir(uid)
         try:
             argv, cwd, _ = self._wrap(mode, ["/usr/bin/env", "true"], workdir)
             done = subprocess.run(
@@ -277,6 +301,143 @@ class ProcessSandbox:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+class ProcessSession:
+    """One episode's work dir and uid; each ``run`` is a fresh process tree in that dir.
+
+    Files persist across runs until :meth:`reset`. Nothing the code starts survives its run
+    (the process group, the pid namespace and, as root, every process of the session's uid
+    are killed when the run ends), so between runs the session holds only files. Host-side
+    file access never follows links the code planted: every path component is opened with
+    ``O_NOFOLLOW`` relative to the work dir, and only regular files are read.
+    """
+
+    def __init__(self, box: ProcessSandbox, limits: Limits, uid: int | None, workdir: str):
+        self._box = box
+        self.limits = limits
+        self.uid = uid
+        self.workdir = workdir
+        self._live: set[int] = set()
+        self._closed = False
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        """Write ``request.files``, run ``request.argv`` under the session's limits."""
+        self._check_open()
+        await self.put_files(request.files)
+        return await self._box._execute(request, self.limits, self.workdir, self.uid, self._live)
+
+    async def put_files(self, files: dict[str, bytes]) -> None:
+        self._check_open()
+        for name, data in files.items():
+            _write_under(self.workdir, _checked_path(name), data, self.uid)
+
+    async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
+        """Regular files only; a missing file, a link, a fifo or a directory maps to None."""
+        self._check_open()
+        cap = self.limits.max_file_mb << 20
+        return {p: _read_under(self.workdir, _checked_path(p), cap) for p in paths}
+
+    async def reset(self) -> None:
+        """Kill everything the session started and empty its work dir."""
+        self._check_open()
+        self._kill()
+        _empty_dir(self.workdir)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _kill(self) -> None:
+        for pid in list(self._live):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        if self._box.isolation == "none" and self.uid is not None:
+            _kill_uid(self.uid)  # namespaced modes: the pid namespace died with its run
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SandboxUnavailable("sandbox session is closed")
+
+
+def _open_parent(root: str, rel: PurePosixPath, create: bool) -> int:
+    """An fd of ``rel``'s parent dir inside ``root``, never through a symlink."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for part in rel.parts[:-1]:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+            try:
+                nxt = os.open(part, flags, dir_fd=fd)
+            except OSError as exc:
+                if not create or exc.errno not in _REPLACEABLE:
+                    raise
+                _remove_at(fd, part)
+                os.mkdir(part, 0o755, dir_fd=fd)
+                nxt = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_REPLACEABLE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+
+
+def _remove_at(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        try:
+            os.unlink(name, dir_fd=dir_fd)
+        except IsADirectoryError:
+            shutil.rmtree(name, dir_fd=dir_fd)
+
+
+def _write_under(root: str, rel: PurePosixPath, data: bytes, uid: int | None) -> None:
+    parent = _open_parent(root, rel, create=True)
+    try:
+        _remove_at(parent, rel.name)  # whatever the code left there (a link, a fifo, a dir)
+        fd = os.open(rel.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
+                     dir_fd=parent)  # fmt: skip
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if uid is not None:
+                os.fchown(f.fileno(), uid, uid)
+    finally:
+        os.close(parent)
+    if uid is not None:  # directories created on the way belong to the session too
+        for depth in range(1, len(rel.parts)):
+            with contextlib.suppress(OSError):
+                os.chown(Path(root, *rel.parts[:depth]), uid, uid, follow_symlinks=False)
+
+
+def _read_under(root: str, rel: PurePosixPath, cap: int) -> bytes | None:
+    try:
+        parent = _open_parent(root, rel, create=False)
+    except OSError:
+        return None
+    try:
+        fd = os.open(rel.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent)
+    except OSError:
+        return None
+    finally:
+        os.close(parent)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(cap)
+
+
+def _empty_dir(path: str) -> None:
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+
+
 _UNSHARE_PREFIX = [
     "unshare", f"--map-user={INNER_ID}", f"--map-group={INNER_ID}", "--net", "--pid",
     "--fork", "--kill-child", "--mount-proc", "--ipc", "--uts",
@@ -284,21 +445,46 @@ _UNSHARE_PREFIX = [
 
 
 class _UidLease:
-    """Borrow a uid from the pool for one run (``None`` when not running as root)."""
+    """Borrow a uid from the pool for one session (``None`` when not running as root).
+
+    A uid is held through an ``flock`` on ``<tmp>/streamrl-sandbox-uids/<uid>``, so sandboxes
+    in other processes (other executors, tests) never hand out the same uid at the same time;
+    the lock dies with its process.
+    """
 
     def __init__(self, box: ProcessSandbox) -> None:
         self._box = box
         self._uid: int | None = None
+        self._lock: int | None = None
 
     async def __aenter__(self) -> int | None:
-        if self._box._uid_slots is None:
+        box = self._box
+        if box._uid_slots is None:
             return None
-        await self._box._uid_slots.acquire()
-        self._uid = self._box._free_uids.pop()
-        return self._uid
+        await box._uid_slots.acquire()
+        try:
+            lock_dir = os.path.join(tempfile.gettempdir(), "streamrl-sandbox-uids")
+            os.makedirs(lock_dir, mode=0o700, exist_ok=True)
+            for i in range(len(box._free_uids) - 1, -1, -1):
+                uid = box._free_uids[i]
+                fd = os.open(os.path.join(lock_dir, str(uid)), os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    os.close(fd)
+                    continue
+                self._uid, self._lock = box._free_uids.pop(i), fd
+                return uid
+        except OSError as exc:
+            box._uid_slots.release()
+            raise SandboxUnavailable(f"cannot lease a sandbox uid: {exc}") from exc
+        box._uid_slots.release()
+        raise SandboxUnavailable("every sandbox uid is leased (by this or other processes)")
 
     async def __aexit__(self, *exc: object) -> None:
         if self._uid is not None and self._box._uid_slots is not None:
+            if self._lock is not None:
+                os.close(self._lock)  # releases the flock
             self._box._free_uids.append(self._uid)
             self._box._uid_slots.release()
 

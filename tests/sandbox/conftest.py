@@ -1,0 +1,116 @@
+"""Fixtures for the sandbox tests: every backend behind one ``backend`` fixture, and a marker
+that proves nothing a test started outlives it.
+
+``backend`` yields the process backend always (its strongest isolation mode here, or
+``$STREAMRL_TEST_ISOLATION``), and the Docker backend when ``open_sandbox("docker")`` works;
+without an engine the Docker cases skip with the reason, except under CI (``$CI`` set), where
+they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from sandbox import ExecRequest, Limits, Sandbox, SandboxUnavailable, open_sandbox
+
+BACKENDS = ("process", "docker")
+
+
+@pytest.fixture
+def marker() -> Iterator[str]:
+    """A string put on every sandboxed command line (and used as the session label); no
+    process may carry it once the test and its backend are done."""
+    tag = f"sbxmark-{uuid.uuid4().hex}"
+    yield tag
+    deadline = time.monotonic() + 2.0  # SIGKILLed processes need a moment to vanish
+    while (left := processes_with(tag)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"sandbox processes outlived the test: {left}"
+
+
+def processes_with(tag: str) -> list[int]:
+    """Host pids whose command line contains ``tag`` (zombies included: they are leftovers)."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                if tag.encode() in Path(entry.path, "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def containers_with(tag: str) -> list[str]:
+    """Docker containers (any state) whose name or labels contain ``tag``."""
+    done = subprocess.run(
+        ["docker", "ps", "-a", "--no-trunc", "--format", "{{.ID}} {{.Names}} {{.Labels}}"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    return [line for line in done.stdout.splitlines() if tag in line]
+
+
+def _unavailable(name: str, reason: str) -> None:
+    if name == "docker" and os.environ.get("CI"):
+        pytest.fail(f"CI must run the Docker backend, but it is unavailable: {reason}")
+    pytest.skip(f"{name} backend unavailable here: {reason}")
+
+
+def _options(name: str) -> dict[str, str]:
+    if name == "process" and os.environ.get("STREAMRL_TEST_ISOLATION"):
+        return {"isolation": os.environ["STREAMRL_TEST_ISOLATION"]}
+    return {}
+
+
+async def _probe(name: str) -> str | None:
+    """Why backend ``name`` cannot run ``true`` here, or None when it can."""
+    try:
+        box = open_sandbox(name, **_options(name))
+    except (ValueError, ImportError, SandboxUnavailable) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    try:  # an engine that is installed but down shows only when used
+        result = await box.run(ExecRequest(["true"], limits=Limits(timeout_s=60)))
+    except SandboxUnavailable as exc:
+        return f"SandboxUnavailable: {exc}"
+    finally:
+        await box.aclose()
+    assert result.exit_code == 0, f"{name}: `true` did not succeed: {result}"
+    return None
+
+
+@pytest.fixture(scope="session")
+def unavailable() -> dict[str, str | None]:
+    """Each backend's reason for being unavailable (probed once per test session)."""
+    return {name: trio.run(_probe, name) for name in BACKENDS}
+
+
+@pytest.fixture(params=BACKENDS)
+def backend_name(request: pytest.FixtureRequest, unavailable: dict[str, str | None]) -> str:
+    """The backend's name; skips (fails under CI, for Docker) when it cannot run here."""
+    name: str = request.param
+    if unavailable[name] is not None:
+        if name == "docker" and os.environ.get("CI"):
+            pytest.fail(f"CI must run the Docker backend: {unavailable[name]}")
+        pytest.skip(f"{name} backend unavailable here: {unavailable[name]}")
+    return name
+
+
+@pytest.fixture
+async def backend(backend_name: str, marker: str) -> AsyncIterator[Sandbox]:
+    box = open_sandbox(backend_name, **_options(backend_name))
+    try:
+        yield box
+    finally:
+        with trio.CancelScope(shield=True):
+            await box.aclose()
+    if backend_name == "docker" and shutil.which("docker"):
+        assert not containers_with(marker), "containers outlived the test"
