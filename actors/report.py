@@ -1,0 +1,198 @@
+"""``streamrl report --out DIR``: PNG charts and a Markdown summary of a run.
+
+Sources, all read-only: the learner's ``metrics`` stream (reward, step and wait seconds,
+staleness per step), the trajectories and evaluation results (live streams and the
+archive, deduplicated), and the entry ids of the work streams (an entry id is the time its
+producer wrote it: the throughput of each stage).
+
+Charts (matplotlib, Agg backend): ``reward.png`` (training reward per domain over policy
+versions), ``eval.png`` (held-out reward per domain over policy versions),
+``throughput.png`` (entries per minute each stage produced), ``learner_busy.png`` (step /
+(step + wait) per step), ``staleness.png`` (max staleness per step); ``summary.md`` holds
+the numbers behind them. A chart with no data is left out and the summary says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from actors.archiver import archive_dir
+from actors.config import Config
+from actors.replay import Query, select
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import MessageError, StepMetrics, decode
+
+PRODUCED_BY = {
+    N.TASKS: "scheduler", N.ROLLOUTS: "generator", N.EXECUTED: "executor",
+    N.TRAJECTORIES: "verifier", N.EVALS: "verifier (eval)",
+}  # fmt: skip
+MAX_ENTRIES = 100_000
+
+
+@dataclass
+class RunData:
+    steps: list[StepMetrics] = field(default_factory=list)
+    reward: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    """domain -> policy version -> rewards of training samples."""
+    evals: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    """domain -> policy version -> rewards of held-out samples."""
+    produced: dict[str, list[float]] = field(default_factory=dict)
+    """stage -> times (unix s) of the entries it produced, still in the streams."""
+    dead_letters: int = 0
+
+
+async def collect(
+    client: RedisClient, names: N.Names, archive: Path | None
+) -> RunData:
+    data = RunData()
+    rows: Any = await client.call(client.sync.xrange, names.stream(N.METRICS))
+    for _, fields in rows or []:
+        try:
+            data.steps.append(decode(fields[b"d"], StepMetrics))
+        except (MessageError, KeyError):
+            continue
+    data.steps.sort(key=lambda m: m.step)
+    for found in await select(client, names, Query(), archive):
+        t = found.trajectory
+        target = data.evals if t.rollout.task.split == "eval" else data.reward
+        target.setdefault(t.rollout.task.domain, defaultdict(list))[t.policy_version] += list(
+            t.rewards
+        )
+    for stream, stage in PRODUCED_BY.items():
+        ids: Any = await client.call(
+            client.sync.xrange, names.stream(stream), count=MAX_ENTRIES
+        )
+        data.produced[stage] = [int(e.decode().split("-")[0]) / 1000 for e, _ in ids or []]
+    data.dead_letters = int(await client.call(client.sync.xlen, names.stream(N.DEAD)))
+    return data
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def per_version(series: dict[str, dict[int, list[float]]]) -> dict[str, list[tuple[int, float]]]:
+    return {d: [(v, _mean(r)) for v, r in sorted(by.items())] for d, by in sorted(series.items())}
+
+
+def busy_fraction(m: StepMetrics) -> float:
+    total = m.step_seconds + m.wait_seconds
+    return m.step_seconds / total if total > 0 else 0.0
+
+
+def throughput(times: list[float], bucket_s: float = 60.0) -> list[tuple[float, float]]:
+    """(minutes since the first entry, entries per minute) per bucket."""
+    if not times:
+        return []
+    start = min(times)
+    counts: dict[int, int] = defaultdict(int)
+    for t in times:
+        counts[int((t - start) // bucket_s)] += 1
+    return [(b * bucket_s / 60, n * 60 / bucket_s) for b, n in sorted(counts.items())]
+
+
+def charts(data: RunData, out: Path) -> list[str]:
+    """Write the PNG charts; returns their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
+        written.append(name)
+
+    for name, series, title in (
+        ("reward.png", data.reward, "training reward per domain"),
+        ("eval.png", data.evals, "held-out reward per domain"),
+    ):
+        if series:
+            fig, ax = plt.subplots(figsize=(7, 4))
+            for domain, points in per_version(series).items():
+                ax.plot([v for v, _ in points], [r for _, r in points], marker="o", label=domain)
+            ax.set(title=title, xlabel="policy version", ylabel="mean reward", ylim=(-0.05, 1.05))
+            ax.legend()
+            save(fig, name)
+    if any(data.produced.values()):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for stage, times in data.produced.items():
+            rates = throughput(times)
+            if rates:
+                ax.plot([m for m, _ in rates], [r for _, r in rates], marker=".", label=stage)
+        ax.set(title="throughput per stage", xlabel="minutes", ylabel="entries / minute")
+        ax.legend()
+        save(fig, "throughput.png")
+    if data.steps:
+        steps = [m.step for m in data.steps]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.plot(steps, [busy_fraction(m) for m in data.steps], marker="o")
+        ax.set(title="learner busy fraction", xlabel="step", ylabel="step / (step + wait)",
+               ylim=(-0.05, 1.05))
+        save(fig, "learner_busy.png")
+        fig, ax = plt.subplots(figsize=(7, 4))
+        ax.bar(steps, [m.max_staleness_seen for m in data.steps])
+        ax.set(title="max staleness per step", xlabel="step", ylabel="policy versions")
+        save(fig, "staleness.png")
+    return written
+
+
+def summary(run: str, data: RunData, written: list[str]) -> str:
+    lines = [f"# Run {run}", ""]
+    if data.steps:
+        last = data.steps[-1]
+        busy = [busy_fraction(m) for m in data.steps]
+        lines += [
+            f"- learner steps: {len(data.steps)} (last step {last.step}, loss {last.loss:.4f},"
+            f" grad norm {last.grad_norm:.4f})",
+            f"- learner busy fraction: mean {_mean(busy):.2f}, last {busy[-1]:.2f}",
+            f"- staleness: max {max(m.max_staleness_seen for m in data.steps)} versions;"
+            f" stale groups dropped: {last.dropped_stale}",
+        ]
+    else:
+        lines.append("- no learner step recorded")
+    lines.append(f"- dead letters: {data.dead_letters}")
+    for title, series in (("Training reward", data.reward), ("Held-out reward", data.evals)):
+        lines += ["", f"## {title} per domain", ""]
+        if not series:
+            lines.append("no data")
+            continue
+        lines += ["| domain | version | mean reward | samples |", "|---|---|---|---|"]
+        for domain, by in sorted(series.items()):
+            for version, rewards in sorted(by.items()):
+                lines.append(f"| {domain} | {version} | {_mean(rewards):.3f} | {len(rewards)} |")
+    lines += ["", "## Throughput (entries still in the streams)", "",
+              "| stage | entries | per minute |", "|---|---|---|"]
+    for stage, times in data.produced.items():
+        span = (max(times) - min(times)) / 60 if len(times) > 1 else 0.0
+        rate = f"{(len(times) - 1) / span:.1f}" if span > 0 else "-"
+        lines.append(f"| {stage} | {len(times)} | {rate} |")
+    lines += ["", "## Charts", ""] + [f"![{w}]({w})" for w in written]
+    return "\n".join(lines) + "\n"
+
+
+async def write_report(
+    client: RedisClient, names: N.Names, out: Path, archive: Path | None
+) -> list[str]:
+    out.mkdir(parents=True, exist_ok=True)
+    data = await collect(client, names, archive)
+    written = charts(data, out)
+    (out / "summary.md").write_text(summary(names.run, data, written))
+    return [*written, "summary.md"]
+
+
+async def run_report(
+    client: RedisClient, names: N.Names, config: Config, args: argparse.Namespace
+) -> int:
+    archive = Path(args.archive) if args.archive else archive_dir(config)
+    written = await write_report(client, names, Path(args.out), archive)
+    print(f"wrote {', '.join(written)} to {args.out}")
+    return 0
