@@ -140,6 +140,29 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     max_train_groups: NonNegInt = 0
     """Admit at most this many training groups in the whole run (0: no limit). Exact across
     scheduler restarts: the count of admitted groups lives in Redis."""
+    adaptive: bool = False
+    """Re-weight domains toward their target ratios of trained samples, from the verifier's
+    per-domain counters (actors/scheduling.py; needs verifier.dynamic_sampling, which
+    writes them)."""
+
+
+class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[domain.<name>]``: how one domain of scheduler.domains is scheduled and run."""
+
+    weight: PosFloat = 1.0
+    """Share of the trained samples (relative to the other domains' weights)."""
+    priority: int = 0
+    """Strict: a lower priority gets tasks only while every higher one is at max_inflight."""
+    max_inflight: NonNegInt = 0
+    """At most this many of its groups admitted and not yet verified (0: no cap)."""
+    max_new_tokens: NonNegInt = 0
+    """Generation budget per turn (0: scheduler.max_new_tokens)."""
+    max_turns: NonNegInt = 0
+    """Model turns per episode for a multi-turn domain (0: the domain's own)."""
+    timeout_s: float = 0.0
+    """Sandbox wall-clock limit per run (0: the domain's own)."""
+    memory_mb: NonNegInt = 0
+    """Sandbox memory limit (0: the domain's own)."""
 
 
 class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -150,6 +173,41 @@ class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """torch threads in this process (0: torch's default). One per process is fastest on
     small CPUs: with 2 threads a forward pass of the 135M model took 2.5x longer here."""
     time_limit_s: PosFloat = 600.0
+    engine: str = "transformers"
+    """'transformers' (in-process CPU engine) or 'sglang' (HTTP client: SGLang servers, or
+    ``streamrl serve-model`` on a CPU; see server_urls / router_url)."""
+    server_urls: list[str] = msgspec.field(default_factory=list)
+    """engine 'sglang': the servers this generator balances over (least-loaded, sticky per
+    task) and syncs weights to, e.g. ``["http://127.0.0.1:30000"]``."""
+    router_url: str = ""
+    """engine 'sglang': send every request to this sglang-router instead (weight updates
+    still go to server_urls, or to the router when that list is empty)."""
+    health_interval_s: PosFloat = 2.0
+    """engine 'sglang': how often each server is probed (a dead one is taken out, one that
+    comes back loads the current weights before taking work)."""
+    request_timeout_s: PosFloat = 600.0
+    pause_mode: str = "in_place"
+    """engine 'sglang': /pause_generation mode around a weight update (abort, retract,
+    in_place)."""
+
+    def __post_init__(self) -> None:
+        if self.engine not in ("transformers", "sglang"):
+            raise ValueError(f"generator.engine {self.engine!r}: use 'transformers' or 'sglang'")
+        if self.engine == "sglang" and not (self.server_urls or self.router_url):
+            raise ValueError("generator.engine 'sglang' needs server_urls or router_url")
+        if self.pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"generator.pause_mode {self.pause_mode!r}")
+
+
+class DomainSandboxConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    backend: str = ""
+    """Sandbox backend for this domain (empty: the domain's spec, else executor.backend)."""
+    image: str = ""
+    """Container image for this domain (container backends; empty: the domain's spec)."""
+    timeout_s: Annotated[float, Meta(ge=0)] = 0.0
+    """Wall-clock limit of each run (also sets the CPU limit); 0: the domain's."""
+    memory_mb: NonNegInt = 0
+    """Memory limit of each run; 0: the domain's."""
 
 
 class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -157,11 +215,26 @@ class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     backend: str = "process"
     """Sandbox backend; the limits of each run come from its domain."""
     time_limit_s: PosFloat = 120.0
+    domains: dict[str, DomainSandboxConfig] = msgspec.field(default_factory=dict)
+    """Per-domain sandbox choice, e.g. ``[executor.domains.code]`` ``backend = "docker"``."""
+
+    def __post_init__(self) -> None:
+        from sandbox import BACKENDS
+
+        for where, name in [("backend", self.backend)] + [
+            (f"domains.{d}.backend", c.backend) for d, c in self.domains.items() if c.backend
+        ]:
+            if name not in BACKENDS:
+                raise ValueError(f"executor.{where} {name!r}: known backends {list(BACKENDS)}")
 
 
 class VerifierConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     concurrency: PosInt = 8
     time_limit_s: PosFloat = 60.0
+    dynamic_sampling: bool = False
+    """Skip training groups whose rewards are all equal (no GRPO signal), counting them
+    (``count:zero_variance``), and count resolved/trained groups per domain
+    (``count:resolved:<domain>``, ``count:trained:<domain>``) for scheduler.adaptive."""
 
 
 class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -227,6 +300,17 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     up: UpConfig = msgspec.field(default_factory=UpConfig)
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
+    domain: dict[str, DomainConfig] = msgspec.field(default_factory=dict)
+    """Per-domain settings, ``[domain.math]``; a domain without a table gets the defaults."""
+
+    def __post_init__(self) -> None:
+        unknown = set(self.domain) - set(self.scheduler.domains)
+        if unknown:
+            raise ValueError(f"[domain.*] tables for domains not in scheduler.domains: "
+                             f"{sorted(unknown)}")
+
+    def domain_config(self, name: str) -> DomainConfig:
+        return self.domain.get(name) or DomainConfig()
 
 
 class ConfigError(ValueError):

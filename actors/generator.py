@@ -8,14 +8,18 @@ batches.
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import structlog
 import trio
 
+from actors.config import GeneratorConfig
 from actors.context import ActorContext, domain_item
+from actors.policies import Retry
 from actors.runtime import Output
 from inference.engine import Engine
+from inference.sglang_client import ServerUnavailable, SGLangEngine
 from queues import names as N
 from queues.messages import (
     Rollout,
@@ -38,14 +42,22 @@ class Generator:
     input_stream = N.TASKS
     input_type = Task
 
-    def __init__(self, engine: Engine, tokenizer: Any) -> None:
+    def __init__(self, engine: Engine, tokenizer: Any, retry_delay_s: float = 2.0) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.retry_delay_s = retry_delay_s
 
     async def handle(self, task: Task) -> list[Output]:
         domain, item = domain_item(task)
         prompt = domain.render_prompt(item, self.tokenizer)
-        completions = await self.engine.generate([prompt] * task.group_size, task.sampling)
+        prompts = [prompt] * task.group_size
+        if isinstance(self.engine, SGLangEngine):
+            try:  # one server per task (its prefix cache); a dead server: retry the message
+                completions = await self.engine.generate(prompts, task.sampling, session=task.id)
+            except ServerUnavailable as exc:
+                raise Retry(str(exc), delay=self.retry_delay_s) from exc
+        else:
+            completions = await self.engine.generate(prompts, task.sampling)
         samples = [
             Sample(
                 tokens=ids_to_bytes(c.tokens),
@@ -84,31 +96,52 @@ async def serve_weight_updates(
         latest = await reader.latest()
         if latest:
             event = decode(latest[1], WeightsPublished)
-            await engine.update_weights(event.path, event.version)
-            log.info("weights loaded", policy_version=event.version)
+            try:
+                await engine.update_weights(event.path, event.version)
+                log.info("weights loaded", policy_version=event.version)
+            except ServerUnavailable as exc:  # no server up yet: each loads it before work
+                log.warning("weights not loaded", policy_version=event.version, error=str(exc))
         task_status.started()
         while True:
             events = [decode(raw, WeightsPublished) for _, raw in await reader.read()]
             if events:
                 newest = max(events, key=lambda e: e.version)
                 if newest.version > engine.weight_version:
-                    await engine.update_weights(newest.path, newest.version)
+                    try:
+                        await engine.update_weights(newest.path, newest.version)
+                    except ServerUnavailable as exc:
+                        # The version stays the target: each server loads it when it is back.
+                        log.warning("weights not loaded", policy_version=newest.version,
+                                    error=str(exc))
+                        continue
                     log.info("weights updated", policy_version=newest.version)
     finally:
         reader.close()
 
 
-async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextManager[Engine]:
+    """The engine ``generator.engine`` names: in-process transformers, or SGLang servers."""
+    if cfg.engine == "sglang":
+        from inference.sglang_client import open_sglang_engine
+
+        return open_sglang_engine(
+            cfg.server_urls, router_url=cfg.router_url, health_interval_s=cfg.health_interval_s,
+            request_timeout_s=cfg.request_timeout_s, pause_mode=cfg.pause_mode,
+        )
     from inference.transformers_engine import open_transformers_engine
+
+    return open_transformers_engine(model_dir, max_batch=cfg.max_batch,
+                                    threads=cfg.threads or None)
+
+
+async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     from learner.model import load_tokenizer, resolve_model
 
     cfg = ctx.config.generator
     model_dir = resolve_model(ctx.config.model.spec)
     tokenizer = load_tokenizer(model_dir)
     async with (
-        open_transformers_engine(
-            model_dir, max_batch=cfg.max_batch, threads=cfg.threads or None
-        ) as engine,
+        open_engine(cfg, model_dir) as engine,
         trio.open_nursery() as nursery,
     ):
         await nursery.start(serve_weight_updates, ctx, engine)

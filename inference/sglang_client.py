@@ -160,9 +160,9 @@ class SGLangEngine:
         async with trio.open_nursery() as nursery:
             for server in healthy:
                 nursery.start_soon(self._sync_one, server)
+        self._version = version  # the target: a server that missed it loads it when back
         if self.servers and not any(s.healthy for s in self.servers):
             raise ServerUnavailable(f"no server loaded weights version {version}")
-        self._version = version
 
     # ------------------------------------------------------------------ health
 
