@@ -2,16 +2,23 @@
 
 Admission guarantees:
 - staleness: training group number k is admitted only once the learner's policy version V
-  satisfies ``k < (V + max_staleness + 1) * groups_per_step``, so every admitted group can
-  still be trained within ``max_staleness`` versions of the policy that samples it; the
-  count of admitted groups lives in Redis, so a restarted scheduler keeps the bound;
+  satisfies ``k < (V + max_staleness + 1) * groups_per_step + D`` (D: groups the learner
+  dropped as stale so far, each replaced once), so every admitted group can still be
+  trained within ``max_staleness`` versions of the policy that samples it; the count of
+  admitted groups lives in Redis, so a restarted scheduler keeps the bound. With
+  ``max_staleness = 0`` this is the synchronous mode's batch barrier: the next batch is
+  admitted only once the learner published the version trained on the previous one;
 - backpressure: nothing is added while the generator group's backlog (lag + pending)
   exceeds ``max_backlog``;
 - limit: at most ``max_train_groups`` training groups per run (0: no limit);
 - the staleness and limit bounds are exact: tasks and the counter move together in one
   compare-and-set script, which adds nothing when replayed or when the counter has moved;
 - evaluation: a held-out round (greedy, one sample per item) is published at version 0 and
-  every ``eval_every`` versions; evaluation bypasses the staleness bound.
+  every ``eval_every`` versions; evaluation bypasses the staleness bound;
+- domains: which domain each training task comes from is decided by
+  :class:`actors.scheduling.FairShare` (weights, priorities and in-flight caps from the
+  ``[domain.<name>]`` tables; with ``scheduler.adaptive``, re-weighted toward the target
+  ratios of trained samples from the verifier's per-domain counters).
 Once the run's stop flag is set, no more training tasks are admitted.
 """
 
@@ -24,7 +31,9 @@ import msgspec
 import structlog
 import trio
 
+from actors.config import Config
 from actors.context import ActorContext
+from actors.scheduling import FairShare, Share
 from domains.registry import get_domain
 from queues import names as N
 from queues.messages import Sampling, Task, WeightsPublished, decode, encode, new_id, now
@@ -60,12 +69,26 @@ def make_task(
     )
 
 
+def domain_sampling(config: Config, name: str, temperature: float) -> Sampling:
+    """Sampling for tasks of domain ``name``: its own token budget if its table sets one."""
+    budget = config.domain_config(name).max_new_tokens or config.scheduler.max_new_tokens
+    return Sampling(max_new_tokens=budget, temperature=temperature)
+
+
+def shares(config: Config) -> list[Share]:
+    return [
+        Share(name, weight=d.weight, priority=d.priority, max_inflight=d.max_inflight)
+        for name in config.scheduler.domains
+        for d in [config.domain_config(name)]
+    ]
+
+
 async def publish_eval_round(ctx: ActorContext, round_no: int, version: int) -> int:
     """Publish one held-out evaluation round; returns the number of tasks."""
     cfg = ctx.config.scheduler
-    sampling = Sampling(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
     tasks = []
     for name in cfg.domains:
+        sampling = domain_sampling(ctx.config, name, 0.0)
         items = get_domain(name).load_items("eval")[: cfg.eval_items]
         tasks += [
             make_task(
@@ -95,21 +118,36 @@ class Scheduler:
         self.cfg = ctx.config.scheduler
         self.rng = random.Random(ctx.config.run.seed)
         self.items = {d: get_domain(d).load_items("train") for d in self.cfg.domains}
-        self.sampling = Sampling(
-            max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature
-        )
+        self.sampling = {
+            d: domain_sampling(ctx.config, d, self.cfg.temperature) for d in self.cfg.domains
+        }
+        self.fair = FairShare(shares(ctx.config), adaptive=self.cfg.adaptive)
 
-    def sample(self, version: int) -> Task:
-        domain = self.rng.choice(self.cfg.domains)
+    def sample(self, version: int) -> Task | None:
+        """The next training task (its domain by fair share); None if every domain is at
+        its in-flight cap."""
+        domain = self.fair.pick()
+        if domain is None:
+            return None
         item = self.rng.choice(self.items[domain])
         return make_task(
             domain,
             item,
             split="train",
             group_size=self.cfg.group_size,
-            sampling=self.sampling,
+            sampling=self.sampling[domain],
             version=version,
         )
+
+    async def observe_domains(self) -> None:
+        """Feed the verifier's per-domain counters (resolved, trained groups) to the share."""
+        c = self.ctx
+        names = self.cfg.domains
+        keys = [c.names.counter(f"{kind}:{d}") for kind in ("resolved", "trained") for d in names]
+        values = await c.client.call(c.client.sync.mget, keys)
+        counts = [int(v or 0) for v in values]
+        self.fair.observe(dict(zip(names, counts[: len(names)], strict=True)),
+                          dict(zip(names, counts[len(names) :], strict=True)))
 
     async def admissible(self, version: int) -> tuple[int, int]:
         """``(how many training groups may be admitted now, how many were admitted so far)``."""
@@ -118,12 +156,29 @@ class Scheduler:
         if await c.client.call(c.client.sync.exists, c.names.stop):
             return 0, admitted
         learner = c.config.learner
-        by_staleness = (version + learner.max_staleness + 1) * learner.groups_per_step - admitted
+        # Groups the learner dropped as stale free their slot: without this, once more than
+        # max_staleness * groups_per_step groups were dropped the learner could never fill
+        # a batch again and the run would stall (a stale group is replaced, at today's V).
+        dropped = await c.client.call(c.client.sync.get, c.names.counter("dropped_stale"))
+        by_staleness = (
+            (version + learner.max_staleness + 1) * learner.groups_per_step
+            + int(dropped or 0)
+            + await self.skipped()
+            - admitted
+        )
         limit = self.cfg.max_train_groups
         by_limit = limit - admitted if limit else by_staleness
         state = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])
         by_backlog = self.cfg.max_backlog - state.backlog
         return max(0, min(by_staleness, by_limit, by_backlog)), admitted
+
+    async def skipped(self) -> int:
+        """Training groups the verifier skipped (zero reward variance): they never reach the
+        learner, so each frees its slot in the staleness bound (replaced at today's V)."""
+        if not self.ctx.config.verifier.dynamic_sampling:
+            return 0
+        c = self.ctx
+        return int(await c.client.call(c.client.sync.get, c.names.counter("zero_variance")) or 0)
 
     async def admit(self, count: int, version: int, admitted: int) -> int:
         """Publish ``count`` tasks and add them to the admitted counter in one script, only if
@@ -131,7 +186,10 @@ class Scheduler:
         bounds computed from it hold exactly across restarts and replayed calls. Returns the
         number admitted."""
         c = self.ctx
-        tasks = [encode(self.sample(version)) for _ in range(count)]
+        sampled = [self.sample(version) for _ in range(count)]
+        tasks = [encode(t) for t in sampled if t is not None]
+        if not tasks:
+            return 0
         return await c.producer().publish_counted(N.TASKS, tasks, c.names.admitted, admitted)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -142,6 +200,8 @@ class Scheduler:
             next_eval = await self._eval_if_due(version, None)
             task_status.started()
             while True:
+                if self.cfg.adaptive or any(s.max_inflight for s in self.fair.shares):
+                    await self.observe_domains()
                 count, admitted = await self.admissible(version)
                 if count and await self.admit(count, version, admitted):
                     log.info("admitted", groups=count, policy_version=version)

@@ -171,6 +171,7 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
             Grant(("get", "incrby"), rw=(admitted,)),
             Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
             Grant(("exists",), read=(_glob(n.stop),)),
+            Grant(("get",), read=(_glob(n.counter("dropped_stale")),)),  # replaces drops
         ]
     if role == "generator":
         return [*_consume(n, N.TASKS, role, (N.ROLLOUTS,)), *_follow(n, N.WEIGHTS)]

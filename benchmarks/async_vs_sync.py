@@ -1,0 +1,311 @@
+"""Claim: streaming (asynchronous, bounded-staleness) RL keeps the learner busy and beats the
+synchronous, on-policy loop when completion lengths are long-tailed.
+
+Workload (the same for both modes): the real scheduler, the real generator actor (runtime,
+retries, hand-offs) and the real learner actor (GRPO steps on the tiny Llama, checkpoints,
+weights events), in one trio process against a real Redis started here. Two parts are
+simulated, and only these:
+
+- the generator's *engine*: each completion's length is drawn from a log-normal
+  distribution (median ``--median-tokens``, sigma ``--sigma``, capped at ``--max-tokens``),
+  its tokens are uniform random ids of the tokenizer's vocabulary (well-formed, real
+  tokens for the learner), each with logprob ``-log(vocab)`` (the tiny random model is
+  close to uniform, so ratios start near 1), and the request returns after
+  ``--seconds-per-token * longest completion`` (a batched engine returns a group when its
+  longest completion ends). A weights event sets the engine's version (no file load);
+- the executor + verifier: replaced by one stage that gives each sample a random 0/1
+  reward (seeded by the rollout), so groups carry signal; the arith domain's sandbox would
+  score random tokens 0 everywhere and the learner would skip every step.
+
+Modes: ``async`` (``learner.max_staleness = --staleness``; the scheduler keeps up to
+``(V + s + 1) * groups_per_step`` groups admitted) and ``sync`` (``max_staleness = 0``: the
+next batch is admitted only after the learner published the version trained on the
+previous one). Each mode trains ``--steps`` steps in a fresh run namespace.
+
+Figures:
+- ``speedup_async_over_sync``: wall time of the steps in sync mode / in async mode, from the
+  first step's end to the last one's (model loading and pipeline fill excluded, in both);
+- ``speedup_tokens_per_s``: the same ratio in trained completion tokens per second. Async
+  mode trains the groups that finish first, so its batches are shorter on average (the
+  long tail arrives later or is dropped as stale): this ratio is the smaller, fairer one;
+- ``learner_busy_fraction`` (per mode): over the same window, the share of the learner's
+  time spent inside ``Trainer.step``; the rest is waiting for groups and writing the
+  checkpoint + publishing (so 1.0 is out of reach by the checkpoint's share).
+  ``learner_not_waiting_fraction`` counts the checkpoint as busy too.
+
+    .venv/bin/python benchmarks/async_vs_sync.py --json
+    .venv/bin/python benchmarks/async_vs_sync.py --json --steps 6    # quicker
+
+In sync mode the generator stage waits until its engine serves the version a task was
+admitted at: without that, a task taken before the generator has followed the weights event
+is sampled by the previous version, the learner drops it as stale (staleness 1 > 0), and with
+the admission bound exhausted the run stalls. (The shipped generator follows weights events
+asynchronously; see docs/learner.md.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from actors import learner as learner_actor
+from actors import scheduler as scheduler_actor
+from actors.config import load_config
+from actors.context import ActorContext
+from actors.generator import Generator, serve_weight_updates
+from actors.logs import configure_logging
+from actors.runtime import Output
+from inference.engine import Completion
+from learner.model import load_tokenizer, resolve_model
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import (
+    Rollout,
+    Sampling,
+    StepMetrics,
+    Task,
+    Trajectory,
+    decode,
+    new_id,
+    now,
+)
+from queues.names import Names
+from queues.server import ServerProcess
+
+
+class LongTailEngine:
+    """The Engine protocol with simulated, long-tailed completion latencies (see module)."""
+
+    def __init__(self, vocab: int, args: argparse.Namespace) -> None:
+        self.vocab = vocab
+        self.args = args
+        self.rng = np.random.default_rng(args.seed)
+        self._version = 0
+        self._changed = trio.Condition()
+        self.busy_s = 0.0
+
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    async def update_weights(self, path: str | Path, version: int) -> None:
+        async with self._changed:
+            self._version = max(self._version, version)
+            self._changed.notify_all()
+
+    async def wait_version(self, version: int) -> None:
+        async with self._changed:
+            while self._version < version:
+                await self._changed.wait()
+
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        a = self.args
+        version = self._version
+        lengths = np.minimum(
+            np.ceil(self.rng.lognormal(math.log(a.median_tokens), a.sigma, len(prompts))),
+            a.max_tokens,
+        ).astype(int)
+        seconds = a.seconds_per_token * int(lengths.max())
+        await trio.sleep(seconds)
+        self.busy_s += seconds
+        lp = -math.log(self.vocab)
+        return [
+            Completion(
+                tokens=self.rng.integers(0, self.vocab, n).astype(np.int32),
+                logprobs=np.full(n, lp, dtype=np.float32),
+                text="",
+                finish_reason="length" if n >= a.max_tokens else "stop",
+                weight_version=version,
+            )
+            for n in lengths
+        ]
+
+
+class GatedGenerator(Generator):
+    """The generator actor; in sync mode a task waits for the version it was admitted at."""
+
+    def __init__(self, engine: LongTailEngine, tokenizer: Any, gate: bool) -> None:
+        super().__init__(engine, tokenizer)
+        self.gate = gate
+        self.sim = engine
+
+    async def handle(self, task: Task) -> list[Output]:
+        if self.gate:
+            await self.sim.wait_version(task.policy_version)
+        return await super().handle(task)
+
+
+class RandomReward:
+    """Stands in for executor + verifier: a seeded random 0/1 reward per sample."""
+
+    stage = "verifier"
+    input_stream = N.ROLLOUTS
+    input_type = Rollout
+
+    async def handle(self, rollout: Rollout) -> list[Output]:
+        if rollout.task.split != "train":
+            return []  # the scheduler's start-up evaluation round: not part of the workload
+        rng = np.random.default_rng(int(rollout.id[:8], 16))
+        rewards = [float(r) for r in rng.integers(0, 2, len(rollout.samples))]
+        traj = Trajectory(
+            id=new_id(),
+            created_at=now(),
+            policy_version=rollout.policy_version,
+            rollout=rollout,
+            outcomes=[],
+            rewards=rewards,
+        )
+        return [Output(N.TRAJECTORIES, traj)]
+
+
+async def run_mode(url: str, mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    staleness = args.staleness if mode == "async" else 0
+    run = f"bench-{mode}-{new_id()[:6]}"
+    config = load_config(
+        None,
+        [
+            f"run.name={run}",
+            f"run.redis_url={url}",
+            f"run.work_dir={work / run}",
+            f"run.seed={args.seed}",
+            "auth.enabled=false",
+            "model.spec=tiny",
+            f"scheduler.group_size={args.group_size}",
+            f"scheduler.max_new_tokens={args.max_tokens}",
+            "scheduler.max_backlog=256",
+            "scheduler.eval_every=0",
+            "scheduler.eval_items=1",
+            f"generator.concurrency={args.concurrency}",
+            f"learner.groups_per_step={args.groups_per_step}",
+            f"learner.max_staleness={staleness}",
+            f"learner.max_steps={args.steps}",
+            "learner.lr=1e-4",
+            "learner.keep_last=2",
+            f"learner.threads={args.threads}",
+            "queues.block_ms=50",
+            "queues.trim_interval_s=0",
+        ],
+    )
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    engine = LongTailEngine(len(tokenizer), args)
+    client = RedisClient(url)
+    ctx = ActorContext(config, client, Names(run))
+    started = time.monotonic()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_weight_updates, ctx, engine)
+            nursery.start_soon(
+                lambda: ctx.serve(
+                    GatedGenerator(engine, tokenizer, gate=(mode == "sync")),
+                    concurrency=args.concurrency,
+                    time_limit_s=120,
+                )
+            )
+            nursery.start_soon(
+                lambda: ctx.serve(RandomReward(), concurrency=args.concurrency, time_limit_s=60)
+            )
+            nursery.start_soon(scheduler_actor.serve, ctx)
+            with trio.fail_after(args.timeout_s):
+                await learner_actor.serve(ctx)  # returns after learner.max_steps steps
+            nursery.cancel_scope.cancel()
+        total_s = time.monotonic() - started
+        rows = await client.call(client.sync.xrange, ctx.names.stream(N.METRICS))
+        dropped = int(await client.call(client.sync.get, ctx.names.counter("dropped_stale")) or 0)
+    finally:
+        client.close()
+    metrics = sorted((decode(f[b"d"], StepMetrics) for _, f in rows), key=lambda m: m.step)
+    # Window: from the end of step 1's metrics to the last step's metrics (same for both modes)
+    window = metrics[-1].created_at - metrics[0].created_at
+    later = metrics[1:]
+    step_s = sum(m.step_seconds for m in later)
+    wait_s = sum(m.wait_seconds for m in later)
+    return {
+        "mode": mode,
+        "max_staleness": staleness,
+        "steps": len(metrics),
+        "window_s": round(window, 3),
+        "seconds_per_step": round(window / max(len(later), 1), 4),
+        "learner_busy_fraction": round(step_s / window, 4),
+        "learner_wait_fraction": round(wait_s / window, 4),
+        "mean_step_s": round(step_s / max(len(later), 1), 4),
+        "learner_not_waiting_fraction": round(1 - wait_s / window, 4),
+        "tokens_per_s": round(sum(m.tokens for m in later) / window, 1),
+        "max_staleness_seen": max(m.max_staleness_seen for m in metrics),
+        "dropped_stale": dropped,
+        "samples_trained": sum(m.samples for m in metrics),
+        "tokens_trained": sum(m.tokens for m in metrics),
+        "total_s_including_start": round(total_s, 2),
+    }
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "redis").mkdir()
+        with ServerProcess(data_dir=work / "redis") as server:
+            results = {}
+            for mode in ("sync", "async"):
+                results[mode] = await run_mode(server.url, mode, args, work)
+    return {
+        "benchmark": "async_vs_sync",
+        "workload": {
+            "steps": args.steps,
+            "groups_per_step": args.groups_per_step,
+            "group_size": args.group_size,
+            "completion_tokens": f"lognormal(median={args.median_tokens}, sigma={args.sigma}), "
+            f"cap {args.max_tokens}",
+            "seconds_per_token": args.seconds_per_token,
+            "generator_concurrency": args.concurrency,
+            "async_max_staleness": args.staleness,
+            "model": "tiny (random Llama, SmolLM2 tokenizer)",
+            "learner_threads": args.threads,
+        },
+        "machine": {"python": platform.python_version(), "cpus": __import__("os").cpu_count()},
+        "sync": results["sync"],
+        "async": results["async"],
+        "speedup_async_over_sync": round(
+            results["sync"]["seconds_per_step"] / results["async"]["seconds_per_step"], 3
+        ),
+        "speedup_tokens_per_s": round(
+            results["async"]["tokens_per_s"] / results["sync"]["tokens_per_s"], 3
+        ),
+        "learner_busy_fraction": results["async"]["learner_busy_fraction"],
+        "targets": {"speedup_async_over_sync": 2.0, "learner_busy_fraction": 0.95},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object (the default)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--groups-per-step", type=int, default=4)
+    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--median-tokens", type=float, default=12.0)
+    p.add_argument("--sigma", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--seconds-per-token", type=float, default=0.01)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=600)
+    args = p.parse_args()
+    configure_logging(actor="async_vs_sync", level="warning", stream=sys.stderr)
+    result = trio.run(main_async, args)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
