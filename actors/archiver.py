@@ -25,10 +25,12 @@ from typing import Any
 import structlog
 import trio
 
+from actors import metrics
 from actors.context import ActorContext
 from queues import names as N
-from queues.messages import MessageError, Trajectory, decode
-from queues.streams import Delivery, StreamConsumer
+from queues.messages import MessageError, StepMetrics, Trajectory, decode
+from queues.stats import pipeline_state
+from queues.streams import Delivery, EventReader, StreamConsumer
 
 log = structlog.get_logger()
 
@@ -120,12 +122,47 @@ async def serve_stream(
                 log.info("archived", stream=stream, rows=n)
 
 
+async def serve_run_metrics(
+    ctx: ActorContext, interval_s: float = 5.0, *, task_status: Any = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run-wide Prometheus metrics from this process: the learner's step metrics (staleness,
+    busy fraction) as they are announced, and every work stream's lag and pending count."""
+    reader = EventReader(ctx.client, ctx.names, N.METRICS, block_ms=ctx.config.queues.block_ms)
+    task_status.started()
+
+    async def follow_steps() -> None:
+        while True:
+            for _, payload in await reader.read():
+                try:
+                    metrics.record_step(ctx.names.run, decode(payload, StepMetrics))
+                except MessageError as exc:
+                    log.warning("undecodable step metrics", error=str(exc))
+
+    async def sample_queues() -> None:
+        while True:
+            for state in await pipeline_state(ctx.client, ctx.names):
+                metrics.record_queue(ctx.names.run, state.stream, state.lag, state.pending)
+            await trio.sleep(interval_s)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(follow_steps)
+            nursery.start_soon(sample_queues)
+            await ctx.shutdown.wait()  # draining: the archive streams finish on their own
+            nursery.cancel_scope.cancel()
+    finally:
+        reader.close()
+
+
 async def serve(
     ctx: ActorContext, *, batch: int = 256, task_status: Any = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Archive ``trajectories`` and ``evals`` until cancelled (or shutdown is set)."""
+    """Archive ``trajectories`` and ``evals`` until cancelled (or shutdown is set); with
+    metrics on (``ops.metrics_port``), also serve the run-wide metrics."""
     root = archive_dir(ctx.config)
     async with trio.open_nursery() as nursery:
         for stream in STREAMS:
             await nursery.start(serve_stream, ctx, stream, root, batch)
+        if ctx.config.ops.metrics_port:
+            await nursery.start(serve_run_metrics, ctx)
         task_status.started()

@@ -45,6 +45,11 @@ from queues.messages import (
 from queues.payloads import PayloadLimits, resolve
 
 
+def _id_key(entry_id: str, default_seq: int) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq) if seq else default_seq
+
+
 @dataclass(frozen=True)
 class Query:
     streams: tuple[str, ...] = (N.TRAJECTORIES, N.EVALS)
@@ -59,6 +64,13 @@ class Query:
     episodes: frozenset[str] = field(default_factory=frozenset)
     trajectory_ids: frozenset[str] = field(default_factory=frozenset)
     limit: int = 0
+
+    def in_id_range(self, entry_id: str) -> bool:
+        """Whether a stream entry id is within ``from_id``..``to_id`` (as XRANGE reads them:
+        ``-``/``+`` open, a bare millisecond time covers every sequence number)."""
+        key = _id_key(entry_id, 0)
+        low = self.from_id == "-" or key >= _id_key(self.from_id, 0)
+        return low and (self.to_id == "+" or key <= _id_key(self.to_id, 2**63))
 
     def matches(self, t: Trajectory) -> bool:
         task = t.rollout.task
@@ -117,6 +129,8 @@ def select_archive(root: Path, query: Query) -> list[Found]:
                 table.column("entry_id").to_pylist(), table.column("payload").to_pylist(),
                 strict=True,
             ):
+                if not query.in_id_range(entry_id):
+                    continue
                 t = decode(payload, Trajectory)
                 if query.matches(t):
                     out.append(Found(stream, entry_id, "archive", t, payload))

@@ -9,8 +9,9 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import domains.arith.domain  # noqa: F401  (registers the arith domain)
+from actors import archiver
 from actors.context import ActorContext
-from actors.metrics import record_step, start_metrics_server
+from actors.metrics import start_metrics_server
 from actors.verifier import serve
 from queues import names as N
 from queues.client import RedisClient
@@ -56,11 +57,22 @@ async def test_actor_metrics_are_scraped_from_a_real_endpoint(
                 ):
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
-        record_step(run, StepMetrics(
+        # ... and the learner announces a step, which the archiver process records
+        await producer.publish(N.METRICS, [encode(StepMetrics(
             id=new_id(), created_at=now(), policy_version=1, step=1, loss=0.1, grad_norm=1.0,
             reward_mean=0.5, groups=2, samples=4, tokens=12, dropped_stale=0,
             max_staleness_seen=1, step_seconds=3.0, wait_seconds=1.0,
-        ))
+        ))])
+        busy = ("streamrl_learner_busy_fraction", (("run", run),))
+        observer = ActorContext(
+            config(tmp_path, redis_url, run, "ops.metrics_port=1"), client, names
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(archiver.serve, observer)
+            with trio.fail_after(20):
+                while busy not in _scrape(port):
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
 
         # Then the endpoint shows exactly what happened
         m = _scrape(port)
@@ -76,5 +88,10 @@ async def test_actor_metrics_are_scraped_from_a_real_endpoint(
         assert m[("streamrl_group_reward", evals)] == 0.25
         assert m[("streamrl_learner_busy_fraction", (("run", run),))] == 0.75
         assert m[("streamrl_staleness_versions_count", (("run", run),))] == 1
+        # queue gauges of every work stream: the verifier's input is drained, the learner's
+        # holds the two groups, the monitor's the evaluation result
+        lag = {s: m[("streamrl_queue_lag", (("run", run), ("stream", s)))]
+               for s in (N.EXECUTED, N.TRAJECTORIES, N.EVALS)}
+        assert lag == {N.EXECUTED: 0, N.TRAJECTORIES: 2, N.EVALS: 1}
     finally:
         server.shutdown()

@@ -5,6 +5,8 @@ learner step reproduced from its checkpoint)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -34,6 +36,12 @@ from queues.client import RedisClient
 from queues.messages import Trajectory, encode
 from queues.streams import Producer
 from tests.ops.helpers import config, executed
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "actors.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 async def _verified(*groups: object) -> list[Trajectory]:
@@ -101,6 +109,16 @@ async def test_archive_outlives_the_stream_and_replay_selects_shows_rescores_exp
     assert [line for line in text.splitlines() if line.startswith("--- reward")] == [
         "--- reward 1", "--- reward 0", "--- reward 0"]
 
+    # The command: show through the CLI, and an entry id range over the archive
+    base = ["--set", f"run.name={names.run}", "--set", f"run.redis_url={redis_url}",
+            "--set", f"run.work_dir={tmp_path}"]
+    shown = _cli("replay", "show", "--episode", a.episode_id, *base)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.strip() == text
+    second = sorted(f.entry_id for f in everything if f.stream == N.TRAJECTORIES)[1]
+    listed = _cli("replay", "list", "--stream", "trajectories", "--from-id", second, *base)
+    assert [r["trajectory_id"] for r in json.loads(listed.stdout)] == [trajectories[1].id]
+
     # rescore: unchanged verifier, no change; a verifier that credits clean runs changes
     # exactly the wrong answers that ran cleanly
     assert rescore(everything) == (7, [])
@@ -150,6 +168,13 @@ async def test_retrain_reproduces_a_recorded_learner_step(
     assert recorded is not None and recorded.grad_norm > 0
     assert loss == pytest.approx(recorded.loss, rel=1e-4, abs=1e-6)
     assert grad_norm == pytest.approx(recorded.grad_norm, rel=1e-4)
+    # ... and so does the command, from the archive alone
+    done = _cli("replay", "retrain", "--step", "1", "--source", "archive",
+                "--set", f"run.name={names.run}", "--set", f"run.redis_url={redis_url}",
+                "--set", f"run.work_dir={tmp_path}", "--set", "model.spec=tiny")
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout)
+    assert result["matches"] is True and result["groups"] == 2
     # ... and a different selection does not reproduce it
     _, other_norm = retrain(cfg, 1, [found[ids[0]]])
     assert other_norm != pytest.approx(recorded.grad_norm, rel=1e-4)
