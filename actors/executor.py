@@ -1,23 +1,34 @@
 """Executor: runs what the model wrote in a sandbox (``rollouts`` -> ``executed``).
 
 The completions of one group run concurrently. What the untrusted code did comes back as
-data (exit code, output, timed out, OOM); a sandbox that cannot be provided raises
-``SandboxUnavailable``, so the whole message is retried (fresh sandboxes) by the runtime's
-retry policy and never half-published.
+data (exit code, output, timed out, OOM); a sandbox that cannot be provided
+(``SandboxUnavailable``: engine down, create failed) becomes :class:`Retry`, so the whole
+message is retried later with fresh sandboxes by the runtime's retry policy and never
+half-published.
+
+Where each domain's code runs (:class:`Sandboxes`): the backend and image come from
+``executor.domains.<name>`` in the config, else from the domain's ``sandbox`` spec, else
+``executor.backend``; the limits are the request's (the domain's), with the config's
+``timeout_s`` / ``memory_mb`` on top; the spec's files are staged under the request's own.
+One backend instance per (backend, image), opened on first use, closed with the executor.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import structlog
 import trio
 
+from actors.config import DomainSandboxConfig
 from actors.context import ActorContext, domain_item
+from actors.policies import Retry
 from actors.runtime import Output
 from queues import names as N
 from queues.messages import ExecOutcome, Executed, Rollout, new_id, now
-from sandbox import ExecResult, Sandbox, open_sandbox
+from sandbox import ExecRequest, ExecResult, Sandbox, SandboxUnavailable, open_sandbox
 
 log = structlog.get_logger()
 
@@ -55,27 +66,80 @@ def from_outcome(outcome: ExecOutcome) -> ExecResult | None:
     )
 
 
+class Sandboxes:
+    """The executor's sandbox backends, chosen per domain (see the module docstring)."""
+
+    def __init__(
+        self,
+        default_backend: str = "process",
+        domains: dict[str, DomainSandboxConfig] | None = None,
+        opener: Callable[..., Sandbox] = open_sandbox,
+    ) -> None:
+        self.default_backend = default_backend
+        self.domains = domains or {}
+        self._open = opener
+        self._boxes: dict[tuple[str, str], Sandbox] = {}
+
+    def choose(self, domain: Any, request: ExecRequest) -> tuple[str, str, ExecRequest]:
+        """(backend, image, request with the domain's files and the configured limits)."""
+        spec = getattr(domain, "sandbox", None)
+        cfg = self.domains.get(domain.name, DomainSandboxConfig())
+        backend = cfg.backend or getattr(spec, "backend", "") or self.default_backend
+        image = cfg.image or getattr(spec, "image", "")
+        limits = request.limits
+        if cfg.timeout_s:
+            cpu_s = max(1, int(cfg.timeout_s + 0.999))
+            limits = replace(limits, timeout_s=cfg.timeout_s, cpu_s=cpu_s)
+        if cfg.memory_mb:
+            limits = replace(limits, memory_mb=cfg.memory_mb)
+        files = {**getattr(spec, "files", {}), **request.files}
+        return backend, image, replace(request, limits=limits, files=files)
+
+    async def run(self, domain: Any, request: ExecRequest) -> ExecResult:
+        backend, image, request = self.choose(domain, request)
+        box = self._boxes.get((backend, image))
+        if box is None:
+            box = self._open(backend, **({"image": image} if image else {}))
+            self._boxes[(backend, image)] = box
+            log.info("sandbox backend opened", backend=backend, image=image, domain=domain.name)
+        return await box.run(request)
+
+    async def aclose(self) -> None:
+        boxes, self._boxes = list(self._boxes.values()), {}
+        with trio.CancelScope(shield=True):
+            for box in boxes:
+                await box.aclose()
+
+
 class Executor:
     stage = "executor"
     input_stream = N.ROLLOUTS
     input_type = Rollout
 
-    def __init__(self, sandbox: Sandbox) -> None:
-        self.sandbox = sandbox
+    def __init__(self, sandboxes: Sandboxes) -> None:
+        self.sandboxes = sandboxes
 
     async def handle(self, rollout: Rollout) -> list[Output]:
         task = rollout.task
         domain, item = domain_item(task)
         results: list[ExecResult | None] = [None] * len(rollout.samples)
 
+        unavailable: list[str] = []
+
         async def run_one(i: int) -> None:
             request = domain.exec_request(item, rollout.samples[i].text)
-            if request is not None:
-                results[i] = await self.sandbox.run(request)
+            if request is None:
+                return
+            try:
+                results[i] = await self.sandboxes.run(domain, request)
+            except SandboxUnavailable as exc:
+                unavailable.append(str(exc))
 
         async with trio.open_nursery() as nursery:
             for i in range(len(rollout.samples)):
                 nursery.start_soon(run_one, i)
+        if unavailable:
+            raise Retry(f"sandbox unavailable ({len(unavailable)} samples): {unavailable[0]}")
         outcomes = [to_outcome(r) for r in results]
         log.info("executed", samples=len(outcomes), ok=sum(1 for o in outcomes if o.exit_code == 0))
         return [
@@ -95,14 +159,13 @@ class Executor:
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.executor
-    sandbox = open_sandbox(cfg.backend)
+    sandboxes = Sandboxes(cfg.backend, cfg.domains)
     try:
         await ctx.serve(
-            Executor(sandbox),
+            Executor(sandboxes),
             concurrency=cfg.concurrency,
             time_limit_s=cfg.time_limit_s,
             task_status=task_status,
         )
     finally:
-        with trio.CancelScope(shield=True):
-            await sandbox.aclose()
+        await sandboxes.aclose()
