@@ -1,0 +1,736 @@
+"""The Docker sandbox backend: hardened containers from a warm pool, each with a resident runner.
+
+Guarantees (on top of :mod:`sandbox.base`):
+- every container is created with the whole hardening list: user 65534, ``CapDrop ALL``,
+  ``no-new-privileges``, default seccomp, never privileged, no Docker socket, ``NetworkMode
+  none``, read-only root, tmpfs /work (nosuid, nodev, size cap) and /tmp (noexec too), a
+  private /dev/shm of ``shm_mb``, memory == memory+swap (no swap), ``NanoCpus``, ``PidsLimit``,
+  ulimits nofile and fsize, ``Init`` (tini as pid 1), positive OOM score, no log driver;
+- each command is started by the container's resident runner (:mod:`sandbox.runner`) with
+  fork/exec: no ``docker exec``, no network, files travel through the attached stdin/stdout
+  (``put_archive`` is refused on a read-only root);
+- time limits: the runner kills the command at ``limits.timeout_s`` (and the CPU rlimit); the
+  host removes the whole container if no reply came by ``timeout_s + host_grace_s`` (the
+  code can stop or kill its runner, which shares its uid: such a run reports
+  ``timed_out``/``exit_code None`` and the container is replaced, never reused);
+- a warm pool of ``pool_size`` started containers per image; a container is reset (every
+  process killed, /work, /tmp, /dev/shm emptied) before it serves another episode, and
+  removed instead if the reset fails or the runner misbehaved;
+- nothing outlives its owner: after each command the runner kills every process it started;
+  sessions give their container back (reset) on every exit path; ``aclose`` removes every
+  container; a container whose executor died sees EOF on stdin, its runner exits and Docker
+  removes it (``AutoRemove``); ``reap_orphans()`` (also run at start) removes what is left
+  by executors that died. Containers carry the labels ``streamrl.sandbox``,
+  ``streamrl.instance`` and ``streamrl.owner`` (host/pid/start time); a session's container
+  is renamed ``streamrl-<label>-<n>`` after its label (the message id).
+
+What it does NOT isolate: the kernel is shared (default seccomp, no gVisor unless
+``runtime="runsc"``); the code runs as the same uid as its runner (it can kill or stop it:
+that costs the code its run, it cannot forge a reply, see :mod:`sandbox.runner`); tmpfs pages
+count against the container's memory cgroup; ``oom_killed`` relies on the container's memory
+cgroup counter being readable inside it.
+
+aiodocker is asyncio: it runs through trio-asyncio, in one loop per sandbox, held by a trio
+system task started on first use. This is the only module that uses the bridge. A
+``DockerSandbox`` belongs to one ``trio.run``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import re
+import secrets
+import socket
+import struct
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
+
+import structlog
+import trio
+
+from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+
+log = structlog.get_logger()
+
+T = TypeVar("T")
+DEFAULT_IMAGE = "streamrl-sandbox:offline"
+RUNNER_SOURCE = Path(__file__).with_name("runner.py").read_text()
+SANDBOX_UID = 65534
+RUNNER_MB = 32  # added to the memory limit: the runner and init live in the same cgroup
+RUNNER_PIDS = 2  # init and the runner, added to the pids limit
+LABEL = "streamrl.sandbox"
+_MAX_HEADER = 1 << 20
+_CONTROL_TIMEOUT_S = 10.0
+
+
+class _RunnerGone(Exception):
+    """The runner cannot be trusted any more (no reply, EOF, forged reply): remove the box."""
+
+    def __init__(self, reason: str, *, stuck: bool = False) -> None:
+        super().__init__(reason)
+        self.stuck = stuck
+
+
+@dataclass(frozen=True)
+class DockerStatistics:
+    created: int
+    reused: int
+    replaced: int
+    removed: int
+    ready: int
+    busy: int
+
+
+class DockerSandbox:
+    """Runs each :class:`ExecRequest` in a warm, hardened container. ``run`` is concurrency-safe.
+
+    ``image`` must contain ``python3`` (see sandbox/images/). ``limits`` sets the container-wide
+    ceilings at creation (memory, processes, file size, open files); a request whose memory or
+    process limit differs updates its container's cgroup before running.
+    """
+
+    name = "docker"
+
+    def __init__(
+        self,
+        image: str = DEFAULT_IMAGE,
+        *,
+        pool_size: int = 2,
+        limits: Limits | None = None,
+        cpus: float = 1.0,
+        work_mb: int = 64,
+        tmp_mb: int = 16,
+        shm_mb: int = 16,
+        max_containers: int = 64,
+        host_grace_s: float = 2.0,
+        start_timeout_s: float = 30.0,
+        docker_url: str | None = None,
+        runtime: str | None = None,
+        python: str = "python3",
+        reap_at_start: bool = True,
+    ) -> None:
+        self.image = image
+        self.pool_size = pool_size
+        self.limits = limits or Limits()
+        self.instance = secrets.token_hex(6)
+        self._cpus = cpus
+        self._mounts = (work_mb, tmp_mb, shm_mb)
+        self._slots = trio.Semaphore(max_containers)
+        self._grace = host_grace_s
+        self._start_timeout = start_timeout_s
+        self._url = docker_url
+        self._runtime = runtime
+        self._python = python
+        self._reap_at_start = reap_at_start
+        self._pools: dict[str, _Pool] = {}
+        self._boxes: dict[str, _Box] = {}
+        self._seq = itertools.count(1)
+        self._counts = dict.fromkeys(("created", "reused", "replaced", "removed"), 0)
+        self._started = False
+        self._ready = trio.Event()
+        self._closing = trio.Event()
+        self._stopped = trio.Event()
+        self._failure: str | None = None
+        self._loop: Any = None
+        self._docker: Any = None
+        self._nursery: trio.Nursery | None = None
+
+    # -- public API ---------------------------------------------------------------------
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        box = await self._acquire(self.image, request.limits, "")
+        try:
+            return await box.run(request)
+        finally:
+            self._release(box)
+
+    @asynccontextmanager
+    async def session(self, limits: Limits, label: str = "") -> AsyncIterator[DockerSession]:
+        session = DockerSession(self, limits, label)
+        await session.open()
+        try:
+            yield session
+        finally:
+            await session.aclose()
+
+    async def aclose(self) -> None:
+        self._closing.set()
+        if self._started:
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
+
+    def statistics(self) -> DockerStatistics:
+        ready = sum(1 for pool in self._pools.values() for box in pool.ready if box.gone is None)
+        live = sum(1 for box in self._boxes.values() if box.gone is None)
+        return DockerStatistics(**self._counts, ready=ready, busy=live - ready)
+
+    async def reap_orphans(self, max_age_s: float | None = None) -> list[str]:
+        """Remove sandbox containers of executors that died: not running, owned by a dead
+        process of this host, or (with ``max_age_s``) older than that. Returns their names."""
+        await self._start()
+        found = await self._aio(
+            self._docker.containers.list(all=True, filters=json.dumps({"label": [LABEL]}))
+        )
+        removed = []
+        for item in found:
+            labels = item["Labels"] or {}
+            if labels.get("streamrl.instance") == self.instance:
+                continue
+            too_old = max_age_s is not None and time.time() - item["Created"] > max_age_s
+            ended = item["State"] in ("exited", "dead")
+            if ended or too_old or _owner_dead(labels.get("streamrl.owner")):
+                with contextlib.suppress(Exception):
+                    await self._aio(item.delete(force=True, v=True))
+                    removed.append(item["Names"][0].lstrip("/"))
+        if removed:
+            log.warning("sandbox.orphans_removed", containers=removed)
+        return removed
+
+    # -- the asyncio side, in one system task ----------------------------------------------
+
+    async def _start(self) -> None:
+        if self._closing.is_set():
+            raise SandboxUnavailable("DockerSandbox is closed")
+        if not self._started:
+            self._started = True
+            trio.lowlevel.spawn_system_task(self._serve, name="docker-sandbox")
+        await self._ready.wait()
+        if self._failure is not None:
+            raise SandboxUnavailable(self._failure)
+
+    async def _serve(self) -> None:
+        import aiodocker
+        import trio_asyncio
+
+        async def connect() -> Any:
+            return aiodocker.Docker(url=self._url)
+
+        try:
+            async with trio_asyncio.open_loop() as loop:
+                self._loop = loop
+                try:
+                    self._docker = await loop.run_aio_coroutine(connect())
+                    await self._aio(self._docker.version())
+                except Exception as exc:
+                    self._failure = f"Docker engine unreachable: {exc!r}"
+                    if self._docker is not None:
+                        with contextlib.suppress(Exception):
+                            await self._aio(self._docker.close())
+                    return
+                try:
+                    async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
+                        self._ready.set()
+                        if self._reap_at_start:
+                            nursery.start_soon(self._reap_quietly)
+                        await self._closing.wait()
+                        nursery.cancel_scope.cancel()
+                finally:
+                    with trio.CancelScope(shield=True), trio.move_on_after(30):
+                        await self._remove_all()
+                        await self._aio(self._docker.close())
+        except BaseException as exc:  # a system task must not crash the run
+            self._failure = self._failure or f"Docker sandbox stopped: {exc!r}"
+            if not isinstance(exc, (trio.Cancelled, Exception)):
+                raise
+        finally:
+            self._failure = self._failure or "DockerSandbox is closed"
+            self._ready.set()
+            self._stopped.set()
+
+    async def _aio(self, coro: Awaitable[T]) -> T:
+        """Await an asyncio (aiodocker) coroutine from trio, through this sandbox's loop."""
+        if self._loop is None:
+            raise SandboxUnavailable("Docker sandbox loop is not running")
+        return await self._loop.run_aio_coroutine(coro)  # type: ignore[no-any-return]
+
+    async def _reap_quietly(self) -> None:
+        try:
+            await self.reap_orphans()
+        except Exception as exc:
+            log.warning("sandbox.reap_failed", error=repr(exc))
+
+    async def _remove_all(self) -> None:
+        for pool in self._pools.values():
+            pool.ready.clear()
+        async with trio.open_nursery() as nursery:
+            for box in list(self._boxes.values()):
+                nursery.start_soon(box.remove)
+
+    # -- the pool ------------------------------------------------------------------------
+
+    def _pool(self, image: str) -> _Pool:
+        pool = self._pools.get(image)
+        if pool is None:
+            pool = self._pools[image] = _Pool()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._serve_pool, image, pool)
+        return pool
+
+    async def _acquire(self, image: str, limits: Limits, label: str) -> _Box:
+        """A ready container of ``image``: from the pool, else the next one being reset, else
+        a cold one (beyond ``pool_size``, removed again when given back)."""
+        await self._start()
+        pool = self._pool(image)
+        while not pool.ready and pool.resetting:
+            await pool.wait_changed()
+        if pool.ready:
+            box = pool.ready.pop()
+            self._counts["reused"] += 1
+        else:
+            box = await self._create(image)
+        pool.changed()
+        try:
+            await box.prepare(limits, label)
+        except BaseException:
+            self._discard(box)
+            raise
+        return box
+
+    def _release(self, box: _Box) -> None:
+        """Give a box back: reset it (in the background) and return it to its pool, or remove it."""
+        if self._nursery is None or self._closing.is_set():
+            return
+        self._nursery.start_soon(self._recycle, box)
+
+    async def _recycle(self, box: _Box) -> None:
+        pool = self._pools[box.image]
+        surplus = self._count(box.image) > self.pool_size
+        if box.gone is None and not surplus:
+            pool.resetting += 1
+            try:
+                await box.reset()
+                pool.ready.append(box)
+                return
+            except (_RunnerGone, SandboxUnavailable) as exc:
+                log.warning("sandbox.reset_failed", container=box.name, error=str(exc))
+            finally:
+                pool.resetting -= 1
+                pool.changed()
+        await box.remove()
+        pool.changed()
+
+    def _discard(self, box: _Box) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(box.remove)
+
+    def _count(self, image: str) -> int:
+        return sum(1 for box in self._boxes.values() if box.image == image and box.gone is None)
+
+    async def _serve_pool(self, image: str, pool: _Pool) -> None:
+        """Keep ``pool_size`` live containers of ``image``; back off while Docker fails."""
+        delay = 0.5
+        while True:
+            while self._count(image) < self.pool_size:
+                try:
+                    pool.ready.append(await self._create(image))
+                    pool.changed()
+                    delay = 0.5
+                except SandboxUnavailable as exc:
+                    log.warning("sandbox.pool_fill_failed", image=image, error=str(exc))
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, 30.0)
+            await pool.wait_changed()
+
+    async def _create(self, image: str) -> _Box:
+        import aiodocker
+
+        await self._slots.acquire()
+        name = f"streamrl-sbx-{self.instance}-{next(self._seq)}"
+        container = stream = None
+        try:
+            container = await self._aio(
+                self._docker.containers.create(self._config(image), name=name)
+            )
+            stream = container.attach(stdin=True, stdout=True, stderr=True)
+            await self._aio(stream.__aenter__())
+            await self._aio(container.start())
+            box = _Box(self, container, stream, name, image, self.limits)
+            with trio.fail_after(self._start_timeout):
+                hello, _ = await box.read_frame()
+            if hello.get("op") != "ready":
+                raise _RunnerGone(f"unexpected first frame {hello!r}")
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                if stream is not None:
+                    with contextlib.suppress(Exception):
+                        await self._aio(stream.close())
+                if container is not None:
+                    with contextlib.suppress(Exception):
+                        await self._aio(container.delete(force=True, v=True))
+            self._slots.release()
+            if isinstance(exc, (aiodocker.DockerError, _RunnerGone, trio.TooSlowError, OSError)):
+                raise SandboxUnavailable(f"cannot start a container of {image}: {exc}") from exc
+            raise
+        self._boxes[box.id] = box
+        self._counts["created"] += 1
+        log.debug("sandbox.container_started", name=name, image=image, runner=hello)
+        return box
+
+    def _config(self, image: str) -> dict[str, Any]:
+        limits = self.limits
+        work_mb, tmp_mb, shm_mb = self._mounts
+        mib = 1 << 20
+        nofile = max(limits.max_open_files, 64)
+        host: dict[str, Any] = {
+            "NetworkMode": "none",
+            "CapDrop": ["ALL"],
+            "SecurityOpt": ["no-new-privileges:true"],
+            "Privileged": False,
+            "ReadonlyRootfs": True,
+            "Tmpfs": {
+                "/work": f"rw,nosuid,nodev,size={work_mb}m,uid={SANDBOX_UID},"
+                f"gid={SANDBOX_UID},mode=0700",
+                "/tmp": f"rw,nosuid,nodev,noexec,size={tmp_mb}m,mode=1777",
+            },
+            "IpcMode": "private",
+            "ShmSize": shm_mb * mib,
+            "Memory": (limits.memory_mb + RUNNER_MB) * mib,
+            "MemorySwap": (limits.memory_mb + RUNNER_MB) * mib,
+            "NanoCpus": int(self._cpus * 1e9),
+            "PidsLimit": limits.max_processes + RUNNER_PIDS,
+            "Ulimits": [
+                {"Name": "nofile", "Soft": nofile, "Hard": nofile},
+                {
+                    "Name": "fsize",
+                    "Soft": limits.max_file_mb * mib,
+                    "Hard": limits.max_file_mb * mib,
+                },
+                {"Name": "core", "Soft": 0, "Hard": 0},
+            ],
+            "Init": True,
+            "OomScoreAdj": 500,
+            "AutoRemove": True,
+            "LogConfig": {"Type": "none", "Config": {}},
+        }
+        if self._runtime:
+            host["Runtime"] = self._runtime
+        return {
+            "Image": image,
+            "Entrypoint": [self._python, "-I", "-S", "-c", RUNNER_SOURCE],
+            "Cmd": [],
+            "User": f"{SANDBOX_UID}:{SANDBOX_UID}",
+            "WorkingDir": "/work",
+            "Env": ["PATH=/usr/local/bin:/usr/bin:/bin", "LANG=C.UTF-8"],
+            "Hostname": "sandbox",
+            "NetworkDisabled": True,
+            "AttachStdin": True,
+            "AttachStdout": True,
+            "AttachStderr": True,
+            "OpenStdin": True,
+            "StdinOnce": True,
+            "Tty": False,
+            "Labels": {LABEL: "1", "streamrl.instance": self.instance, "streamrl.owner": _owner()},
+            "HostConfig": host,
+        }
+
+
+class _Pool:
+    """The ready containers of one image, and a signal for every change."""
+
+    def __init__(self) -> None:
+        self.ready: list[_Box] = []
+        self.resetting = 0
+        self._changed = trio.Event()
+
+    def changed(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+
+class DockerSession:
+    """One episode's container: files persist across ``run`` until ``reset`` (see base)."""
+
+    def __init__(self, sandbox: DockerSandbox, limits: Limits, label: str) -> None:
+        self._sandbox = sandbox
+        self._limits = limits
+        self._label = label
+        self._box: _Box | None = None
+        self._lock = trio.Lock()
+
+    @property
+    def container_name(self) -> str | None:
+        return None if self._box is None else self._box.name
+
+    async def open(self) -> None:
+        self._box = await self._sandbox._acquire(self._sandbox.image, self._limits, self._label)
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        async with self._lock:
+            box = self._live_box()
+            return await box.run(request)
+
+    async def put_files(self, files: dict[str, bytes]) -> None:
+        checked = [(str(_checked_path(name)), data) for name, data in files.items()]
+        async with self._lock:
+            box = self._live_box()
+            header = {"op": "put", "files": [[name, len(data)] for name, data in checked]}
+            await box.control(header, b"".join(data for _, data in checked))
+
+    async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
+        names = [str(_checked_path(p)) for p in paths]
+        async with self._lock:
+            reply, payload = await self._live_box().control({"op": "get", "paths": names})
+        out: dict[str, bytes | None] = {}
+        offset = 0
+        for path, size in zip(paths, reply["sizes"], strict=True):
+            out[path] = None if size < 0 else payload[offset : offset + size]
+            offset += max(size, 0)
+        return out
+
+    async def reset(self) -> None:
+        """Back to a clean state: the same container reset, or a fresh one if that fails."""
+        async with self._lock:
+            box = self._box
+            if box is not None and box.gone is None:
+                try:
+                    await box.reset()
+                    return
+                except (_RunnerGone, SandboxUnavailable) as exc:
+                    log.warning("sandbox.reset_failed", container=box.name, error=str(exc))
+            if box is not None:
+                self._box = None
+                self._sandbox._discard(box)
+                self._sandbox._counts["replaced"] += 1
+            self._box = await self._sandbox._acquire(self._sandbox.image, self._limits, self._label)
+
+    async def aclose(self) -> None:
+        box, self._box = self._box, None
+        if box is not None:
+            self._sandbox._release(box)
+
+    def _live_box(self) -> _Box:
+        if self._box is None:
+            raise SandboxUnavailable("the sandbox session is closed")
+        if self._box.gone is not None:
+            raise SandboxUnavailable(f"the sandbox container is gone ({self._box.gone})")
+        return self._box
+
+
+class _Box:
+    """One started container and the framed conversation with its runner."""
+
+    def __init__(
+        self,
+        sandbox: DockerSandbox,
+        container: Any,
+        stream: Any,
+        name: str,
+        image: str,
+        limits: Limits,
+    ) -> None:
+        self.sandbox = sandbox
+        self.container = container
+        self.stream = stream
+        self.id: str = container.id
+        self.name = name
+        self.image = image
+        self.cgroup = (limits.memory_mb, limits.max_processes)
+        self.gone: str | None = None
+        self._buf = bytearray()
+        self._diag = bytearray()
+        self._removed = False
+
+    async def prepare(self, limits: Limits, label: str) -> None:
+        """Match the cgroup to ``limits`` and name the container after ``label``."""
+        aio, docker = self.sandbox._aio, self.sandbox._docker
+        wanted = (limits.memory_mb, limits.max_processes)
+        if wanted != self.cgroup:
+            memory = (limits.memory_mb + RUNNER_MB) << 20
+            update = {"Memory": memory, "MemorySwap": memory,
+                      "PidsLimit": limits.max_processes + RUNNER_PIDS}  # fmt: skip
+            try:
+                await aio(docker._query_json(f"containers/{self.id}/update", "POST", data=update))
+            except Exception as exc:
+                raise SandboxUnavailable(f"cannot update container limits: {exc}") from exc
+            self.cgroup = wanted
+        if label:
+            name = f"streamrl-{_safe_name(label)}-{next(self.sandbox._seq)}"
+            try:
+                await aio(self.container.rename(name))
+            except Exception as exc:
+                raise SandboxUnavailable(f"cannot rename container: {exc}") from exc
+            self.name = name
+
+    async def run(self, request: ExecRequest) -> ExecResult:
+        if not request.argv:
+            raise ValueError("ExecRequest.argv is empty")
+        files = [(str(_checked_path(name)), data) for name, data in request.files.items()]
+        limits = request.limits
+        header = {
+            "op": "run",
+            "argv": list(request.argv),
+            "files": [[name, len(data)] for name, data in files],
+            "timeout": limits.timeout_s,
+            "cpu_s": limits.cpu_s,
+            "fsize_mb": limits.max_file_mb,
+            "nofile": limits.max_open_files,
+            "cap": limits.output_bytes,
+        }
+        payload = b"".join(data for _, data in files) + request.stdin
+        start = time.monotonic()
+        try:
+            reply, out = await self.call(header, payload, limits.timeout_s + self.sandbox._grace)
+        except _RunnerGone as exc:
+            note = f"sandbox: {exc}; container removed\n".encode()
+            oom = await self._oom_killed()
+            await self.remove()
+            return ExecResult(
+                exit_code=None,
+                stdout=b"",
+                stderr=note,
+                timed_out=exc.stuck,
+                oom_killed=oom,
+                duration_s=time.monotonic() - start,
+            )
+        if "error" in reply:
+            raise SandboxUnavailable(f"sandbox runner: {reply['error']}")
+        out_n = reply["out_n"]
+        return ExecResult(
+            exit_code=reply["exit_code"],
+            stdout=out[:out_n],
+            stderr=out[out_n:],
+            timed_out=reply["timed_out"],
+            oom_killed=reply["oom"],
+            duration_s=reply["duration_s"],
+            stdout_dropped=reply["out_dropped"],
+            stderr_dropped=reply["err_dropped"],
+        )
+
+    async def reset(self) -> None:
+        await self.control({"op": "reset"})
+
+    async def control(self, header: dict[str, Any], payload: bytes = b"") -> tuple[dict, bytes]:
+        """A put/get/reset call: any runner failure makes the box unusable (SandboxUnavailable)."""
+        try:
+            reply, out = await self.call(header, payload, _CONTROL_TIMEOUT_S)
+        except _RunnerGone as exc:
+            await self.remove()
+            raise SandboxUnavailable(f"sandbox runner lost: {exc}") from exc
+        if "error" in reply:
+            raise SandboxUnavailable(f"sandbox runner: {reply['error']}")
+        return reply, out
+
+    async def call(
+        self, header: dict[str, Any], payload: bytes, timeout: float
+    ) -> tuple[dict, bytes]:
+        """Send one request, wait for its reply; the reply must echo the request's nonce."""
+        if self.gone is not None:
+            raise _RunnerGone(self.gone)
+        nonce = secrets.token_hex(16)
+        header = {**header, "id": nonce, "n": len(payload)}
+        raw = json.dumps(header).encode()
+        try:
+            with trio.move_on_after(timeout) as deadline:
+                await self.sandbox._aio(
+                    self.stream.write_in(struct.pack(">I", len(raw)) + raw + payload)
+                )
+                reply, out = await self.read_frame()
+        except _RunnerGone as exc:
+            self.gone = str(exc)
+            raise
+        except BaseException:  # cancelled or broken mid-conversation: never reuse this box
+            self.gone = "interrupted mid-request"
+            raise
+        if deadline.cancelled_caught:
+            self.gone = "no reply from the runner by the host deadline"
+            raise _RunnerGone(self.gone, stuck=True)
+        if reply.get("id") != nonce:
+            self.gone = "the runner's reply was forged or out of order"
+            raise _RunnerGone(self.gone)
+        return reply, out
+
+    async def read_frame(self) -> tuple[dict, bytes]:
+        buf = self._buf
+        while True:
+            if len(buf) >= 4:
+                (size,) = struct.unpack(">I", buf[:4])
+                if size > _MAX_HEADER:
+                    raise _RunnerGone("malformed frame from the runner")
+                if len(buf) >= 4 + size:
+                    try:
+                        header = json.loads(buf[4 : 4 + size])
+                        end = 4 + size + int(header["n"])
+                    except (ValueError, KeyError, TypeError) as exc:
+                        raise _RunnerGone(f"malformed frame from the runner: {exc}") from exc
+                    if len(buf) >= end:
+                        payload = bytes(buf[4 + size : end])
+                        del buf[:end]
+                        return header, payload
+            try:
+                message = await self.sandbox._aio(self.stream.read_out())
+            except Exception as exc:
+                raise _RunnerGone(f"connection to the runner failed: {exc!r}") from exc
+            if message is None:
+                diag = bytes(self._diag[-500:]).decode(errors="replace")
+                raise _RunnerGone("the runner exited" + (f": {diag}" if diag else ""))
+            if message.stream == 1:
+                buf += message.data
+            elif len(self._diag) < 1 << 16:
+                self._diag += message.data
+
+    async def remove(self) -> None:
+        """Kill and remove the container (idempotent, shielded)."""
+        if self._removed:
+            return
+        self._removed = True
+        self.gone = self.gone or "removed"
+        sandbox = self.sandbox
+        with trio.CancelScope(shield=True):
+            with contextlib.suppress(Exception):
+                await sandbox._aio(self.stream.close())
+            with contextlib.suppress(Exception):
+                await sandbox._aio(self.container.delete(force=True, v=True))
+        if sandbox._boxes.pop(self.id, None) is not None:
+            sandbox._slots.release()
+            sandbox._counts["removed"] += 1
+
+    async def _oom_killed(self) -> bool:
+        with contextlib.suppress(Exception):
+            info = await self.sandbox._aio(self.container.show())
+            return bool(info["State"].get("OOMKilled"))
+        return False
+
+
+def _checked_path(name: str) -> PurePosixPath:
+    rel = PurePosixPath(name)
+    if not name or rel.is_absolute() or ".." in rel.parts or rel == PurePosixPath("."):
+        raise ValueError(f"sandbox file {name!r} must be a relative path without '..'")
+    return rel
+
+
+def _safe_name(label: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_.-]", "_", label)[:64] or "x"
+
+
+def _start_ticks(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_dead(owner: str | None) -> bool:
+    """True when ``owner`` (host/pid/start ticks) names a process of this host that is gone."""
+    if not owner or owner.count("/") != 2:
+        return False
+    host, pid, ticks = owner.split("/")
+    if host != socket.gethostname() or not pid.isdigit():
+        return False
+    return _start_ticks(int(pid)) != ticks
+
+
+def _owner() -> str:
+    """This process, as ``host/pid/start ticks`` (a reused pid has other start ticks)."""
+    return f"{socket.gethostname()}/{os.getpid()}/{_start_ticks(os.getpid())}"

@@ -1,0 +1,338 @@
+"""The resident runner: the command of every Docker sandbox container (stdlib only).
+
+The Docker backend starts each container with ``python3 -I -S -c <this file's source>``, so any
+image with a ``python3`` works and nothing is installed into it. The runner then serves
+requests, one at a time, over the container's attached stdin/stdout (no network), and starts
+each command with ``fork`` + ``exec``: a trivial command costs about what a bare process does,
+not a ``docker exec``.
+
+Guarantees, per ``run`` request:
+- the command starts in /work with a scrubbed environment, in its own session, with every
+  signal at its default, the rlimits of the request (CPU seconds, file size, open files, no
+  core dumps) and only fds 0-2 (pipes to the runner);
+- at the deadline (``timeout`` seconds) or as soon as the command exits, every other process of
+  the container (except init and the runner) is SIGKILLed, so nothing outlives a command and
+  a background child that holds stdout open cannot stall the reply;
+- stdout/stderr are kept up to ``cap`` bytes each and drained to the end; the rest is counted;
+- ``oom`` is true when the container's memory cgroup recorded an OOM kill during the command.
+
+Protocol, both directions: a frame is a 4-byte big-endian header length, a JSON header, then
+``header["n"]`` payload bytes. Each request carries a random ``id`` that the reply echoes: the
+untrusted code runs as the same uid and could write into the container's stdout (through
+/proc/1/fd/1), but it never sees the id, so a forged reply is detected by the host. The runner
+makes itself non-dumpable so the code cannot read its memory or fds. Ops: ``run``, ``put``
+(files), ``get`` (files), ``reset`` (kill everything, empty the writable mounts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import struct
+import sys
+import time
+
+WORK = "/work"
+WIPE = ("/work", "/tmp", "/dev/shm", "/dev/mqueue")  # every writable place of the container
+ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "HOME": WORK,
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONHASHSEED": "0",
+}
+CHUNK = 1 << 16
+_DEFAULT_SIGNALS = ("SIGPIPE", "SIGXFSZ", "SIGCHLD", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
+# -- framing -----------------------------------------------------------------------------
+
+
+def read_exact(n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(0, n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame() -> tuple[dict, bytes]:
+    (size,) = struct.unpack(">I", read_exact(4))
+    header = json.loads(read_exact(size))
+    return header, read_exact(header.get("n", 0))
+
+
+def write_frame(header: dict, payload: bytes = b"") -> None:
+    header["n"] = len(payload)
+    raw = json.dumps(header).encode()
+    view = memoryview(struct.pack(">I", len(raw)) + raw + payload)
+    while view:
+        view = view[os.write(1, view) :]
+
+
+# -- files -------------------------------------------------------------------------------
+
+
+def checked(rel: str) -> str:
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or ".." in parts or rel == ".":
+        raise ValueError(f"bad path {rel!r}")
+    return os.path.join(WORK, rel)
+
+
+def put_files(entries: list, payload: bytes) -> None:
+    offset = 0
+    for rel, size in entries:
+        path = checked(rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(payload[offset : offset + size])
+        offset += size
+
+
+def get_files(paths: list) -> tuple[list, bytes]:
+    sizes, chunks = [], []
+    for rel in paths:
+        try:
+            with open(checked(rel), "rb") as f:
+                data = f.read()
+        except (OSError, ValueError):
+            sizes.append(-1)
+            continue
+        sizes.append(len(data))
+        chunks.append(data)
+    return sizes, b"".join(chunks)
+
+
+def wipe(top: str) -> None:
+    for entry in list(os.scandir(top)):
+        if entry.is_dir(follow_symlinks=False):
+            os.chmod(entry.path, 0o700)
+            wipe(entry.path)
+            os.rmdir(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+# -- processes ---------------------------------------------------------------------------
+
+
+def kill_all() -> None:
+    """SIGKILL every process of the container except init and the runner, until none is left."""
+    me = os.getpid()
+    for _ in range(200):
+        found = False
+        for name in os.listdir("/proc"):
+            if not name.isdigit() or int(name) in (1, me):
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    state = f.read().rpartition(b")")[2].split()[0]
+                if state in (b"Z", b"X"):
+                    continue
+                os.kill(int(name), signal.SIGKILL)
+                found = True
+            except (OSError, IndexError):
+                continue
+        reap()
+        if not found:
+            return
+
+
+def reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def oom_count() -> int | None:
+    """The memory cgroup's OOM-kill counter (cgroup v2, then v1), None if unreadable."""
+    for path in ("/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control"):
+        try:
+            with open(path) as f:
+                for line in f:
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill":
+                        return int(value)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def child(req: dict, stdin_r: int, out_w: int, err_w: int) -> None:
+    """In the forked child: become the command. Never returns."""
+    try:
+        os.setsid()
+        os.dup2(stdin_r, 0)
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.closerange(3, 1 << 16)
+        for name in _DEFAULT_SIGNALS:
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, [])
+        import resource
+
+        mb = 1 << 20
+        limits = [
+            (resource.RLIMIT_CPU, req["cpu_s"], req["cpu_s"] + 1),
+            (resource.RLIMIT_FSIZE, req["fsize_mb"] * mb, req["fsize_mb"] * mb),
+            (resource.RLIMIT_NOFILE, req["nofile"], req["nofile"]),
+            (resource.RLIMIT_CORE, 0, 0),
+        ]
+        for which, soft, hard in limits:
+            _, old_hard = resource.getrlimit(which)
+            if old_hard != resource.RLIM_INFINITY:
+                soft, hard = min(soft, old_hard), min(hard, old_hard)
+            resource.setrlimit(which, (soft, hard))
+        os.chdir(WORK)
+        os.execvpe(req["argv"][0], req["argv"], ENV)
+    except BaseException as exc:
+        os.write(2, f"sandbox: cannot execute {req['argv'][0]!r}: {exc}\n".encode())
+    os._exit(127)
+
+
+class Capture:
+    def __init__(self, cap: int) -> None:
+        self.cap, self.kept, self.dropped = cap, bytearray(), 0
+
+    def add(self, chunk: bytes) -> None:
+        room = max(self.cap - len(self.kept), 0)
+        self.kept += chunk[:room]
+        self.dropped += max(len(chunk) - room, 0)
+
+
+def run(req: dict, payload: bytes, wake_r: int) -> tuple[dict, bytes]:
+    files_n = sum(size for _, size in req["files"])
+    put_files(req["files"], payload[:files_n])
+    stdin = memoryview(payload[files_n:])
+    oom_before = oom_count()
+    stdin_r, stdin_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        child(req, stdin_r, out_w, err_w)
+    for fd in (stdin_r, out_w, err_w):
+        os.close(fd)
+    caps = {out_r: Capture(req["cap"]), err_r: Capture(req["cap"])}
+    if not stdin:
+        os.close(stdin_w)
+    else:
+        os.set_blocking(stdin_w, False)
+    poller = select.poll()
+    for fd in (out_r, err_r, wake_r):
+        poller.register(fd, select.POLLIN)
+    if stdin:
+        poller.register(stdin_w, select.POLLOUT)
+    deadline = start + req["timeout"]
+    status, timed_out = None, False
+    while status is None:
+        left = deadline - time.monotonic()
+        if left <= 0:  # out of time: the command first, to collect its status
+            timed_out = True
+            os.kill(pid, signal.SIGKILL)
+            status = os.waitpid(pid, 0)[1]
+            break
+        for fd, _ in poller.poll(left * 1000):
+            if fd == wake_r:
+                os.read(wake_r, CHUNK)
+            elif fd == stdin_w:
+                try:
+                    stdin = stdin[os.write(stdin_w, stdin[:CHUNK]) :]
+                except OSError:  # the command closed its stdin: fine
+                    stdin = stdin[:0]
+                if not stdin:
+                    poller.unregister(stdin_w)
+                    os.close(stdin_w)
+            else:
+                chunk = os.read(fd, CHUNK)
+                if chunk:
+                    caps[fd].add(chunk)
+                else:
+                    poller.unregister(fd)
+        got, raw = os.waitpid(pid, os.WNOHANG)
+        if got:
+            status = raw
+    # The command is done (or out of time): nothing else it started may live on.
+    kill_all()
+    for fd, cap in caps.items():  # every writer is dead: read what is left up to EOF
+        while chunk := os.read(fd, CHUNK):
+            cap.add(chunk)
+        os.close(fd)
+    if stdin:
+        os.close(stdin_w)
+    code = os.waitstatus_to_exitcode(status)
+    exit_code = 128 - code if code < 0 else code
+    oom_after = oom_count()
+    reply = {
+        "exit_code": None if timed_out else exit_code,
+        "timed_out": timed_out or exit_code == 128 + signal.SIGXCPU,
+        "oom": oom_before is not None and oom_after is not None and oom_after > oom_before,
+        "duration_s": time.monotonic() - start,
+        "out_n": len(caps[out_r].kept),
+        "out_dropped": caps[out_r].dropped,
+        "err_dropped": caps[err_r].dropped,
+    }
+    return reply, bytes(caps[out_r].kept) + bytes(caps[err_r].kept)
+
+
+def reset() -> None:
+    kill_all()
+    os.chmod(WORK, 0o700)
+    for top in WIPE:
+        if os.path.isdir(top) and os.access(top, os.W_OK):
+            wipe(top)
+
+
+def serve() -> None:
+    try:  # non-dumpable: processes of the same uid cannot ptrace us or open /proc/<us>/fd
+        import ctypes
+
+        dumpable = ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0  # PR_SET_DUMPABLE
+    except (ImportError, OSError, AttributeError):
+        dumpable = True
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGXFSZ", "SIGPIPE"):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    os.makedirs(WORK, exist_ok=True)
+    write_frame({"op": "ready", "pid": os.getpid(), "oom": oom_count() is not None,
+                 "dumpable": dumpable})  # fmt: skip
+    while True:
+        try:
+            req, payload = read_frame()
+        except EOFError:  # the host went away: end the container
+            kill_all()
+            return
+        reply: dict = {}
+        out = b""
+        try:
+            op = req["op"]
+            if op == "run":
+                reply, out = run(req, payload, wake_r)
+            elif op == "put":
+                put_files(req["files"], payload)
+            elif op == "get":
+                reply["sizes"], out = get_files(req["paths"])
+            elif op == "reset":
+                reset()
+            else:
+                raise ValueError(f"unknown op {op!r}")
+        except Exception as exc:
+            reply, out = {"error": f"{type(exc).__name__}: {exc}"}, b""
+        reply["id"] = req.get("id")
+        write_frame(reply, out)
+
+
+if __name__ == "__main__":
+    serve()
+    sys.exit(0)
