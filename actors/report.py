@@ -32,6 +32,8 @@ PRODUCED_BY = {
     N.TRAJECTORIES: "verifier", N.EVALS: "verifier (eval)",
 }  # fmt: skip
 MAX_ENTRIES = 100_000
+MIN_RATE_SPAN_S = 10.0
+"""A rate over a shorter span is not printed (it would say nothing)."""
 
 
 @dataclass
@@ -68,6 +70,7 @@ async def collect(
             client.sync.xrange, names.stream(stream), count=MAX_ENTRIES
         )
         data.produced[stage] = [int(e.decode().split("-")[0]) / 1000 for e, _ in ids or []]
+    data.produced["learner (steps)"] = [m.created_at for m in data.steps]
     data.dead_letters = int(await client.call(client.sync.xlen, names.stream(N.DEAD)))
     return data
 
@@ -102,6 +105,7 @@ def charts(data: RunData, out: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     written = []
 
@@ -120,6 +124,7 @@ def charts(data: RunData, out: Path) -> list[str]:
             for domain, points in per_version(series).items():
                 ax.plot([v for v, _ in points], [r for _, r in points], marker="o", label=domain)
             ax.set(title=title, xlabel="policy version", ylabel="mean reward", ylim=(-0.05, 1.05))
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.legend()
             save(fig, name)
     if any(data.produced.values()):
@@ -173,7 +178,7 @@ def summary(run: str, data: RunData, written: list[str]) -> str:
               "| stage | entries | per minute |", "|---|---|---|"]
     for stage, times in data.produced.items():
         span = (max(times) - min(times)) / 60 if len(times) > 1 else 0.0
-        rate = f"{(len(times) - 1) / span:.1f}" if span > 0 else "-"
+        rate = f"{(len(times) - 1) / span:.1f}" if span >= MIN_RATE_SPAN_S / 60 else "-"
         lines.append(f"| {stage} | {len(times)} | {rate} |")
     lines += ["", "## Charts", ""] + [f"![{w}]({w})" for w in written]
     return "\n".join(lines) + "\n"

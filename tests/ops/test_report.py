@@ -60,4 +60,4 @@ async def test_report_writes_charts_and_summary(
     assert "| arith | 0 | 0.000 | 2 |" in text  # held-out at v0
     assert "learner steps: 3" in text and "busy fraction: mean 0.62, last 0.50" in text
     assert "staleness: max 2 versions" in text
-    assert "| generator | 4 |" in text
+    assert "| generator | 4 | - |" in text and "| learner (steps) | 3 | - |" in text
