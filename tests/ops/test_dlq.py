@@ -3,8 +3,10 @@ requeued and runs through the normal path to completion; purge asks first."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import trio
 
 import domains.arith.domain  # noqa: F401  (registers the arith domain)
@@ -66,7 +68,7 @@ async def test_poison_message_fixed_by_config_is_requeued_and_completes(
 
 
 async def test_requeue_is_once_and_purge_needs_confirmation(
-    client: RedisClient, names: N.Names
+    client: RedisClient, names: N.Names, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Given two dead letters from different streams
     dead_key = names.stream(N.DEAD)
@@ -78,6 +80,13 @@ async def test_requeue_is_once_and_purge_needs_confirmation(
         await client.call(client.sync.xadd, dead_key, {"d": encode(letter), "error": err})
     entries = await list_dead(client, names, Selection(error="sandbox"))
     assert [e.letter.stream for e in entries if e.letter] == [N.EXECUTED]
+
+    # show decodes the payload as its stream's message (byte fields by size)
+    assert await run_dlq(client, names, "show", Selection(ids=(entries[0].dead_id,))) == 0
+    [shown] = json.loads(capsys.readouterr().out)
+    assert shown["error"] == "boom: bad sandbox" and shown["deliveries"] == 3
+    assert shown["payload"]["type"] == "Executed"
+    assert shown["payload"]["message"]["rollout"]["prompt_ids"] == "<12 bytes>"
 
     # When the same letter is requeued twice (two operators, or a repeated call)
     first = await requeue(client, names, entries)
