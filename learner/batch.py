@@ -21,24 +21,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from learner.loss import group_advantages
-from queues.messages import (
-    Rollout,
-    Sample,
-    Sampling,
-    Task,
-    Trajectory,
-    bytes_to_floats,
-    bytes_to_ids,
-    floats_to_bytes,
-    ids_to_bytes,
-    new_id,
-    now,
-)
+
+if TYPE_CHECKING:
+    from queues.messages import Trajectory
+
+# The wire types are imported where they are used, so that ``Batch`` and the training step
+# on a ready batch need only torch (benchmarks/gpu/check.py runs without msgspec).
 
 
 @dataclass(frozen=True)
@@ -118,6 +112,8 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
     one, an empty prompt, or a sampling temperature <= 0 (greedy decoding has no logprobs to
     train on).
     """
+    from queues.messages import bytes_to_floats, bytes_to_ids
+
     rows: list[tuple[Tensor, Tensor, Tensor, float, float, float]] = []
     for traj in trajectories:
         rollout = traj.rollout
@@ -188,6 +184,18 @@ def make_trajectory(
     Only the fields the learner reads carry meaning; the rest (domain, texts, outcomes) are
     placeholders.
     """
+    from queues.messages import (
+        Rollout,
+        Sample,
+        Sampling,
+        Task,
+        Trajectory,
+        floats_to_bytes,
+        ids_to_bytes,
+        new_id,
+        now,
+    )
+
     if isinstance(weight_versions, int):
         weight_versions = [weight_versions] * len(completions)
     task = Task(

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,7 +44,9 @@ from learner import distributed as dist_util
 from learner.batch import Batch, build_batch, has_signal
 from learner.loss import policy_loss
 from learner.model import load_model
-from queues.messages import Trajectory
+
+if TYPE_CHECKING:
+    from queues.messages import Trajectory
 
 
 @dataclass(frozen=True)
@@ -281,6 +283,21 @@ class Trainer:
             )  # fmt: skip
 
         full = build_batch(groups, pad_id=self.pad_id, eps=cfg.adv_eps)
+        return self.step_batch(full, reward_mean=reward_mean, groups=len(groups),
+                               dropped_groups=dropped, started=started)  # fmt: skip
+
+    def step_batch(
+        self,
+        full: Batch,
+        *,
+        reward_mean: float = 0.0,
+        groups: int = 0,
+        dropped_groups: int = 0,
+        started: float | None = None,
+    ) -> StepStats:
+        """One optimiser step on an already built batch (the whole batch on every rank)."""
+        cfg = self.config
+        started = time.perf_counter() if started is None else started
         total_tokens = full.loss_mask.sum().to(cfg.device)  # of the whole batch, every rank
         shard = dist_util.shard_rows(full.size)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
@@ -318,10 +335,10 @@ class Trainer:
             approx_kl=kl / tokens,
             kl_ref=kl_ref / tokens,
             reward_mean=reward_mean,
-            groups=len(groups),
+            groups=groups,
             samples=full.size,
             tokens=int(total_tokens),
-            dropped_groups=dropped,
+            dropped_groups=dropped_groups,
             seconds=time.perf_counter() - started,
         )
 
