@@ -3,10 +3,19 @@
 The domain's verifier scores every completion in [0, 1]; it never raises for what the model
 wrote (a verifier bug is a handler failure: retried, then dead-lettered). Training groups go
 to the learner, held-out evaluation groups to the ``evals`` stream.
+
+Dynamic sampling (``verifier.dynamic_sampling``): a training group whose rewards are all
+equal carries no GRPO signal (every advantage is zero); it is acknowledged without output
+and counted (``count:zero_variance``), and every training group is counted per domain as
+resolved, and as trained if forwarded (``count:resolved:<domain>``, ``count:trained:<domain>``;
+the scheduler's adaptive share reads them). Counters are statistics: a replayed hand-off can
+count a group twice. A domain's ``score`` runs in a worker thread (a verifier may parse,
+e.g. sympy under a deadline) so the actor keeps heart-beating meanwhile.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -27,17 +36,30 @@ class Verifier:
     input_stream = N.EXECUTED
     input_type = Executed
 
+    def __init__(self, count: Callable[[dict[str, int]], Awaitable[None]] | None = None) -> None:
+        self.count = count  # None: no dynamic sampling, no counters
+
     async def handle(self, executed: Executed) -> list[Output]:
         rollout = executed.rollout
         task = rollout.task
         if len(executed.outcomes) != len(rollout.samples):
             raise Reject(f"{len(executed.outcomes)} outcomes for {len(rollout.samples)} samples")
         domain, item = domain_item(task)
-        rewards = [
-            float(domain.score(item, sample.text, from_outcome(outcome)))
-            for sample, outcome in zip(rollout.samples, executed.outcomes, strict=True)
-        ]
-        log.info("verified", split=task.split, rewards=rewards)
+
+        def score_all() -> list[float]:
+            return [
+                float(domain.score(item, sample.text, from_outcome(outcome)))
+                for sample, outcome in zip(rollout.samples, executed.outcomes, strict=True)
+            ]
+
+        rewards = await trio.to_thread.run_sync(score_all)
+        log.info("verified", split=task.split, domain=task.domain, rewards=rewards)
+        if self.count is not None and task.split != "eval":
+            if max(rewards) - min(rewards) < 1e-9:
+                await self.count({"zero_variance": 1, f"resolved:{task.domain}": 1})
+                log.info("skipped zero-variance group", domain=task.domain, reward=rewards[0])
+                return []
+            await self.count({f"resolved:{task.domain}": 1, f"trained:{task.domain}": 1})
         stream = N.EVALS if task.split == "eval" else N.TRAJECTORIES
         return [
             Output(
@@ -57,8 +79,18 @@ class Verifier:
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.verifier
+
+    async def count(deltas: dict[str, int]) -> None:
+        def incr() -> None:
+            pipe = ctx.client.sync.pipeline(transaction=False)
+            for name, n in deltas.items():
+                pipe.incrby(ctx.names.counter(name), n)
+            pipe.execute()
+
+        await ctx.client.call(incr)
+
     await ctx.serve(
-        Verifier(),
+        Verifier(count if cfg.dynamic_sampling else None),
         concurrency=cfg.concurrency,
         time_limit_s=cfg.time_limit_s,
         task_status=task_status,

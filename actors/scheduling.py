@@ -1,0 +1,169 @@
+"""Sharing the scheduler's capacity across domains: weighted fair queueing with virtual
+times, strict priorities, in-flight caps, adaptive re-weighting toward target ratios of
+*trained* samples.
+
+Guarantees (of :class:`FairShare`, a pure in-memory policy; the scheduler feeds it counts):
+- priorities are strict: a task is taken from a lower priority only when every domain of
+  each higher priority is ineligible (at its ``max_inflight`` cap);
+- within a priority, weighted fair queueing: each domain has a virtual time, its service
+  divided by its weight, and the smallest goes next (ties: registration order), so every
+  domain's service stays within about one task of ``weight_i / sum(weights)`` of the total.
+  Static (``adaptive=False``) the service is the admitted tasks (classic WFQ: each admission
+  advances the domain's virtual finish time by ``1 / weight``). A domain that sat at its
+  cap re-enters at the current virtual time (no burst for the time it sat out);
+- adaptive re-weighting (``adaptive=True``): the target is a share of the *trained*
+  groups, and domains lose groups at different rates (zero reward variance, stale, failed).
+  The service counted is then the projected trained groups ``trained + pass * in_flight``
+  (``pass``: the domain's fraction of resolved groups that were trained, add-one smoothed),
+  i.e. each admission advances the virtual time by ``pass / weight`` -- the effective
+  weight is ``weight / pass`` -- and every piece of feedback moves it to what was really
+  trained, so a domain that turned out to train less than expected gets the next tasks;
+- ``pick`` and feedback are O(log n) in the number of domains (a heap per priority level,
+  stale entries dropped lazily).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Share:
+    name: str
+    weight: float = 1.0
+    priority: int = 0
+    max_inflight: int = 0  # 0: no cap
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"domain {self.name!r}: weight must be > 0")
+        if self.max_inflight < 0:
+            raise ValueError(f"domain {self.name!r}: max_inflight must be >= 0")
+
+
+@dataclass
+class _State:
+    share: Share
+    order: int
+    admitted: int = 0
+    resolved: int = 0
+    trained: int = 0
+    offset: float = 0.0  # lifts the virtual time of a domain that re-enters after its cap
+    stamp: int = 0  # the heap entry with this stamp is the live one
+    held: bool = False  # skipped at its cap since it was last chosen
+
+    @property
+    def inflight(self) -> int:
+        return max(0, self.admitted - self.resolved)
+
+    @property
+    def pass_rate(self) -> float:
+        return (self.trained + 1) / (self.resolved + 1)
+
+
+@dataclass(frozen=True)
+class DomainStats:
+    admitted: int
+    resolved: int
+    trained: int
+    target_ratio: float
+    trained_ratio: float
+    effective_weight: float
+
+
+class FairShare:
+    def __init__(self, shares: list[Share], *, adaptive: bool = True) -> None:
+        if not shares:
+            raise ValueError("at least one domain is needed")
+        names = [s.name for s in shares]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate domains in {names}")
+        self.shares = list(shares)
+        self.adaptive = adaptive
+        self._states = {s.name: _State(s, i) for i, s in enumerate(shares)}
+        total = sum(s.weight for s in shares)
+        self._target = {s.name: s.weight / total for s in shares}
+        self._heaps: dict[int, list[tuple[float, int, int, str]]] = {}
+        self._vtime: dict[int, float] = {}
+        for st in self._states.values():
+            self._heaps.setdefault(st.share.priority, []).append((0.0, st.order, 0, st.share.name))
+            self._vtime[st.share.priority] = 0.0
+        for heap in self._heaps.values():
+            heapq.heapify(heap)
+        self._levels = sorted(self._heaps, reverse=True)
+
+    def _service(self, st: _State) -> float:
+        if self.adaptive:
+            return st.trained + st.pass_rate * st.inflight
+        return float(st.admitted)
+
+    def _vt(self, st: _State) -> float:
+        return st.offset + self._service(st) / st.share.weight
+
+    def _push(self, st: _State) -> None:
+        st.stamp += 1
+        heap = self._heaps[st.share.priority]
+        heapq.heappush(heap, (self._vt(st), st.order, st.stamp, st.share.name))
+
+    # -- the policy ---------------------------------------------------------------------
+    def pick(self) -> str | None:
+        """The domain of the next task (counted as admitted); None if every domain is at
+        its in-flight cap."""
+        for level in self._levels:
+            heap, held = self._heaps[level], []
+            chosen: _State | None = None
+            while heap:
+                entry = heapq.heappop(heap)
+                st = self._states[entry[3]]
+                if entry[2] != st.stamp:
+                    continue  # superseded by a newer entry
+                if st.share.max_inflight and st.inflight >= st.share.max_inflight:
+                    st.held = True
+                    held.append(entry)
+                    continue
+                chosen = st
+                break
+            for entry in held:
+                heapq.heappush(heap, entry)
+            if chosen is None:
+                continue
+            now = self._vtime[level]
+            if chosen.held and self._vt(chosen) < now:  # back from its cap: start at now
+                chosen.offset += now - self._vt(chosen)
+            chosen.held = False
+            self._vtime[level] = max(now, self._vt(chosen))
+            chosen.admitted += 1
+            self._push(chosen)
+            return chosen.share.name
+        return None
+
+    def resolved(self, name: str, trained: bool, groups: int = 1) -> None:
+        """Feedback: ``groups`` of ``name`` left the pipeline, trained or not."""
+        st = self._states[name]
+        st.resolved += groups
+        st.trained += groups if trained else 0
+        self._push(st)
+
+    def observe(self, resolved: dict[str, int], trained: dict[str, int]) -> None:
+        """Feedback as cumulative counts (e.g. read from Redis counters)."""
+        for name, st in self._states.items():
+            r, t = max(st.resolved, resolved.get(name, 0)), max(st.trained, trained.get(name, 0))
+            if (r, t) != (st.resolved, st.trained):
+                st.resolved, st.trained = r, t
+                self._push(st)
+
+    # -- observation --------------------------------------------------------------------
+    def statistics(self) -> dict[str, DomainStats]:
+        trained_total = sum(st.trained for st in self._states.values()) or 1
+        return {
+            name: DomainStats(
+                admitted=st.admitted,
+                resolved=st.resolved,
+                trained=st.trained,
+                target_ratio=self._target[name],
+                trained_ratio=st.trained / trained_total,
+                effective_weight=st.share.weight / (st.pass_rate if self.adaptive else 1.0),
+            )
+            for name, st in self._states.items()
+        }
