@@ -15,7 +15,7 @@ import pytest
 from actors.status import bottleneck, sample, snapshot
 from queues import names as N
 from queues.client import RedisClient
-from queues.messages import encode
+from queues.messages import StepMetrics, WeightsPublished, encode, new_id, now
 from queues.streams import Producer, StreamConsumer, ensure_group
 from tests.ops.helpers import config, executed
 
@@ -126,3 +126,21 @@ def test_dlq_cli_lists(action: str, redis_url: str, names: N.Names, tmp_path: Pa
                 "--set", f"run.redis_url={redis_url}")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == []
+
+
+async def test_policy_version_and_step_rate(client: RedisClient, names: N.Names) -> None:
+    # Given three learner steps a minute apart and version 3 published
+    base_ms = int(time.time() * 1000) - 300_000
+    for i in range(3):
+        step = StepMetrics(
+            id=new_id(), created_at=now(), policy_version=i + 1, step=i + 1, loss=0.0,
+            grad_norm=0.0, reward_mean=0.0, groups=1, samples=2, tokens=4, dropped_stale=0,
+            max_staleness_seen=0, step_seconds=1.0, wait_seconds=1.0,
+        )
+        await client.call(client.sync.xadd, names.stream(N.METRICS), {"d": encode(step)},
+                          id=f"{base_ms + i * 60_000}-0")
+    await Producer(client, names).publish(N.WEIGHTS, [encode(WeightsPublished(
+        id=new_id(), created_at=now(), policy_version=3, version=3, path="/w/v000003"))])
+    snap = await snapshot(client, names)
+    assert snap.policy_version == 3
+    assert snap.steps_per_min == pytest.approx(1.0)
