@@ -144,3 +144,21 @@ async def test_policy_version_and_step_rate(client: RedisClient, names: N.Names)
     snap = await snapshot(client, names)
     assert snap.policy_version == 3
     assert snap.steps_per_min == pytest.approx(1.0)
+
+
+def test_watch_prints_a_snapshot_per_interval(redis_url: str, names: N.Names) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "status", "--watch", "--json", "--interval", "0.2",
+         "--set", f"run.name={names.run}", "--set", f"run.redis_url={redis_url}"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        lines = [json.loads(proc.stdout.readline()) for _ in range(3)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert [s["run"] for s in lines] == [names.run] * 3
+    assert lines[0]["at"] < lines[1]["at"] < lines[2]["at"]
+    assert lines[2]["bottleneck"] is None and set(lines[2]["growth"]) == {
+        N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES}
