@@ -34,10 +34,11 @@ from learner import distributed as dist_util
 from learner.batch import build_batch, group_staleness
 from learner.checkpoint import (
     Ledger,
+    Snapshot,
     StepRecord,
     load_trainer_state,
     prune_trainer_states,
-    save_trainer_state,
+    save_state_dict,
 )
 from learner.model import resolve_model
 from learner.train import StepStats, TrainConfig, Trainer, rng_state
@@ -124,6 +125,8 @@ class Learner:
         self.trainer, self.version, self.resumed_optimizer = open_trainer(ctx.config)
         self.ledger = Ledger.open(self.root, self.version)
         self.dropped_stale = 0
+        self.snapshot: Snapshot | None = None
+        self.publishing: set[str] = set()  # episodes of the step being checkpointed
         self.duplicates_skipped = 0
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -135,14 +138,26 @@ class Learner:
             trained_groups=len(self.ledger.consumed),
             resumed_optimizer=self.resumed_optimizer,
         )
-        while not self.cfg.max_steps or self.version < self.cfg.max_steps:
-            t0 = time.monotonic()
-            batch = await self._collect(self.cfg.groups_per_step)
-            waited = time.monotonic() - t0
-            stats = await trio.to_thread.run_sync(
-                distributed_step, self.trainer, [t for _, t in batch], abandon_on_cancel=False
-            )
-            await self._publish_step(batch, stats, waited)
+        # Step N+1 runs while step N's checkpoint is written and announced (from a snapshot
+        # of the weights); at most one step is being published at a time, in order.
+        published = trio.Event()
+        published.set()
+        async with trio.open_nursery() as nursery:
+            while not self.cfg.max_steps or self.version < self.cfg.max_steps:
+                t0 = time.monotonic()
+                batch = await self._collect(self.cfg.groups_per_step)
+                waited = time.monotonic() - t0
+                stats = await trio.to_thread.run_sync(
+                    distributed_step, self.trainer, [t for _, t in batch], abandon_on_cancel=False
+                )
+                await published.wait()  # the shadow model is free again
+                state = await trio.to_thread.run_sync(self._snapshot)
+                self.version += 1
+                self.publishing = {t.episode_id for _, t in batch}
+                published = trio.Event()
+                nursery.start_soon(
+                    self._publish_step, batch, stats, waited, self.version, state, published
+                )
         if dist_util.is_distributed():  # the end: release the other ranks
             await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
 
@@ -171,7 +186,8 @@ class Learner:
         except ValueError as exc:
             await self.consumer.dead_letter(d, f"malformed group: {exc}")
             return None
-        if traj.episode_id in self.ledger or traj.episode_id in in_batch:
+        seen = self.ledger.consumed, self.publishing, in_batch
+        if any(traj.episode_id in ids for ids in seen):
             self.duplicates_skipped += 1
             await self.ctx.client.call(
                 self.ctx.client.sync.incr, self.ctx.names.counter("duplicates_skipped")
@@ -194,10 +210,21 @@ class Learner:
             return None
         return traj
 
+    def _snapshot(self) -> dict[str, Any] | None:
+        if self.snapshot is None:
+            self.snapshot = Snapshot(self.trainer.model)
+        optimizer = self.trainer.optimizer if self.cfg.checkpoint_optimizer else None
+        return self.snapshot.take(self.trainer.model, optimizer, self.trainer.steps, rng_state())
+
     async def _publish_step(
-        self, batch: list[tuple[Delivery, Trajectory]], stats: StepStats, waited: float
+        self,
+        batch: list[tuple[Delivery, Trajectory]],
+        stats: StepStats,
+        waited: float,
+        version: int,
+        state: dict[str, Any] | None,
+        done: trio.Event,
     ) -> None:
-        version = self.version + 1
         record = StepRecord(
             version=version,
             episode_ids=[t.episode_id for _, t in batch],
@@ -221,9 +248,10 @@ class Learner:
             step_seconds=stats.seconds,
             wait_seconds=waited,
         )
-        path = await trio.to_thread.run_sync(self._checkpoint, record, metrics)
-        self.version = version
+        path = await trio.to_thread.run_sync(self._checkpoint, record, metrics, state)
         await self._announce(version, str(path), record.entry_ids, metrics)
+        self.publishing = set()
+        done.set()
         await self._trim_events()
         log.info(
             "step",
@@ -235,20 +263,22 @@ class Learner:
             wait_s=round(waited, 2),
         )
 
-    def _checkpoint(self, record: StepRecord, metrics: StepMetrics) -> Path:
-        """Ledger line first, then the weights (and optimiser state) of ``record.version``,
-        with the step's metrics (announced again if we crash before announcing them)."""
+    def _checkpoint(
+        self, record: StepRecord, metrics: StepMetrics, state: dict[str, Any] | None
+    ) -> Path:
+        """Ledger line first, then the weights (and optimiser state) of ``record.version``
+        from the snapshot, with the step's metrics (announced again if we crash before
+        announcing them)."""
+        assert self.snapshot is not None
         self.ledger.append(record)
 
         def extra(directory: Path) -> None:
             (directory / STEP_METRICS_FILE).write_bytes(encode(metrics))
-            if self.cfg.checkpoint_optimizer:
-                save_trainer_state(
-                    self.trainer.optimizer, self.trainer.steps, directory, rng=rng_state()
-                )
+            if state is not None:
+                save_state_dict(state, directory)
 
         path = save_weights(
-            self.trainer.model,
+            self.snapshot.model,
             self.base_dir,
             self.root,
             record.version,

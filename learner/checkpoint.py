@@ -21,6 +21,7 @@ newest version keeps it (it is twice the size of the weights), older versions ke
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import dataclass, field
@@ -135,6 +136,48 @@ def save_trainer_state(
     if rng is not None:
         state["rng"] = rng
     torch.save(state, Path(directory) / TRAINER_STATE_FILE)
+
+
+def save_state_dict(state: dict[str, Any], directory: Path) -> None:
+    """Write a ready trainer state (e.g. :meth:`Snapshot.take`'s) as ``trainer_state.pt``."""
+    torch.save(state, Path(directory) / TRAINER_STATE_FILE)
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return copy.deepcopy(value)
+
+
+class Snapshot:
+    """A host copy of the policy taken right after a step, so that its checkpoint can be
+    written while the next step already changes the live model (the learner stays busy).
+
+    One shadow model is allocated once (a CPU copy of the policy, tied weights still tied)
+    and overwritten by each :meth:`take`; a take must wait until the previous snapshot has
+    been written. Host memory: one more copy of the weights, plus one of the AdamW state
+    when it is checkpointed.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = copy.deepcopy(model).to("cpu").eval().requires_grad_(False)
+
+    def take(
+        self, model: Any, optimizer: torch.optim.Optimizer | None, steps: int, rng: Any
+    ) -> dict[str, Any] | None:
+        """Copy the weights into the shadow model; return the trainer state to save (None
+        without an optimiser)."""
+        with torch.no_grad():
+            live = model.state_dict()
+            for name, tensor in self.model.state_dict().items():
+                tensor.copy_(live[name])
+        if optimizer is None:
+            return None
+        return {"optimizer": _to_cpu(optimizer.state_dict()), "steps": steps, "rng": rng}
 
 
 def load_trainer_state(directory: Path) -> dict[str, Any] | None:
