@@ -17,7 +17,10 @@ Guarantees (of :class:`FairShare`, a pure in-memory policy; the scheduler feeds 
   (``pass``: the domain's fraction of resolved groups that were trained, add-one smoothed),
   i.e. each admission advances the virtual time by ``pass / weight`` -- the effective
   weight is ``weight / pass`` -- and every piece of feedback moves it to what was really
-  trained, so a domain that turned out to train less than expected gets the next tasks;
+  trained, so a domain that turned out to train less than expected gets the next tasks.
+  Bounded: each admitted task is credited at least ``min_pass`` of a trained group, so a
+  domain that never trains (the model cannot do it yet) gets at most ``1 / min_pass``
+  times its weight's share of the tasks instead of all of them;
 - ``pick`` and feedback are O(log n) in the number of domains (a heap per priority level,
   stale entries dropped lazily).
 """
@@ -73,7 +76,8 @@ class DomainStats:
 
 
 class FairShare:
-    def __init__(self, shares: list[Share], *, adaptive: bool = True) -> None:
+    def __init__(self, shares: list[Share], *, adaptive: bool = True,
+                 min_pass: float = 0.1) -> None:
         if not shares:
             raise ValueError("at least one domain is needed")
         names = [s.name for s in shares]
@@ -81,6 +85,9 @@ class FairShare:
             raise ValueError(f"duplicate domains in {names}")
         self.shares = list(shares)
         self.adaptive = adaptive
+        if not 0 < min_pass <= 1:
+            raise ValueError("min_pass must be in (0, 1]")
+        self.min_pass = min_pass
         self._states = {s.name: _State(s, i) for i, s in enumerate(shares)}
         total = sum(s.weight for s in shares)
         self._target = {s.name: s.weight / total for s in shares}
@@ -95,7 +102,8 @@ class FairShare:
 
     def _service(self, st: _State) -> float:
         if self.adaptive:
-            return st.trained + st.pass_rate * st.inflight
+            projected = st.trained + max(self.min_pass, st.pass_rate) * st.inflight
+            return max(projected, self.min_pass * st.admitted)
         return float(st.admitted)
 
     def _vt(self, st: _State) -> float:
@@ -163,7 +171,8 @@ class FairShare:
                 trained=st.trained,
                 target_ratio=self._target[name],
                 trained_ratio=st.trained / trained_total,
-                effective_weight=st.share.weight / (st.pass_rate if self.adaptive else 1.0),
+                effective_weight=st.share.weight
+                / (max(self.min_pass, st.pass_rate) if self.adaptive else 1.0),
             )
             for name, st in self._states.items()
         }

@@ -113,3 +113,14 @@ async def test_dynamic_sampling_skips_and_counts_zero_variance_groups() -> None:
     assert [o.stream for o in out] == [N.EVALS] and counts["resolved:math"] == 3
     # Without dynamic sampling a zero-variance group goes through
     assert len(await Verifier().handle(executed(["Answer: 4", "Answer: 4"]))) == 1
+
+
+def test_a_domain_that_never_trains_cannot_take_all_the_capacity() -> None:
+    fair = FairShare([Share("hopeless", 1), Share("ok", 1)], adaptive=True, min_pass=0.25)
+    for _ in range(2000):
+        name = fair.pick()
+        assert name is not None
+        fair.resolved(name, trained=name == "ok")
+    admitted = {n: s.admitted for n, s in fair.statistics().items()}
+    assert admitted["hopeless"] <= 4.2 * admitted["ok"]  # at most 1/min_pass times its share
+    assert admitted["ok"] >= 2000 / 5.2
