@@ -67,7 +67,7 @@ def make_item(rng: random.Random, split: str, index: int) -> CodeItem:
     prompt = (f"Write a Python function `{name}({params})` that {description}. "
               f"For example, {name}({', '.join(map(repr, example))}) == "
               f"{reference(*example)!r}. Reply with the code in one ```python block.")
-    tests = []
+    tests: list[Case] = []
     while len(tests) < N_TESTS:
         args = gen_args(rng)
         tests.append(Case(args=args, expected=reference(*args)))
