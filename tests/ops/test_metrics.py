@@ -47,14 +47,16 @@ async def test_actor_metrics_are_scraped_from_a_real_endpoint(
         ])
         ctx = ActorContext(config(tmp_path, redis_url, run), client, names)
 
+        stage = (("run", run), ("stage", "verifier"))
+        handled = ("streamrl_handled_total", stage)
+        dead = ("streamrl_dead_letters_total", (("reason", "malformed message"), *stage))
+
         # When the verifier handles them
         async with trio.open_nursery() as nursery:
             await nursery.start(serve, ctx)
             with trio.fail_after(20):
-                while await client.call(client.sync.xlen, names.stream(N.DEAD)) < 1 or (
-                    await client.call(client.sync.xlen, names.stream(N.TRAJECTORIES)) < 2
-                    or await client.call(client.sync.xlen, names.stream(N.EVALS)) < 1
-                ):
+                # every entry settled (the counters move just after the hand-off)
+                while _scrape(port).get(handled, 0) + _scrape(port).get(dead, 0) < 4:
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
         # ... and the learner announces a step, which the archiver process records
@@ -76,11 +78,10 @@ async def test_actor_metrics_are_scraped_from_a_real_endpoint(
 
         # Then the endpoint shows exactly what happened
         m = _scrape(port)
-        stage = (("run", run), ("stage", "verifier"))
-        assert m[("streamrl_handled_total", stage)] == 3
+        assert m[handled] == 3
         assert m[("streamrl_handle_seconds_count", stage)] == 3
-        dead = (("reason", "malformed message"), *stage)
-        assert m[("streamrl_dead_letters_total", dead)] == 1
+        assert m[dead] == 1
+        assert await client.call(client.sync.xlen, names.stream(N.TRAJECTORIES)) == 2
         train = (("domain", "arith"), ("run", run), ("split", "train"))
         evals = (("domain", "arith"), ("run", run), ("split", "eval"))
         assert m[("streamrl_reward_count", train)] == 4

@@ -53,11 +53,25 @@ async def _verified(*groups: object) -> list[Trajectory]:
 
 
 async def _archive_all(ctx: ActorContext, expected: int) -> Path:
+    """Run the archiver until ``expected`` rows are on disk and acknowledged (a file is
+    renamed into place before its entries are acknowledged)."""
     root = archiver.archive_dir(ctx.config)
+    client = ctx.client
+
+    async def pending() -> int:
+        total = 0
+        for s in archiver.STREAMS:
+            info = await client.call(client.sync.xpending, ctx.names.stream(s), "archiver")
+            total += info["pending"]
+        return total
+
     async with trio.open_nursery() as nursery:
         await nursery.start(archiver.serve, ctx)
         with trio.fail_after(20):
-            while sum(pq.read_metadata(p).num_rows for p in root.rglob("*.parquet")) < expected:
+            while (
+                sum(pq.read_metadata(p).num_rows for p in root.rglob("*.parquet")) < expected
+                or await pending()
+            ):
                 await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     return root
