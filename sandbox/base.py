@@ -29,7 +29,6 @@ class Limits:
     max_file_mb: int = 16
     max_open_files: int = 256
     output_bytes: int = 1 << 20  # per stream; the rest is drained and counted
-    disk_mb: int = 64  # total size of the work dir (+ /tmp) where the backend can cap it
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,8 @@ async def attack(box: Sandbox, marker: str, code: str, files: dict[str, bytes] |
                  **limits: float) -> ExecResult:  # fmt: skip
     """Run ``code`` with python3 in a fresh session labelled ``marker``."""
     session_limits = Limits(**limits)  # type: ignore[arg-type]
-    request = ExecRequest(["python3", "-c", textwrap.dedent(code), marker], files=files or {})
+    request = ExecRequest(["python3", "-c", textwrap.dedent(code), marker], files=files or {},
+                          limits=session_limits)  # fmt: skip
     async with box.session(session_limits, label=marker) as session:
         return await session.run(request)
 
@@ -111,15 +112,15 @@ async def test_memory_bomb(backend: Sandbox, marker: str) -> None:
 
 async def test_disk_fill(request: pytest.FixtureRequest, backend: Sandbox, marker: str) -> None:
     expect_gap(request, backend, "disk_fill")
-    # Given files under the per-file cap whose total is 3x the disk limit
+    # Given files under the per-file cap whose total (256 MiB) is over any sane work dir cap
     code = """
-    for i in range(48):
+    for i in range(256):
         with open(f'fill{i}', 'wb') as f:
             f.write(b'x' * (1 << 20))
     print('filled')
     """
-    result = await attack(backend, marker, code, disk_mb=16, max_file_mb=4, timeout_s=20)
-    # Then the writes were refused before the disk limit was passed
+    result = await attack(backend, marker, code, max_file_mb=4, timeout_s=30)
+    # Then the writes were refused at the backend's disk cap
     assert result.exit_code not in (0, None) and b"filled" not in result.stdout, result
     await assert_unaffected(backend)
 
