@@ -19,17 +19,22 @@ Guarantees:
 - both spellings of the renamed endpoints answer (``/model_info`` and ``/get_model_info``,
   ``/server_info`` and ``/get_server_info``).
 
+- ``/init_weights_update_group`` + ``/update_weights_from_distributed`` receive the weights
+  from the learner (rank 0) over a gloo group (:class:`inference.sglang_client.WeightBroadcaster`).
+
 What it does not do (400 with a message): streaming, ``top_k``, ``ignore_eos``, prefix
-caching (``cached_tokens`` is always 0), the distributed weight-update group.
+caching (``cached_tokens`` is always 0), NCCL (it runs on the CPU).
 ``stop`` / ``stop_token_ids`` are applied to the finished completion (the engine decodes
 past them; the output is cut at the first match, its logprobs with it).
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +68,7 @@ class ServerState:
     running: dict[str, trio.CancelScope] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
     waiting: int = 0
+    groups: dict[str, Any] = field(default_factory=dict)  # weight-update process groups
     resumed: trio.Event = field(default_factory=trio.Event)
 
     def __post_init__(self) -> None:
@@ -386,9 +392,76 @@ async def flush_cache(request: Request) -> Response:
     )
 
 
-async def not_supported(request: Request) -> Response:
-    return JSONResponse({"success": False, "message": f"{request.url.path} is not supported by "
-                         "serve-model"}, status_code=400)
+def _fail(message: str) -> Response:
+    return JSONResponse({"success": False, "message": message}, status_code=400)
+
+
+async def init_weights_update_group(request: Request) -> Response:
+    """Join the learner's weight-update group as rank ``rank_offset`` (gloo only: CPU)."""
+    from inference.sglang_client import open_process_group
+
+    state: ServerState = request.app.state.server
+    body = await _body(request)
+    if body.get("backend", "nccl") != "gloo":
+        return _fail("serve-model runs on the CPU: backend must be 'gloo'")
+    try:
+        args = (str(body["master_address"]), int(body["master_port"]), int(body["rank_offset"]),
+                int(body["world_size"]), str(body.get("group_name", "weight_update_group")))
+    except (KeyError, TypeError, ValueError) as exc:
+        return _fail(f"bad request: {exc!r}")
+    try:
+        group = await trio.to_thread.run_sync(partial(open_process_group, *args),
+                                              abandon_on_cancel=True)
+    except RuntimeError as exc:
+        return _fail(f"Failed to initialize custom process group: {exc}")
+    state.groups[args[4]] = group
+    log.info("joined weight-update group", group=args[4], rank=args[2], world_size=args[3])
+    return JSONResponse({"success": True,
+                         "message": "Succeeded to initialize custom process group."})
+
+
+async def update_weights_from_distributed(request: Request) -> Response:
+    """Receive every named tensor from rank 0 of the group, then apply them between batches.
+    (The tensors pass through a safetensors file in /dev/shm to reuse the engine's loader.)"""
+    import torch
+    from safetensors.torch import save_file
+
+    from inference.sglang_client import broadcast_tensor
+
+    state: ServerState = request.app.state.server
+    body = await _body(request)
+    group = state.groups.get(str(body.get("group_name", "weight_update_group")))
+    if group is None:
+        return _fail("no such weight-update group: call /init_weights_update_group first")
+    try:
+        specs = [(str(n), getattr(torch, str(d).removeprefix("torch.")), [int(x) for x in s])
+                 for n, d, s in zip(body["names"], body["dtypes"], body["shapes"], strict=True)]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return _fail(f"bad request: {exc!r}")
+
+    def receive() -> dict[str, torch.Tensor]:
+        tensors = {}
+        for name, dtype, shape in specs:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            broadcast_tensor(group, tensors[name])
+        return tensors
+
+    tensors = await trio.to_thread.run_sync(receive, abandon_on_cancel=True)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(dir=shm) as tmp:
+        file = Path(tmp) / "model.safetensors"
+        await trio.to_thread.run_sync(save_file, tensors, str(file))
+        version = state.engine.weight_version + 1
+        try:
+            await state.engine.update_weights(file, version)
+        except (ValueError, KeyError) as exc:
+            return _fail(f"Failed to update parameter online: {exc}")
+    label = body.get("weight_version")
+    state.labels[version] = str(label) if label is not None else state.weight_version
+    state.weight_version = state.labels[version]
+    log.info("weights updated from the group", weight_version=state.weight_version,
+             tensors=len(specs))
+    return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
 
 def build_app(state: ServerState) -> Starlette:
@@ -407,8 +480,9 @@ def build_app(state: ServerState) -> Starlette:
         Route("/pause_generation", pause_generation, methods=["POST"]),
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/flush_cache", flush_cache, methods=["POST", "GET"]),
-        Route("/init_weights_update_group", not_supported, methods=["POST"]),
-        Route("/update_weights_from_distributed", not_supported, methods=["POST"]),
+        Route("/init_weights_update_group", init_weights_update_group, methods=["POST"]),
+        Route("/update_weights_from_distributed", update_weights_from_distributed,
+              methods=["POST"]),
     ]
     app = Starlette(routes=routes)
     app.state.server = state
@@ -420,8 +494,6 @@ async def serve_model(
     weight_version: str = "default", task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Load the model, start the batcher and the HTTP server; run until cancelled."""
-    from functools import partial
-
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve
 
@@ -445,8 +517,6 @@ async def serve_model(
 def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: int,
                      weight_version: str) -> int:
     """The ``streamrl serve-model`` command (blocks until interrupted)."""
-    from functools import partial
-
     from learner.model import resolve_model
 
     model_dir = resolve_model("smollm2-135m" if model == "smollm2" else model)

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +319,95 @@ async def open_sglang_engine(
             yield engine
         finally:
             nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------- broadcast path
+
+
+def open_process_group(address: str, port: int, rank: int, world_size: int, group_name: str,
+                       timeout_s: float = 120.0) -> Any:
+    """A standalone gloo group (no global ``init_process_group``): rank 0 hosts the store.
+    Blocks until every rank has joined."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+
+
+def broadcast_tensor(group: Any, tensor: Any) -> None:
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+class WeightBroadcaster:
+    """The learner's side (rank 0) of SGLang's weight-update group: ``init`` has every server
+    join (``/init_weights_update_group``, server ``i`` is rank ``1 + i``), ``broadcast``
+    pauses them, sends every tensor while they receive
+    (``/update_weights_from_distributed``) and lets them continue. gloo here (CPU, tests);
+    on GPUs the same calls with ``backend="nccl"`` and CUDA tensors."""
+
+    def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], *, master_port: int,
+                 master_address: str = "127.0.0.1", group_name: str = "weight_update_group",
+                 backend: str = "gloo") -> None:
+        self.client = client
+        self.urls = [u.rstrip("/") for u in urls]
+        self.master_address, self.master_port = master_address, master_port
+        self.group_name, self.backend = group_name, backend
+        self.group: Any = None
+
+    async def _post(self, url: str, body: dict[str, Any]) -> None:
+        response = await self.client.post(url, json=body)
+        data = response.json() if response.content else {}
+        if response.status_code != 200 or data.get("success") is False:
+            raise ProtocolError(f"{url}: HTTP {response.status_code} {data}")
+
+    async def init(self) -> None:
+        world = 1 + len(self.urls)
+
+        def join() -> None:
+            self.group = open_process_group(self.master_address, self.master_port, 0, world,
+                                            self.group_name)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(trio.to_thread.run_sync, join, abandon_on_cancel=True))
+            for i, url in enumerate(self.urls):
+                nursery.start_soon(self._post, url + "/init_weights_update_group", {
+                    "master_address": self.master_address, "master_port": self.master_port,
+                    "rank_offset": 1 + i, "world_size": world, "group_name": self.group_name,
+                    "backend": self.backend,
+                })
+
+    async def broadcast(self, tensors: dict[str, Any], version: int) -> None:
+        if self.group is None:
+            raise RuntimeError("call init() first")
+        names = list(tensors)
+        body = {
+            "names": names, "dtypes": [str(tensors[n].dtype).removeprefix("torch.")
+                                       for n in names],
+            "shapes": [list(tensors[n].shape) for n in names], "group_name": self.group_name,
+            "weight_version": str(version), "flush_cache": True,
+        }
+
+        def send() -> None:
+            for n in names:
+                broadcast_tensor(self.group, tensors[n].detach().contiguous())
+
+        async with trio.open_nursery() as nursery:
+            for url in self.urls:
+                nursery.start_soon(self._post, url + "/pause_generation", {"mode": "in_place"})
+        try:
+            async with trio.open_nursery() as nursery:
+                for url in self.urls:
+                    nursery.start_soon(self._post, url + "/update_weights_from_distributed", body)
+                nursery.start_soon(partial(trio.to_thread.run_sync, send, abandon_on_cancel=True))
+        finally:
+            with trio.CancelScope(shield=True):
+                async with trio.open_nursery() as nursery:
+                    for url in self.urls:
+                        nursery.start_soon(self.client.post, url + "/continue_generation")
