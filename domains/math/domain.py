@@ -24,7 +24,7 @@ DATA_DIR = Path(__file__).parent / "data"
 MAX_NEW_TOKENS = 128
 INSTRUCTION = "Solve the problem. End your reply with a line 'Answer: <final answer>'."
 
-_ANSWER = re.compile(r"answer\s*(?:is)?\s*[:=]\s*(.+)", re.IGNORECASE)
+_ANSWER = re.compile(r"answer(?:\s+is)?\s*[:=]?\s*(.+)", re.IGNORECASE)
 
 
 class MathItem(msgspec.Struct, frozen=True, kw_only=True):

@@ -36,6 +36,7 @@ def test_extraction() -> None:
     assert extract_answer("so\nAnswer: x = 5.") == "5"
     assert extract_answer(r"first \boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
     assert extract_answer("The answer is: $8/15$.") == "8/15"
+    assert extract_answer("So, the answer is 12.") == "12"
     assert extract_answer("no final line") is None
 
 
