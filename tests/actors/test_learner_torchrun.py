@@ -1,0 +1,75 @@
+"""The learner actor under torchrun: 2 gloo ranks, rank 0 reads the groups from Redis and
+broadcasts them, both ranks step, only rank 0 writes and publishes; the weights it
+publishes equal those of the single-process learner on the same groups."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from safetensors.torch import load_file
+
+from actors.config import load_config
+from actors.context import ActorContext
+from actors.learner import serve
+from learner.batch import make_trajectory
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import WeightsPublished, decode, encode
+from queues.names import Names
+from queues.streams import Producer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _groups() -> list[bytes]:
+    return [
+        encode(make_trajectory([1, 2, 3], [[5, 6, 7], [8], [9, 10]], [[-3.0] * 3, [-2.0],
+                               [-4.0, -1.0]], [1.0, 0.0, 0.5]))
+        for _ in range(4)
+    ]  # fmt: skip
+
+
+def _overrides(run: str, redis_url: str, work: Path) -> list[str]:
+    return [
+        f"run.name={run}", f"run.redis_url={redis_url}", f"run.work_dir={work}",
+        "auth.enabled=false", "model.spec=tiny", "learner.groups_per_step=2",
+        "learner.max_steps=2", "learner.lr=1e-3", "learner.micro_batch_size=1",
+        "queues.block_ms=100",
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+async def test_two_rank_learner_publishes_what_one_process_would(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    groups = _groups()
+    # Given the same four groups in two runs
+    solo, multi = Names(names.run + "s"), Names(names.run + "m")
+    for run in (solo, multi):
+        await Producer(client, run).publish(N.TRAJECTORIES, groups)
+    # When one run's learner is a single process, the other's two torchrun ranks
+    solo_cfg = load_config(None, _overrides(solo.run, redis_url, tmp_path / "solo"))
+    with trio.fail_after(120):
+        await serve(ActorContext(solo_cfg, client, solo))
+    args = [f"--set={o}" for o in _overrides(multi.run, redis_url, tmp_path / "multi")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = await trio.run_process(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "actors.learner", *args],
+        cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    # Then the two-rank run published versions 1 and 2 (rank 0 only: once each)
+    rows = await client.call(client.sync.xrange, multi.stream(N.WEIGHTS))
+    assert [decode(f[b"d"], WeightsPublished).version for _, f in rows] == [1, 2]
+    # and its weights equal the single process's within float tolerance
+    a = load_file(tmp_path / "solo" / "weights" / "v000002" / "model.safetensors")
+    b = load_file(tmp_path / "multi" / "weights" / "v000002" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
