@@ -52,10 +52,17 @@ async def open_subjects(concurrency: int) -> AsyncIterator[dict[str, list[Call]]
     async with AsyncExitStack() as stack:
         sessions = [await stack.enter_async_context(box.session(Limits())) for _ in
                     range(concurrency)]  # fmt: skip
+
+        async def one_shot() -> object:
+            return await box.run(ExecRequest(ARGV))
+
+        def in_session(session: Any) -> Call:
+            return lambda: session.run(ExecRequest(ARGV))
+
         yield {
             "bare": [bare] * concurrency,
-            "process": [lambda: box.run(ExecRequest(ARGV))] * concurrency,
-            "process-session": [lambda s=s: s.run(ExecRequest(ARGV)) for s in sessions],
+            "process": [one_shot] * concurrency,
+            "process-session": [in_session(s) for s in sessions],
         }
 
 
