@@ -203,11 +203,8 @@ class DomainSandboxConfig(Section, frozen=True, kw_only=True, forbid_unknown_fie
     backend: str = ""
     """Sandbox backend for this domain (empty: the domain's spec, else executor.backend)."""
     image: str = ""
-    """Container image for this domain (container backends; empty: the domain's spec)."""
-    timeout_s: Annotated[float, Meta(ge=0)] = 0.0
-    """Wall-clock limit of each run (also sets the CPU limit); 0: the domain's."""
-    memory_mb: NonNegInt = 0
-    """Memory limit of each run; 0: the domain's."""
+    """Container image for this domain (container backends; empty: the domain's spec).
+    Its limits come from ``[domain.<name>]`` (timeout_s, memory_mb)."""
 
 
 class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

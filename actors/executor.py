@@ -7,9 +7,10 @@ message is retried later with fresh sandboxes by the runtime's retry policy and 
 half-published.
 
 Where each domain's code runs (:class:`Sandboxes`): the backend and image come from
-``executor.domains.<name>`` in the config, else from the domain's ``sandbox`` spec, else
-``executor.backend``; the limits are the request's (the domain's), with the config's
-``timeout_s`` / ``memory_mb`` on top; the spec's files are staged under the request's own.
+``[executor.domains.<name>]`` in the config, else from the domain's ``sandbox`` spec, else
+``executor.backend``; the limits are the request's (the domain's), with ``timeout_s`` /
+``memory_mb`` of ``[domain.<name>]`` on top; the spec's files are staged under the
+request's own.
 One backend instance per (backend, image), opened on first use, closed with the executor.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 import structlog
 import trio
 
-from actors.config import DomainSandboxConfig
+from actors.config import DomainConfig, DomainSandboxConfig
 from actors.context import ActorContext, domain_item
 from actors.policies import Retry
 from actors.runtime import Output
@@ -73,10 +74,12 @@ class Sandboxes:
         self,
         default_backend: str = "process",
         domains: dict[str, DomainSandboxConfig] | None = None,
+        limits: dict[str, DomainConfig] | None = None,
         opener: Callable[..., Sandbox] = open_sandbox,
     ) -> None:
         self.default_backend = default_backend
         self.domains = domains or {}
+        self.limits = limits or {}
         self._open = opener
         self._boxes: dict[tuple[str, str], Sandbox] = {}
 
@@ -86,12 +89,12 @@ class Sandboxes:
         cfg = self.domains.get(domain.name, DomainSandboxConfig())
         backend = cfg.backend or getattr(spec, "backend", "") or self.default_backend
         image = cfg.image or getattr(spec, "image", "")
-        limits = request.limits
-        if cfg.timeout_s:
-            cpu_s = max(1, int(cfg.timeout_s + 0.999))
-            limits = replace(limits, timeout_s=cfg.timeout_s, cpu_s=cpu_s)
-        if cfg.memory_mb:
-            limits = replace(limits, memory_mb=cfg.memory_mb)
+        limits, tight = request.limits, self.limits.get(domain.name)
+        if tight is not None and tight.timeout_s > 0:
+            cpu_s = max(1, int(tight.timeout_s + 0.999))  # as SandboxSpec.with_overrides
+            limits = replace(limits, timeout_s=tight.timeout_s, cpu_s=cpu_s)
+        if tight is not None and tight.memory_mb:
+            limits = replace(limits, memory_mb=tight.memory_mb)
         files = {**getattr(spec, "files", {}), **request.files}
         return backend, image, replace(request, limits=limits, files=files)
 
@@ -159,7 +162,7 @@ class Executor:
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.executor
-    sandboxes = Sandboxes(cfg.backend, cfg.domains)
+    sandboxes = Sandboxes(cfg.backend, cfg.domains, ctx.config.domain)
     try:
         await ctx.serve(
             Executor(sandboxes),

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import trio
 
-from actors.config import DomainSandboxConfig, ExecutorConfig
+from actors.config import DomainConfig, DomainSandboxConfig, ExecutorConfig
 from actors.executor import Executor, Sandboxes
 from actors.policies import Policies, Retry, RetryPolicy
 from actors.runtime import ActorRuntime, RuntimeSettings
@@ -49,7 +49,7 @@ async def test_outcomes_of_a_group_are_data() -> None:
     rollout = _rollout(
         _program("print(6 * 7)"), _program("raise SystemExit(3)"), _program("while True: pass"), ""
     )
-    sandboxes = Sandboxes("process", {"arith": DomainSandboxConfig(timeout_s=0.5)})
+    sandboxes = Sandboxes("process", limits={"arith": DomainConfig(timeout_s=0.5)})
     # When the executor handles it
     try:
         [output] = await Executor(sandboxes).handle(rollout)
@@ -75,9 +75,9 @@ async def test_backend_and_limits_are_chosen_per_domain() -> None:
     request = arith.exec_request(arith.load_items("eval")[0], _program("print(1)"))
     assert request is not None
     # Given the config gives arith a backend, an image and tighter limits
-    config = {"arith": DomainSandboxConfig(backend="process", image="img:1", timeout_s=0.25,
-                                           memory_mb=64)}  # fmt: skip
-    sandboxes = Sandboxes("docker", config, opener=opener)
+    config = {"arith": DomainSandboxConfig(backend="process", image="img:1")}
+    limits = {"arith": DomainConfig(timeout_s=0.25, memory_mb=64)}
+    sandboxes = Sandboxes("docker", config, limits, opener=opener)
     # When its requests are routed
     backend, image, routed = sandboxes.choose(arith, request)
     result = await sandboxes.run(arith, request)
