@@ -14,9 +14,12 @@ pause -> update_weights_from_disk -> continue on each server, and the reload its
 Baseline in the same run: ``inprocess_load_s``, the in-process engine loading the same
 directory (no HTTP, no event), the floor for the reload alone.
 
+The distributed path, ``broadcast_to_serving_s``: the learner is rank 0 of a gloo
+weight-update group with the servers (:class:`inference.sglang_client.WeightBroadcaster`) and
+sends every tensor; timed from the start of the broadcast to every server answering under it.
+
 Simplifications: everything on one machine (the directory is on a local disk; across machines
-it would be a shared file system); the distributed-broadcast path is not measured (serve-model
-does not implement it yet).
+it would be a shared file system); gloo over loopback stands in for NCCL.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.config import load_config
 from actors.context import ActorContext
 from actors.generator import serve_weight_updates
-from inference.sglang_client import open_sglang_engine
+from inference.sglang_client import WeightBroadcaster, open_sglang_engine
 from inference.transformers_engine import open_transformers_engine
 from learner.model import load_model, resolve_model
 from learner.weights import save_weights
@@ -51,7 +54,7 @@ from queues.messages import WeightsPublished, encode, new_id, now
 from queues.names import Names
 from queues.server import ServerProcess
 from queues.streams import FIELD
-from tests.inference.conftest import start_serve_model, wait_healthy
+from tests.inference.conftest import free_port, start_serve_model, wait_healthy
 
 
 async def serving(url: str, version: int, client: httpx.AsyncClient) -> None:
@@ -61,6 +64,25 @@ async def serving(url: str, version: int, client: httpx.AsyncClient) -> None:
         if r.status_code == 200 and r.json()["meta_info"]["weight_version"] == str(version):
             return
         await trio.sleep(0.01)
+
+
+async def measure_broadcast(servers: list[Any], model: Any, versions: int) -> list[float]:
+    """The distributed path: the learner (rank 0 of a gloo group) broadcasts every tensor."""
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    tensors = {n: t for n, t in model.state_dict().items() if n not in tied}
+    out = []
+    async with httpx.AsyncClient(timeout=300) as client:
+        broadcaster = WeightBroadcaster(client, [s.url for s in servers],
+                                        master_port=free_port())
+        await broadcaster.init()
+        for version in range(versions + 1, 2 * versions + 1):
+            t0 = time.perf_counter()
+            await broadcaster.broadcast(tensors, version)
+            async with trio.open_nursery() as waiters:
+                for s in servers:
+                    waiters.start_soon(serving, s.url, version, client)
+            out.append(time.perf_counter() - t0)
+    return out
 
 
 async def measure(model: str, replicas: int, versions: int, work: Path, redis_url: str
@@ -107,6 +129,7 @@ async def measure(model: str, replicas: int, versions: int, work: Path, redis_ur
                 sync_s.append(time.perf_counter() - t0)
             nursery.cancel_scope.cancel()
         redis.close()
+        broadcast_s = await measure_broadcast(servers, learner_model, versions)
         async with open_transformers_engine(model_dir, threads=1) as local:
             for version in range(1, versions + 1):
                 t = time.perf_counter()
@@ -120,6 +143,8 @@ async def measure(model: str, replicas: int, versions: int, work: Path, redis_ur
             "publish_to_serving_s_max": round(max(sync_s), 3),
             "publish_to_serving_s": [round(x, 3) for x in sync_s],
             "save_s_median": round(statistics.median(save_s), 3),
+            "broadcast_to_serving_s_median": round(statistics.median(broadcast_s), 3),
+            "broadcast_to_serving_s_max": round(max(broadcast_s), 3),
             "inprocess_load_s_median": round(statistics.median(inprocess_s), 3),
         }
     finally:
@@ -147,12 +172,15 @@ def main() -> None:
                     if not args.json:
                         print(results[-1], flush=True)
     report = {
-        "benchmark": "weight_sync", "path": "disk",
+        "benchmark": "weight_sync", "paths": ["disk", "distributed (gloo)"],
         "definitions": {
             "publish_to_serving_s": "WeightsPublished XADD -> every server answers /generate "
                                     "stamped with the new weight_version (10 ms probes)",
             "save_s": "learner writes the versioned safetensors directory (fsync, rename)",
             "inprocess_load_s": "baseline: in-process TransformersEngine.update_weights",
+            "broadcast_to_serving_s": "distributed path: learner starts the gloo broadcast "
+                                      "(pause, every tensor, continue) -> every server answers "
+                                      "stamped with the new version; no disk, no event",
         },
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
