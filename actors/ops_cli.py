@@ -63,8 +63,10 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
 
 
 def run_ops_command(args: argparse.Namespace, config: Config) -> int:
+    import redis
+
     from actors.status import RedisUnreachable, ops_client
-    from queues.client import TRANSIENT_ERRORS
+    from queues.client import RedisURL
     from queues.names import Names
 
     try:
@@ -91,9 +93,10 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
             from actors.report import run_report
 
             return trio.run(run_report, client, names, config, args)
-    except TRANSIENT_ERRORS as exc:
+    except redis.RedisError as exc:  # unreachable, refused, not Redis: say so, briefly
         print(
-            f"streamrl {args.command}: cannot reach Redis at {client.url.redacted}: "
+            f"streamrl {args.command}: cannot reach Redis at "
+            f"{RedisURL(config.run.redis_url).redacted}: "
             f"{type(exc).__name__}: {exc}",
             file=sys.stderr,
         )

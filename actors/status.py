@@ -32,13 +32,16 @@ import trio
 
 from actors.config import Config
 from queues import names as N
-from queues.client import TRANSIENT_ERRORS, Reconnect, RedisClient
+from queues.client import Reconnect, RedisClient, RedisURL
 from queues.messages import MessageError, WeightsPublished, decode
 from queues.stats import group_state
 
 OPS_RECONNECT = Reconnect(timeout_s=3.0, backoff_s=0.1, max_backoff_s=0.5)
 """Operator commands give up on an unreachable Redis after about 3 s."""
-SOCKET_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 3.0
+"""A server that does not answer the connection (a dead host) is given up on this fast."""
+SOCKET_TIMEOUT_S = 30.0
+"""A reply may take this long (replay reads whole streams)."""
 PIPELINE = (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
 """The training path in order (``evals`` feeds the monitor, off the path)."""
 
@@ -56,7 +59,7 @@ def ops_client(config: Config) -> RedisClient:
         raise RedisUnreachable("run.redis_url is empty: set $STREAMRL_REDIS_URL or --set")
     parts = urlsplit(url)
     if "+cluster" not in parts.scheme and parts.scheme != "unix":
-        extra = f"socket_connect_timeout={SOCKET_TIMEOUT_S}&socket_timeout={SOCKET_TIMEOUT_S}"
+        extra = f"socket_connect_timeout={CONNECT_TIMEOUT_S}&socket_timeout={SOCKET_TIMEOUT_S}"
         query = f"{parts.query}&{extra}" if parts.query else extra
         url = urlunsplit(parts._replace(query=query))
     return RedisClient(url, max_connections=8, reconnect=OPS_RECONNECT)
@@ -255,9 +258,9 @@ async def print_status(
             else:
                 print("\x1b[2J\x1b[H" + render(snap), flush=True)
             await trio.sleep(interval_s)
-    except TRANSIENT_ERRORS as exc:
+    except redis.RedisError as exc:  # unreachable, refused, not Redis at all: say so, briefly
         print(
-            f"streamrl status: cannot reach Redis at {client.url.redacted}: "
+            f"streamrl status: cannot reach Redis at {RedisURL(config.run.redis_url).redacted}: "
             f"{type(exc).__name__}: {exc}",
             file=sys.stderr,
         )
