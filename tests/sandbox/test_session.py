@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import trio
 
 from sandbox import ExecRequest, Limits, Sandbox, SandboxUnavailable
 
@@ -79,3 +80,13 @@ async def test_put_files_do_not_follow_planted_links(
         assert list(tmp_path.iterdir()) == []
         check = await s.run(py("print(open('d/planted.txt').read() + open('f').read())", marker))
         assert check.stdout == b"xy\n"
+
+
+async def test_cancelled_run_leaves_nothing_behind(backend: Sandbox, marker: str) -> None:
+    # Given a run (with a background child) that outlasts the caller's patience
+    code = "import os, time; os.fork(); time.sleep(30)"
+    with trio.move_on_after(1.5) as scope:
+        async with backend.session(Limits(timeout_s=30), label=marker) as s:
+            await s.run(ExecRequest(["python3", "-c", code, marker], limits=Limits(timeout_s=30)))
+    # When the caller is cancelled, Then the call returns and (marker fixture) nothing is left
+    assert scope.cancelled_caught
