@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import select
 import signal
 import struct
@@ -165,6 +166,56 @@ def oom_count() -> int | None:
     return None
 
 
+def limits_of(req: dict) -> list[tuple[int, int, int]]:
+    """(resource, soft, hard) for a request, clamped to the container's hard limits."""
+    mb = 1 << 20
+    wanted = [
+        (resource.RLIMIT_CPU, req["cpu_s"], req["cpu_s"] + 1),
+        (resource.RLIMIT_FSIZE, req["fsize_mb"] * mb, req["fsize_mb"] * mb),
+        (resource.RLIMIT_NOFILE, req["nofile"], req["nofile"]),
+        (resource.RLIMIT_CORE, 0, 0),
+    ]
+    out = []
+    for which, soft, hard in wanted:
+        _, ceiling = resource.getrlimit(which)
+        if ceiling != resource.RLIM_INFINITY:
+            soft, hard = min(soft, ceiling), min(hard, ceiling)
+        out.append((which, soft, hard))
+    return out
+
+
+def spawn(req: dict, stdin_r: int, out_w: int, err_w: int) -> int:
+    """Start the command; returns its pid.
+
+    Fast path (an image with /bin/sh): ``posix_spawn`` (vfork-like, no copy of the runner)
+    of a shell stub that sets the rlimits (hard and soft) and then execs the command, so no
+    instruction of the command runs without its limits. Otherwise fork, set up, exec.
+    """
+    if os.path.exists("/bin/sh"):
+        cpu, fsize, nofile, _ = limits_of(req)
+        stub = (
+            f"ulimit -c 0; ulimit -n {nofile[2]}; ulimit -f {fsize[2] // 512};"
+            f' ulimit -S -t {cpu[1]}; ulimit -H -t {cpu[2]}; exec "$@"'
+        )
+        return os.posix_spawn(
+            "/bin/sh",
+            ["sh", "-c", stub, "sh", *req["argv"]],
+            ENV,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, stdin_r, 0),
+                (os.POSIX_SPAWN_DUP2, out_w, 1),
+                (os.POSIX_SPAWN_DUP2, err_w, 2),
+            ],
+            setsid=True,
+            setsigmask=(),
+            setsigdef=[getattr(signal, name) for name in _DEFAULT_SIGNALS],
+        )
+    pid = os.fork()
+    if pid == 0:
+        child(req, stdin_r, out_w, err_w)
+    return pid
+
+
 def child(req: dict, stdin_r: int, out_w: int, err_w: int) -> None:
     """In the forked child: become the command. Never returns."""
     try:
@@ -172,23 +223,12 @@ def child(req: dict, stdin_r: int, out_w: int, err_w: int) -> None:
         os.dup2(stdin_r, 0)
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
-        os.closerange(3, 1 << 16)
+        # (close_range may be outside the seccomp profile: close up to the fd limit only)
+        os.closerange(3, min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 1 << 16))
         for name in _DEFAULT_SIGNALS:
             signal.signal(getattr(signal, name), signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, [])
-        import resource
-
-        mb = 1 << 20
-        limits = [
-            (resource.RLIMIT_CPU, req["cpu_s"], req["cpu_s"] + 1),
-            (resource.RLIMIT_FSIZE, req["fsize_mb"] * mb, req["fsize_mb"] * mb),
-            (resource.RLIMIT_NOFILE, req["nofile"], req["nofile"]),
-            (resource.RLIMIT_CORE, 0, 0),
-        ]
-        for which, soft, hard in limits:
-            _, old_hard = resource.getrlimit(which)
-            if old_hard != resource.RLIM_INFINITY:
-                soft, hard = min(soft, old_hard), min(hard, old_hard)
+        for which, soft, hard in limits_of(req):
             resource.setrlimit(which, (soft, hard))
         os.chdir(WORK)
         os.execvpe(req["argv"][0], req["argv"], ENV)
@@ -216,9 +256,7 @@ def run(req: dict, payload: bytes, wake_r: int) -> tuple[dict, bytes]:
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     start = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        child(req, stdin_r, out_w, err_w)
+    pid = spawn(req, stdin_r, out_w, err_w)
     for fd in (stdin_r, out_w, err_w):
         os.close(fd)
     caps = {out_r: Capture(req["cap"]), err_r: Capture(req["cap"])}
@@ -305,6 +343,7 @@ def serve() -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     os.makedirs(WORK, exist_ok=True)
+    os.chdir(WORK)  # the cwd every command inherits
     write_frame({"op": "ready", "pid": os.getpid(), "oom": oom_count() is not None,
                  "dumpable": dumpable})  # fmt: skip
     while True:
