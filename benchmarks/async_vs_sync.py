@@ -22,7 +22,8 @@ Modes: ``async`` (``learner.max_staleness = --staleness``; the scheduler keeps u
 next batch is admitted only after the learner published the version trained on the
 previous one). Each mode trains ``--steps`` steps in a fresh run namespace.
 
-Figures:
+Figures (with ``--repeats R``: R interleaved sync/async pairs, each mode's median run, and
+the per-pair figures):
 - ``speedup_async_over_sync``: wall time of the steps in sync mode / in async mode, from the
   first step's end to the last one's (model loading and pipeline fill excluded, in both);
 - ``speedup_tokens_per_s``: the same ratio in trained completion tokens per second. Async
@@ -255,9 +256,18 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         work = Path(tmp)
         (work / "redis").mkdir()
         with ServerProcess(data_dir=work / "redis") as server:
-            results = {}
-            for mode in ("sync", "async"):
-                results[mode] = await run_mode(server.url, mode, args, work)
+            runs: dict[str, list[dict[str, Any]]] = {"sync": [], "async": []}
+            for _ in range(args.repeats):  # interleaved, so both modes see the same load
+                for mode in ("sync", "async"):
+                    runs[mode].append(await run_mode(server.url, mode, args, work))
+    # per mode, the run with the median seconds per step
+    results = {
+        m: sorted(r, key=lambda x: x["seconds_per_step"])[len(r) // 2] for m, r in runs.items()
+    }
+    pairs = [
+        round(s["seconds_per_step"] / a["seconds_per_step"], 3)
+        for s, a in zip(runs["sync"], runs["async"], strict=True)
+    ]
     return {
         "benchmark": "async_vs_sync",
         "workload": {
@@ -282,6 +292,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results["async"]["tokens_per_s"] / results["sync"]["tokens_per_s"], 3
         ),
         "learner_busy_fraction": results["async"]["learner_busy_fraction"],
+        "speedup_per_repeat": pairs,
+        "learner_busy_fraction_per_repeat": [a["learner_busy_fraction"] for a in runs["async"]],
         "targets": {"speedup_async_over_sync": 2.0, "learner_busy_fraction": 0.95},
     }
 
@@ -300,6 +312,7 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1, help="sync/async pairs, interleaved")
     p.add_argument("--timeout-s", type=float, default=600)
     args = p.parse_args()
     configure_logging(actor="async_vs_sync", level="warning", stream=sys.stderr)
