@@ -98,13 +98,10 @@ class Child:
 
 
 def _archiving(config: Config) -> bool:
-    """Whether ``up`` starts the archiver: wanted, pyarrow installed, no ACL users (the
-    archiver's consumer group has no role in queues/acl.py yet)."""
+    """Whether ``up`` starts the archiver: wanted and pyarrow installed."""
     import importlib.util
 
-    return config.ops.archive and not config.auth.enabled and bool(
-        importlib.util.find_spec("pyarrow")
-    )
+    return config.ops.archive and bool(importlib.util.find_spec("pyarrow"))
 
 
 def _children(
@@ -123,8 +120,7 @@ def _children(
         "executor": config.up.executors,
         "verifier": config.up.verifiers,
         "learner": 1,
-        # keeps every trajectory on disk (actors/archiver.py); its consumer group has no ACL
-        # role yet, so with auth.enabled it is not started
+        # keeps every trajectory on disk (actors/archiver.py)
         "archiver": 1 if _archiving(config) else 0,
     }
     children = []

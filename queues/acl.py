@@ -39,9 +39,10 @@ import redis
 from queues import names as N
 from queues.client import RedisClient, RedisURL
 
-ROLES = ("scheduler", "generator", "executor", "verifier", "learner", "monitor")
+ROLES = ("scheduler", "generator", "executor", "verifier", "learner", "monitor", "archiver")
 """The roles that get a user. ``monitor`` is what ``streamrl up`` (progress, evaluation rounds,
-the final evaluation) and ``streamrl status`` do."""
+the final evaluation) and ``streamrl status`` do; ``archiver`` keeps every trajectory on disk
+(actors/archiver.py) through its own consumer groups."""
 
 CONNECTION = (
     "ping",
@@ -195,6 +196,15 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
             Grant(("set",), write=(_glob(n.stop),)),
             Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
             *_produce(n, N.TASKS),
+        ]
+    if role == "archiver":
+        observed = tuple(_stream(n, s) for s in (*N.WORK_STREAMS, N.DEAD))
+        return [
+            # its own group on both; acknowledges after the Parquet file is durable
+            *_consume(n, N.TRAJECTORIES, role),
+            *_consume(n, N.EVALS, role),
+            *_follow(n, N.METRICS),  # learner staleness and busy fraction, for /metrics
+            Grant(OBSERVE, read=observed),  # every stream's lag, for /metrics
         ]
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
 

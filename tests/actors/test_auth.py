@@ -79,6 +79,7 @@ def test_up_gives_each_child_only_its_own_password(config: Config) -> None:
         "executor",
         "verifier",
         "learner",
+        "archiver",  # ops.archive (pyarrow is in the test extra)
     }
     for child in children:
         own = f"STREAMRL_PASSWORD_{child.actor.upper()}"

@@ -470,3 +470,27 @@ async def test_users_survive_a_restart_of_the_embedded_server(tmp_path: Any) -> 
         with pytest.raises(redis.AuthenticationError):
             anonymous.ping()
         anonymous.close()
+
+
+@pytest.mark.parametrize("stream", [N.TRAJECTORIES, N.EVALS])
+async def test_archiver_reads_in_its_own_group_and_writes_nothing(
+    client: RedisClient, names: N.Names, roles: dict[str, RedisClient], stream: str
+) -> None:
+    archiver = roles["archiver"]
+    await Producer(client, names, LIMITS).publish(stream, [b"one", BIG])
+    settings = ConsumerSettings(reclaim_min_idle_ms=0, limits=LIMITS)
+    # When the archiver reads both entries (one behind a claim check) in its own group, acks
+    async with open_stream_consumer(
+        archiver, names, stream, stage="archiver", group="archiver", settings=settings
+    ) as consumer:
+        got = await consumer.read(10)
+        assert [d.payload for d in got] == [b"one", BIG]
+        await consumer.ack([d.entry_id for d in got])
+    await EventReader(archiver, names, N.METRICS).latest()
+    for s in (*N.WORK_STREAMS, N.DEAD):
+        await stream_length(archiver, names, s)
+    assert _refusals(client, names) == []
+    # Then it may add to no stream, read no weights, and run no admin command
+    await _denied(lambda: archiver.execute("XADD", names.stream(stream), "*", "d", b"x"))
+    await _denied(lambda: archiver.execute("XREVRANGE", names.stream(N.WEIGHTS), "+", "-"))
+    await _denied(lambda: archiver.execute("FLUSHALL"))
