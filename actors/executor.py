@@ -2,9 +2,10 @@
 
 The completions of one group run concurrently. What the untrusted code did comes back as
 data (exit code, output, timed out, OOM); a sandbox that cannot be provided
-(``SandboxUnavailable``: engine down, create failed) becomes :class:`Retry`, so the whole
-message is retried later with fresh sandboxes by the runtime's retry policy and never
-half-published.
+(``SandboxUnavailable``: engine down, create failed) becomes :class:`Unavailable`, so the
+whole message is retried with fresh sandboxes by the runtime's retry policy, then released
+for any replica's reclaimer to redeliver (never dead-lettered for it before
+``max_deliveries``), and never half-published.
 
 Where each domain's code runs (:class:`Sandboxes`): the backend and image come from
 ``[executor.domains.<name>]`` in the config, else from the domain's ``sandbox`` spec, else
@@ -25,7 +26,7 @@ import trio
 
 from actors.config import DomainConfig, DomainSandboxConfig
 from actors.context import ActorContext, domain_item
-from actors.policies import Retry
+from actors.policies import Unavailable
 from actors.runtime import Output
 from queues import names as N
 from queues.messages import ExecOutcome, Executed, Rollout, new_id, now
@@ -142,7 +143,7 @@ class Executor:
             for i in range(len(rollout.samples)):
                 nursery.start_soon(run_one, i)
         if unavailable:
-            raise Retry(f"sandbox unavailable ({len(unavailable)} samples): {unavailable[0]}")
+            raise Unavailable(f"sandbox unavailable ({len(unavailable)} samples): {unavailable[0]}")
         outcomes = [to_outcome(r) for r in results]
         log.info("executed", samples=len(outcomes), ok=sum(1 for o in outcomes if o.exit_code == 0))
         return [

@@ -3,6 +3,10 @@
 - :class:`RetryPolicy`: a handler that raises is retried in-process with exponential
   backoff and full jitter; past ``max_retries`` the message is dead-lettered with the error.
   A handler may ask for a specific delay by raising :class:`Retry`.
+- :class:`Unavailable`: a :class:`Retry` for infrastructure this process cannot reach (sandbox
+  engine down): retried in-process the same way, but past ``max_retries`` the message is
+  released (left pending, no longer heart-beaten) instead of dead-lettered, so the reclaimer
+  of any replica redelivers it later; ``max_deliveries`` still bounds it.
 - :class:`Reject`: the handler found the input itself invalid: dead-letter now, no retry.
 - delivery limit: a message delivered more than ``max_deliveries`` times (the process
   handling it died each time) is dead-lettered before it is handled again.
@@ -22,6 +26,10 @@ class Retry(Exception):
     def __init__(self, reason: str = "", delay: float | None = None) -> None:
         super().__init__(reason)
         self.delay = delay
+
+
+class Unavailable(Retry):
+    """Raised by a handler when infrastructure it needs is down: retried, then released."""
 
 
 class Reject(Exception):

@@ -26,7 +26,7 @@ import structlog
 import trio
 
 from actors import metrics
-from actors.policies import Policies, Reject, Retry
+from actors.policies import Policies, Reject, Retry, Unavailable
 from queues.messages import Message, MessageError, decode, encode
 from queues.payloads import PayloadTooLarge
 from queues.stats import group_state
@@ -57,6 +57,7 @@ class RuntimeStatistics:
     handled: int
     retried: int
     dead_lettered: int
+    released: int = 0  # left pending after Unavailable: redelivered by a reclaimer
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,14 @@ class ActorRuntime:
         self._in_flight: set[str] = set()
         self._slot_freed = trio.Condition()
         self._rng = random.Random()
-        self._handled = self._retried = self._dead = 0
+        self._handled = self._retried = self._dead = self._released = 0
         self._reading = trio.CancelScope()
         self._draining = False
 
     def statistics(self) -> RuntimeStatistics:
-        return RuntimeStatistics(len(self._in_flight), self._handled, self._retried, self._dead)
+        return RuntimeStatistics(
+            len(self._in_flight), self._handled, self._retried, self._dead, self._released
+        )
 
     @property
     def free(self) -> int:
@@ -180,7 +183,8 @@ class ActorRuntime:
                 return await self._dead_letter(
                     delivery,
                     f"delivered {delivery.deliveries} times (> {self.policies.max_deliveries}):"
-                    " its handler's process died or hung every time",
+                    " its handler's process died or hung, or its infrastructure was"
+                    " unavailable, every time",
                 )
             outputs = await self._handle_with_retries(delivery, message)
             if outputs is None:
@@ -219,6 +223,10 @@ class ActorRuntime:
                 if isinstance(exc, trio.TooSlowError):
                     error = f"time limit {self.policies.time_limit_s}s exceeded"
                 if retry > self.policies.retry.max_retries:
+                    if isinstance(exc, Unavailable):  # left pending: the reclaimer redelivers
+                        log.warning("handler unavailable, released", error=error, retry=retry)
+                        self._released += 1
+                        return None
                     await self._dead_letter(delivery, f"failed {retry} times, last: {error}")
                     return None
                 delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None

@@ -9,7 +9,7 @@ import msgspec
 import trio
 import trio.testing
 
-from actors.policies import Policies, Reject, Retry, RetryPolicy
+from actors.policies import Policies, Reject, Retry, RetryPolicy, Unavailable
 from actors.runtime import ActorRuntime, Output, RuntimeSettings
 from queues import names as N
 from queues.client import RedisClient
@@ -52,6 +52,8 @@ class Scripted:
             raise RuntimeError("boom")
         if step == "retry":
             raise Retry("later", delay=100.0)
+        if step == "unavailable":
+            raise Unavailable("engine down", delay=0.01)
         if step == "reject":
             raise Reject("never valid")
         if step == "hang":
@@ -124,6 +126,34 @@ async def test_time_limit_counts_as_failure(
     [letter] = await _dead(client, names)
     assert "time limit 30.0s exceeded" in letter.error
     assert len(actor.calls) == 2
+
+
+async def test_unavailable_is_released_for_redelivery_not_dead_lettered(
+    client: RedisClient, names: N.Names
+) -> None:
+    # Given a handler whose infrastructure is down for its first two deliveries
+    actor = Scripted(["unavailable", "unavailable", "ok"])
+    policies = Policies(retry=RetryPolicy(max_retries=0), max_deliveries=5)
+    await Producer(client, names).publish(N.TASKS, [encode(_task())])
+    settings = ConsumerSettings(block_ms=50, reclaim_min_idle_ms=200)
+    fast = RuntimeSettings(concurrency=1, reclaim_interval_s=0.1)
+    async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=settings) as c:
+        runtime = ActorRuntime(c, actor, policies, fast)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.serve)
+            with trio.fail_after(20):
+                while runtime.statistics().handled == 0:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    # Then it was released twice (left pending, redelivered by the reclaimer), then handed off
+    stats = runtime.statistics()
+    assert (stats.released, stats.dead_lettered, stats.handled) == (2, 0, 1)
+    assert len(actor.calls) == 3
+    assert actor.calls[1] - actor.calls[0] >= 0.2  # not before the stream's min-idle
+    assert await _dead(client, names) == []
+    assert await client.call(client.sync.xlen, names.stream(N.ROLLOUTS)) == 1
+    info = await client.call(client.sync.xpending, names.stream(N.TASKS), c.group)
+    assert info["pending"] == 0
 
 
 async def test_reject_dead_letters_without_retry(client: RedisClient, names: N.Names) -> None:
