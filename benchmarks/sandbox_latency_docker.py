@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sandbox_latency import CONCURRENCY, Call, bare, measure
 
+from actors.logs import configure_logging
 from sandbox import ExecRequest, ProcessSandbox
 from sandbox.docker import DEFAULT_IMAGE, DockerSandbox
 
@@ -98,4 +99,5 @@ if __name__ == "__main__":
     parser.add_argument("--image", default=DEFAULT_IMAGE)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
+    configure_logging(actor="benchmark", level="warning")  # JSON logs to stderr
     trio.run(main, args.runs, args.cold_runs, args.image, args.json)

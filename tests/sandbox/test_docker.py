@@ -224,6 +224,13 @@ async def test_host_deadline_removes_a_container_whose_runner_is_stuck(
         assert (await session.run(sh("echo back"))).stdout == b"back\n"
 
 
+async def test_a_killed_runner_costs_the_run_not_the_sandbox(box: DockerSandbox) -> None:
+    result = await box.run(sh("kill -KILL $PPID; sleep 5"))
+    assert (result.exit_code, result.timed_out) == (None, False)
+    assert b"runner exited" in result.stderr
+    assert (await box.run(sh("echo next"))).stdout == b"next\n"  # another container
+
+
 async def test_a_forged_reply_is_detected(box: DockerSandbox) -> None:
     # The code writes a well-formed "success" frame into the container's stdout via init's fd.
     reply = {"exit_code": 0, "timed_out": False, "oom": False, "duration_s": 0.0, "out_n": 3}
