@@ -14,7 +14,10 @@ as the caller sees it) and executions per second. ``breakdown`` times the parts 
 process-backend call at concurrency 1, to show where the time goes.
 Simplification: 3 warm-up calls per subject; no CPU pinning.
 
-    .venv/bin/python benchmarks/sandbox_latency.py [--runs 120] [--json]
+    .venv/bin/python benchmarks/sandbox_latency.py [--runs 120] [--json] [--docker [IMAGE]]
+
+``--docker`` adds the table of benchmarks/sandbox_latency_docker.py (bare, process, Docker
+with a warm pool, cold ``docker run --rm``) under ``"docker"``.
 """
 
 from __future__ import annotations
@@ -136,12 +139,16 @@ async def breakdown(runs: int) -> dict[str, Any]:
     return parts
 
 
-async def main(runs: int, as_json: bool) -> None:
+async def main(runs: int, as_json: bool, docker_image: str | None = None) -> None:
     report: dict[str, Any] = {"argv": ARGV, "concurrency": {}}
     for c in CONCURRENCY:
         async with open_subjects(c) as subjects:
             report["concurrency"][str(c)] = await measure(subjects, runs)
     report["breakdown"] = await breakdown(max(20, runs // 4))
+    if docker_image:  # bare / process / docker-warm / docker-cold, see sandbox_latency_docker
+        from sandbox_latency_docker import docker_report
+
+        report["docker"] = await docker_report(runs, max(8, runs // 5), docker_image)
     one = report["concurrency"]["1"]
     ratio = one["process"]["p50_ms"] / one["bare"]["p50_ms"]
     report["process_over_bare_p50"] = round(ratio, 2)
@@ -154,6 +161,9 @@ async def main(runs: int, as_json: bool) -> None:
         for name, row in rows.items():
             print(f"{name:<18}{c:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}{row['exec_per_s']:>9}")
     print("breakdown:", json.dumps(report["breakdown"]))
+    for c, rows in report.get("docker", {}).get("concurrency", {}).items():
+        for name, row in rows.items():
+            print(f"{name:<18}{c:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}{row['exec_per_s']:>9}")
     print(f"process / bare p50 at concurrency 1: {ratio:.2f} (target <= 1.5)", file=sys.stderr)
 
 
@@ -161,5 +171,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=120, help="calls per subject and concurrency")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--docker", metavar="IMAGE", nargs="?", const="streamrl-sandbox:offline",
+        help="add the Docker backend (warm pool) and a cold `docker run --rm`",
+    )  # fmt: skip
     args = parser.parse_args()
-    trio.run(main, args.runs, args.json)
+    if args.docker:
+        from actors.logs import configure_logging
+
+        configure_logging(actor="benchmark", level="warning")  # logs to stderr, not the JSON
+    trio.run(main, args.runs, args.json, args.docker)
