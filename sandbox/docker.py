@@ -307,6 +307,7 @@ class DockerSandbox:
             pool.resetting += 1
             try:
                 await box.reset()
+                await box.rename(box.pool_name)  # no longer the episode's
                 pool.ready.append(box)
                 return
             except (_RunnerGone, SandboxUnavailable) as exc:
@@ -533,7 +534,7 @@ class _Box:
         self.container = container
         self.stream = stream
         self.id: str = container.id
-        self.name = name
+        self.name = self.pool_name = name
         self.image = image
         self.cgroup = (limits.memory_mb, limits.max_processes)
         self.gone: str | None = None
@@ -555,12 +556,16 @@ class _Box:
                 raise SandboxUnavailable(f"cannot update container limits: {exc}") from exc
             self.cgroup = wanted
         if label:
-            name = f"streamrl-{_safe_name(label)}-{next(self.sandbox._seq)}"
-            try:
-                await aio(self.container.rename(name))
-            except Exception as exc:
-                raise SandboxUnavailable(f"cannot rename container: {exc}") from exc
-            self.name = name
+            await self.rename(f"streamrl-{_safe_name(label)}-{next(self.sandbox._seq)}")
+
+    async def rename(self, name: str) -> None:
+        if name == self.name:
+            return
+        try:
+            await self.sandbox._aio(self.container.rename(name))
+        except Exception as exc:
+            raise SandboxUnavailable(f"cannot rename container {self.name}: {exc}") from exc
+        self.name = name
 
     async def run(self, request: ExecRequest) -> ExecResult:
         if not request.argv:

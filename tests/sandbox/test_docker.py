@@ -183,6 +183,10 @@ async def test_session_files_persist_across_runs_and_vanish_after_reset(
         after = await session.run(sh("ls -A /work /tmp /dev/shm"))
         assert after.stdout.split() == [b"/dev/shm:", b"/tmp:", b"/work:"]
         assert await session.get_files(["out.txt"]) == {"out.txt": None}
+        name = session.container_name
+    with trio.fail_after(5):  # back in the pool, under its pool name again
+        while _container_exists(name) or box.statistics().ready < 1:
+            await trio.sleep(0.05)
 
 
 async def test_nothing_survives_a_command_and_the_pool_reuses_containers(
