@@ -505,6 +505,9 @@ async def serve_model(
     config.accesslog = None
     config.errorlog = None
     config.graceful_timeout = 1.0
+    # Longer than any client's idle keep-alive (httpx: 5 s), so the client always closes an
+    # idle connection first and never reuses one the server is closing.
+    config.keep_alive_timeout = 75.0
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.serve_batches)
         await nursery.start(partial(serve, build_app(state), config,  # type: ignore[arg-type]

@@ -251,8 +251,13 @@ class SGLangEngine:
         return data
 
     async def _post(self, server: Server, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        """POST to an idempotent control endpoint; retried once on a fresh connection if a
+        pooled keep-alive connection turns out to be closed."""
         try:
-            response = await self.client.post(server.url + path, json=body)
+            try:
+                response = await self.client.post(server.url + path, json=body)
+            except httpx.RemoteProtocolError:
+                response = await self.client.post(server.url + path, json=body)
         except httpx.TransportError as exc:
             raise ServerUnavailable(f"{server.url}{path}: {exc!r}") from exc
         if response.status_code >= 500:
