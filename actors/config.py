@@ -144,6 +144,9 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """Re-weight domains toward their target ratios of trained samples, from the verifier's
     per-domain counters (actors/scheduling.py; needs verifier.dynamic_sampling, which
     writes them)."""
+    min_pass: Annotated[float, Meta(gt=0, le=1)] = 0.1
+    """Adaptive share: each task counts as at least this much of a trained group, so a
+    domain that never trains gets at most 1/min_pass times its weight's share of tasks."""
 
 
 class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -121,7 +121,9 @@ class Scheduler:
         self.sampling = {
             d: domain_sampling(ctx.config, d, self.cfg.temperature) for d in self.cfg.domains
         }
-        self.fair = FairShare(shares(ctx.config), adaptive=self.cfg.adaptive)
+        self.fair = FairShare(
+            shares(ctx.config), adaptive=self.cfg.adaptive, min_pass=self.cfg.min_pass
+        )
 
     def sample(self, version: int) -> Task | None:
         """The next training task (its domain by fair share); None if every domain is at
