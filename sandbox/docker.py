@@ -48,7 +48,7 @@ import struct
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
@@ -450,7 +450,11 @@ class _Pool:
 
 
 class DockerSession:
-    """One episode's container: files persist across ``run`` until ``reset`` (see base)."""
+    """One episode's container: files persist across ``run`` until ``reset`` (see base).
+
+    Every ``run`` uses the session's limits. Host-side file access never follows what the code
+    planted: ``get_files`` reads regular files only (a link, fifo or directory maps to None),
+    ``put_files`` replaces links and other things in the way of its paths."""
 
     def __init__(self, sandbox: DockerSandbox, limits: Limits, label: str) -> None:
         self._sandbox = sandbox
@@ -467,9 +471,10 @@ class DockerSession:
         self._box = await self._sandbox._acquire(self._sandbox.image, self._limits, self._label)
 
     async def run(self, request: ExecRequest) -> ExecResult:
+        """Write ``request.files``, run ``request.argv`` under the session's limits."""
         async with self._lock:
             box = self._live_box()
-            return await box.run(request)
+            return await box.run(replace(request, limits=self._limits))
 
     async def put_files(self, files: dict[str, bytes]) -> None:
         checked = [(str(_checked_path(name)), data) for name, data in files.items()]
@@ -481,7 +486,8 @@ class DockerSession:
     async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
         names = [str(_checked_path(p)) for p in paths]
         async with self._lock:
-            reply, payload = await self._live_box().control({"op": "get", "paths": names})
+            header = {"op": "get", "paths": names, "cap": self._limits.max_file_mb << 20}
+            reply, payload = await self._live_box().control(header)
         out: dict[str, bytes | None] = {}
         offset = 0
         for path, size in zip(paths, reply["sizes"], strict=True):

@@ -31,6 +31,7 @@ import os
 import resource
 import select
 import signal
+import stat
 import struct
 import sys
 import time
@@ -85,27 +86,66 @@ def checked(rel: str) -> str:
     return os.path.join(WORK, rel)
 
 
+def _parents_ok(path: str, create: bool) -> bool:
+    """Every directory on the way to ``path`` is a real directory (never a link the code
+    planted); with ``create``, whatever is in the way is replaced by a directory. No code runs
+    while the runner handles files (everything is killed after each command), so checking by
+    path is race-free here."""
+    parts = os.path.relpath(path, WORK).split("/")[:-1]
+    current = WORK
+    for part in parts:
+        current = os.path.join(current, part)
+        if os.path.isdir(current) and not os.path.islink(current):
+            continue
+        if not create:
+            return False
+        remove(current)
+        os.mkdir(current, 0o755)
+    return True
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        wipe(path)
+        os.rmdir(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
 def put_files(entries: list, payload: bytes) -> None:
+    """Write files under /work, replacing links, fifos or directories the code left there."""
     offset = 0
     for rel, size in entries:
         path = checked(rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
+        _parents_ok(path, create=True)
+        remove(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "wb") as f:
             f.write(payload[offset : offset + size])
         offset += size
 
 
-def get_files(paths: list) -> tuple[list, bytes]:
+def read_regular(rel: str, cap: int) -> bytes | None:
+    """A regular file's first ``cap`` bytes; None for a link, fifo, directory or nothing."""
+    try:
+        path = checked(rel)
+        if not _parents_ok(path, create=False):
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except (OSError, ValueError):
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(cap)
+
+
+def get_files(paths: list, cap: int) -> tuple[list, bytes]:
     sizes, chunks = [], []
     for rel in paths:
-        try:
-            with open(checked(rel), "rb") as f:
-                data = f.read()
-        except (OSError, ValueError):
-            sizes.append(-1)
-            continue
-        sizes.append(len(data))
-        chunks.append(data)
+        data = read_regular(rel, cap)
+        sizes.append(-1 if data is None else len(data))
+        chunks.append(data or b"")
     return sizes, b"".join(chunks)
 
 
@@ -361,7 +401,7 @@ def serve() -> None:
             elif op == "put":
                 put_files(req["files"], payload)
             elif op == "get":
-                reply["sizes"], out = get_files(req["paths"])
+                reply["sizes"], out = get_files(req["paths"], req.get("cap", 1 << 26))
             elif op == "reset":
                 reset()
             else:
