@@ -280,6 +280,8 @@ async def test_orphans_of_a_dead_executor_are_reaped(docker_image: str, tmp_path
     finally:
         child.kill()
         child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
     assert _container_exists(name)
 
     # When a new executor starts, it reaps what the dead one left.
