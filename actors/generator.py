@@ -16,7 +16,7 @@ import trio
 
 from actors.config import GeneratorConfig
 from actors.context import ActorContext, domain_item
-from actors.policies import Retry
+from actors.policies import Unavailable
 from actors.runtime import Output
 from inference.engine import Engine
 from inference.sglang_client import ServerUnavailable, SGLangEngine
@@ -52,10 +52,10 @@ class Generator:
         prompt = domain.render_prompt(item, self.tokenizer)
         prompts = [prompt] * task.group_size
         if isinstance(self.engine, SGLangEngine):
-            try:  # one server per task (its prefix cache); a dead server: retry the message
+            try:  # one server per task (its prefix cache); no server: retried, then released
                 completions = await self.engine.generate(prompts, task.sampling, session=task.id)
             except ServerUnavailable as exc:
-                raise Retry(str(exc), delay=self.retry_delay_s) from exc
+                raise Unavailable(str(exc), delay=self.retry_delay_s) from exc
         else:
             completions = await self.engine.generate(prompts, task.sampling)
         samples = [

@@ -13,6 +13,7 @@ import trio
 from actors.config import ConfigError, load_config
 from actors.context import ActorContext
 from actors.generator import Generator, open_engine, serve_weight_updates
+from actors.policies import Unavailable
 from actors.scheduler import make_task
 from domains.registry import get_domain
 from learner.model import load_tokenizer
@@ -21,7 +22,7 @@ from queues.client import RedisClient
 from queues.messages import Rollout, Sampling, WeightsPublished, bytes_to_ids, encode, new_id, now
 from queues.names import Names
 from queues.streams import FIELD
-from tests.inference.conftest import ServeModel
+from tests.inference.conftest import ServeModel, free_port
 from tests.inference.test_weight_sync import publish_perturbed
 
 
@@ -80,3 +81,15 @@ async def test_published_weights_reach_every_server_and_rollouts(
             nursery.cancel_scope.cancel()
     finally:
         client.close()
+
+
+async def test_no_server_up_makes_the_task_unavailable_not_failed(tiny_dir: Path) -> None:
+    # Given a generator whose only server is down
+    config = load_config(None, ['generator.engine="sglang"', "generator.health_interval_s=60",
+                                f'generator.server_urls=["http://127.0.0.1:{free_port()}"]'])
+    item = get_domain("arith").load_items("train")[0]
+    task = make_task("arith", item, split="train", group_size=2, sampling=Sampling(), version=0)
+    async with open_engine(config.generator, tiny_dir) as engine:
+        # When it handles a task, then the runtime is told to retry and release it
+        with pytest.raises(Unavailable):
+            await Generator(engine, load_tokenizer(tiny_dir)).handle(task)
