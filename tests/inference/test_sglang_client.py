@@ -32,11 +32,11 @@ def test_satisfies_engine_protocol() -> None:
     trio.run(check)
 
 
-async def test_balances_and_sticks_per_session(
-    serve_models: Callable[[int], list[ServeModel]],
+async def test_balancing_stickiness_failover_and_recovery(
+    serve_models: Callable[[int], list[ServeModel]], tmp_path: Path,
 ) -> None:
-    a, b = serve_models(2)
-    async with open_sglang_engine([a.url, b.url]) as engine:
+    a, b = serve_models(2)  # one pair of processes for the whole story: they start slowly
+    async with open_sglang_engine([a.url, b.url], health_interval_s=60) as engine:
         # Given two healthy servers, when 8 calls without a session run at once
         async with trio.open_nursery() as nursery:
             for _ in range(8):
@@ -52,27 +52,22 @@ async def test_balances_and_sticks_per_session(
         # Then all 15 rows went to one server
         delta = rows_served(a) - before[0], rows_served(b) - before[1]
         assert sorted(delta) == [0, 15]
-
-
-async def test_failover_and_recovery(serve_models: Callable[[int], list[ServeModel]],
-                                     tmp_path: Path) -> None:
-    a, b = serve_models(2)
-    async with open_sglang_engine([a.url, b.url], health_interval_s=60) as engine:
-        first = await engine.generate([PROMPT], GREEDY, session="ep")
-        sticky = next(s for s in (a, b) if rows_served(s) == 1)
+        first = await engine.generate([PROMPT], GREEDY, session="episode-1")
+        sticky = a if delta[0] else b
         other = b if sticky is a else a
+        served_by_other = rows_served(other)
         # When the episode's server dies, its next call goes to the other one
         sticky.kill()
-        again = await engine.generate([PROMPT], GREEDY, session="ep")
+        again = await engine.generate([PROMPT], GREEDY, session="episode-1")
         assert again[0].tokens.tolist() == first[0].tokens.tolist()  # same weights, greedy
-        assert rows_served(other) == 1
+        assert rows_served(other) == served_by_other + 1
         assert [s.healthy for s in engine.servers if s.url == sticky.url] == [False]
         # When every server is dead, the call fails with the retryable error
         other.kill()
         with pytest.raises(ServerUnavailable):
             await engine.generate([PROMPT], GREEDY)
         # When a server comes back on the same port, the health check takes it back in
-        revived = start_serve_model(tmp_path, port=a.port)
+        revived = start_serve_model(tmp_path, port=sticky.port)
         try:
             await trio.to_thread.run_sync(wait_healthy, revived)
             await engine.check_all()
