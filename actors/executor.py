@@ -68,6 +68,10 @@ def from_outcome(outcome: ExecOutcome) -> ExecResult | None:
     )
 
 
+POOLED = frozenset({"docker"})
+"""Backends that keep a warm pool (``pool_size``)."""
+
+
 class Sandboxes:
     """The executor's sandbox backends, chosen per domain (see the module docstring)."""
 
@@ -77,8 +81,10 @@ class Sandboxes:
         domains: dict[str, DomainSandboxConfig] | None = None,
         limits: dict[str, DomainConfig] | None = None,
         opener: Callable[..., Sandbox] = open_sandbox,
+        pool_size: int = 4,
     ) -> None:
         self.default_backend = default_backend
+        self.pool_size = pool_size
         self.domains = domains or {}
         self.limits = limits or {}
         self._open = opener
@@ -103,7 +109,11 @@ class Sandboxes:
         backend, image, request = self.choose(domain, request)
         box = self._boxes.get((backend, image))
         if box is None:
-            box = self._open(backend, **({"image": image} if image else {}))
+            options: dict[str, Any] = {"image": image} if image else {}
+            if backend in POOLED:
+                cfg = self.domains.get(domain.name, DomainSandboxConfig())
+                options["pool_size"] = cfg.pool_size or self.pool_size
+            box = self._open(backend, **options)
             self._boxes[(backend, image)] = box
             log.info("sandbox backend opened", backend=backend, image=image, domain=domain.name)
         return await box.run(request)
@@ -163,7 +173,7 @@ class Executor:
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.executor
-    sandboxes = Sandboxes(cfg.backend, cfg.domains, ctx.config.domain)
+    sandboxes = Sandboxes(cfg.backend, cfg.domains, ctx.config.domain, pool_size=cfg.pool_size)
     try:
         await ctx.serve(
             Executor(sandboxes),

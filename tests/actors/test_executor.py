@@ -92,6 +92,31 @@ async def test_backend_and_limits_are_chosen_per_domain() -> None:
     assert Sandboxes("process").choose(arith, request)[::2] == ("process", request)
 
 
+async def test_pool_size_reaches_pooled_backends_per_domain() -> None:
+    opened: list[tuple[str, dict[str, Any]]] = []
+
+    def opener(backend: str, **options: Any) -> Sandbox:
+        opened.append((backend, options))
+        return open_sandbox("process")  # routing under test, not the container backend
+
+    arith = get_domain("arith")
+    request = arith.exec_request(arith.load_items("eval")[0], _program("print(1)"))
+    assert request is not None
+    # Given docker for arith with its own pool size, over an executor-wide default
+    config = {"arith": DomainSandboxConfig(backend="docker", image="img:2", pool_size=12)}
+    sandboxes = Sandboxes("process", config, opener=opener, pool_size=3)
+    await sandboxes.run(arith, request)
+    await sandboxes.aclose()
+    assert opened == [("docker", {"image": "img:2", "pool_size": 12})]
+    # And the executor-wide size where the domain sets none
+    opened.clear()
+    plain = {"arith": DomainSandboxConfig(backend="docker", image="img:2")}
+    sandboxes = Sandboxes("process", plain, opener=opener, pool_size=3)
+    await sandboxes.run(arith, request)
+    await sandboxes.aclose()
+    assert opened == [("docker", {"image": "img:2", "pool_size": 3})]
+
+
 def test_unknown_backend_is_a_config_error() -> None:
     with pytest.raises(ValueError, match="known backends"):
         ExecutorConfig(domains={"arith": DomainSandboxConfig(backend="teapot")})
