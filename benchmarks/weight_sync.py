@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.config import load_config
 from actors.context import ActorContext
 from actors.generator import serve_weight_updates
+from inference.server import free_port, start_serve_model, wait_healthy
 from inference.sglang_client import WeightBroadcaster, open_sglang_engine
 from inference.transformers_engine import open_transformers_engine
 from learner.model import load_model, resolve_model
@@ -54,7 +55,6 @@ from queues.messages import WeightsPublished, encode, new_id, now
 from queues.names import Names
 from queues.server import ServerProcess
 from queues.streams import FIELD
-from tests.inference.conftest import free_port, start_serve_model, wait_healthy
 
 
 async def serving(url: str, version: int, client: httpx.AsyncClient) -> None:
