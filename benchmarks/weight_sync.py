@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from actors.config import load_config
 from actors.context import ActorContext
 from actors.generator import serve_weight_updates
+from actors.logs import configure_logging
 from inference.server import free_port, start_serve_model, wait_healthy
 from inference.sglang_client import WeightBroadcaster, open_sglang_engine
 from inference.transformers_engine import open_transformers_engine
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--models", default="tiny")
     parser.add_argument("--versions", type=int, default=5, help="weight updates per setting")
     args = parser.parse_args()
+    configure_logging(actor="weight-sync", level="warning", stream=sys.stderr)  # stdout: JSON
     torch.set_num_threads(1)
     results = []
     with tempfile.TemporaryDirectory(prefix="weight-sync-") as tmp:
