@@ -575,7 +575,7 @@ def start_serve_model(log_dir: Path, model: str = "tiny", port: int | None = Non
     return ServeModel(f"http://127.0.0.1:{port}", port, process, log)
 
 
-def wait_healthy(server: ServeModel, timeout_s: float = 60.0) -> None:
+def wait_healthy(server: ServeModel, timeout_s: float = 180.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
