@@ -173,13 +173,26 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
             Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
             Grant(("exists",), read=(_glob(n.stop),)),
             Grant(("get",), read=(_glob(n.counter("dropped_stale")),)),  # replaces drops
+            # per-domain shares (actors/scheduling.py) and skipped zero-variance groups
+            Grant(
+                ("get", "mget"),
+                read=(
+                    _glob(n.counter("zero_variance")),
+                    _glob(n.counter("resolved:")) + "*",
+                    _glob(n.counter("trained:")) + "*",
+                ),
+            ),
         ]
     if role == "generator":
         return [*_consume(n, N.TASKS, role, (N.ROLLOUTS,)), *_follow(n, N.WEIGHTS)]
     if role == "executor":
         return _consume(n, N.ROLLOUTS, role, (N.EXECUTED,))
     if role == "verifier":
-        return _consume(n, N.EXECUTED, role, (N.TRAJECTORIES, N.EVALS))
+        return [
+            *_consume(n, N.EXECUTED, role, (N.TRAJECTORIES, N.EVALS)),
+            # zero_variance, resolved:<domain>, trained:<domain> (dynamic sampling, shares)
+            Grant(("incrby",), rw=(_glob(n.counter("")) + "*",)),
+        ]
     if role == "learner":
         return [
             *_consume(n, N.TRAJECTORIES, role, (N.WEIGHTS, N.METRICS)),

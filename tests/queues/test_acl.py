@@ -494,3 +494,17 @@ async def test_archiver_reads_in_its_own_group_and_writes_nothing(
     await _denied(lambda: archiver.execute("XADD", names.stream(stream), "*", "d", b"x"))
     await _denied(lambda: archiver.execute("XREVRANGE", names.stream(N.WEIGHTS), "+", "-"))
     await _denied(lambda: archiver.execute("FLUSHALL"))
+
+
+async def test_verifier_counts_and_scheduler_reads_the_domain_counters(
+    client: RedisClient, names: N.Names, roles: dict[str, RedisClient]
+) -> None:
+    keys = [names.counter(k) for k in ("zero_variance", "resolved:math", "trained:math")]
+    for key in keys:  # dynamic sampling and the per-domain shares (actors/verifier.py)
+        await roles["verifier"].execute("INCRBY", key, 2)
+    assert await roles["scheduler"].execute("MGET", *keys) == [b"2", b"2", b"2"]
+    assert await roles["scheduler"].execute("GET", keys[0]) == b"2"
+    assert _refusals(client, names) == []
+    await _denied(lambda: roles["scheduler"].execute("INCRBY", keys[0], 1))
+    await _denied(lambda: roles["verifier"].execute("GET", keys[0]))
+    await _denied(lambda: roles["generator"].execute("INCRBY", keys[0], 1))
