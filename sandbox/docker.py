@@ -347,13 +347,17 @@ class DockerSandbox:
         name = f"streamrl-sbx-{self.instance}-{next(self._seq)}"
         container = stream = None
         try:
-            container = await self._aio(
-                self._docker.containers.create(self._config(image), name=name)
-            )
-            stream = container.attach(stdin=True, stdout=True, stderr=True)
+            # shielded: a create cut short on our side may still complete in the engine,
+            # leaving a container nothing tracks (created, never started, never removed)
+            with trio.CancelScope(shield=True), trio.fail_after(self._start_timeout):
+                created = await self._aio(
+                    self._docker.containers.create(self._config(image), name=name)
+                )
+            container = created
+            stream = created.attach(stdin=True, stdout=True, stderr=True)
             await self._aio(stream.__aenter__())
-            await self._aio(container.start())
-            box = _Box(self, container, stream, name, image, self.limits)
+            await self._aio(created.start())
+            box = _Box(self, created, stream, name, image, self.limits)
             with trio.fail_after(self._start_timeout):
                 hello, _ = await box.read_frame()
             if hello.get("op") != "ready":
@@ -363,9 +367,10 @@ class DockerSandbox:
                 if stream is not None:
                     with contextlib.suppress(Exception):
                         await self._aio(stream.close())
-                if container is not None:
-                    with contextlib.suppress(Exception):
-                        await self._aio(container.delete(force=True, v=True))
+                if container is None:  # a create that timed out may still have made it
+                    container = self._docker.containers.container(name)
+                with contextlib.suppress(Exception), trio.move_on_after(10):
+                    await self._aio(container.delete(force=True, v=True))
             self._slots.release()
             if isinstance(exc, (aiodocker.DockerError, _RunnerGone, trio.TooSlowError, OSError)):
                 raise SandboxUnavailable(f"cannot start a container of {image}: {exc}") from exc

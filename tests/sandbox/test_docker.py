@@ -317,3 +317,21 @@ async def test_engine_down_is_sandbox_unavailable(tmp_path: Path) -> None:
             await sandbox.run(ExecRequest(["true"]))
     finally:
         await sandbox.aclose()
+
+
+async def test_a_run_cancelled_at_any_point_leaves_no_container(docker_image: str) -> None:
+    # Given runs cancelled at points spread over create, attach, start and the command itself
+    instances = []
+    for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4):
+        sandbox = DockerSandbox(docker_image, pool_size=0, reap_at_start=False)
+        instances.append(sandbox.instance)
+        try:
+            with trio.move_on_after(delay):
+                await sandbox.run(ExecRequest(["python3", "-c", "print(1)"]))
+        finally:
+            await sandbox.aclose()
+    # Then none of their containers exists any more, started or not
+    status, body = _engine_get("/containers/json?all=1")
+    names = [n for c in json.loads(body) for n in c["Names"]]
+    assert status == 200
+    assert not [n for n in names for i in instances if f"streamrl-sbx-{i}-" in n], names
