@@ -22,6 +22,7 @@ Guarantees every domain keeps:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -125,6 +126,27 @@ def write_jsonl(items: list[Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = [msgspec.json.encode(it).decode() for it in items]
     path.write_text("".join(line + "\n" for line in lines))
+
+
+def unique_splits(
+    make_item: Callable[[str, int], Any], n_eval: int, n_train: int
+) -> dict[str, list[Any]]:
+    """``{"eval": [...], "train": [...]}`` of ``make_item(split, index)`` with no prompt twice
+    across both splits (eval drawn first, so the held-out set does not depend on n_train)."""
+    seen: set[str] = set()
+    out: dict[str, list[Any]] = {"eval": [], "train": []}
+    for split, n in (("eval", n_eval), ("train", n_train)):
+        while len(out[split]) < n:
+            item = make_item(split, len(out[split]))
+            if item.prompt not in seen:
+                seen.add(item.prompt)
+                out[split].append(item)
+    return out
+
+
+def write_splits(splits: dict[str, list[Any]], data_dir: Path) -> None:
+    for split, items in splits.items():
+        write_jsonl(items, data_dir / f"{split}.jsonl")
 
 
 class SplitFiles:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from domains.base import write_jsonl
+from domains import base
+from domains.base import unique_splits
 from domains.code.domain import DATA_DIR, Case, CodeItem
 
 SEED = 5
@@ -78,20 +79,11 @@ def make_item(rng: random.Random, split: str, index: int) -> CodeItem:
 def make_splits(seed: int = SEED, n_train: int = 400, n_eval: int = 40
                 ) -> dict[str, list[CodeItem]]:
     rng = random.Random(seed)
-    seen: set[str] = set()
-    out: dict[str, list[CodeItem]] = {"eval": [], "train": []}
-    for split, n in (("eval", n_eval), ("train", n_train)):
-        while len(out[split]) < n:
-            item = make_item(rng, split, len(out[split]))
-            if item.prompt not in seen:
-                seen.add(item.prompt)
-                out[split].append(item)
-    return out
+    return unique_splits(lambda split, i: make_item(rng, split, i), n_eval, n_train)
 
 
 def write_splits(splits: dict[str, list[CodeItem]], data_dir: Path = DATA_DIR) -> None:
-    for split, items in splits.items():
-        write_jsonl(items, data_dir / f"{split}.jsonl")
+    base.write_splits(splits, data_dir)
 
 
 def main() -> None:

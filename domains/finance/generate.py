@@ -9,7 +9,8 @@ import argparse
 import random
 from pathlib import Path
 
-from domains.base import write_jsonl
+from domains import base
+from domains.base import unique_splits
 from domains.finance.domain import DATA_DIR, FinanceItem, Row
 
 SEED = 11
@@ -46,20 +47,11 @@ def make_item(rng: random.Random, split: str, index: int) -> FinanceItem:
 def make_splits(seed: int = SEED, n_train: int = 600, n_eval: int = 48
                 ) -> dict[str, list[FinanceItem]]:
     rng = random.Random(seed)
-    seen: set[str] = set()
-    out: dict[str, list[FinanceItem]] = {"eval": [], "train": []}
-    for split, n in (("eval", n_eval), ("train", n_train)):
-        while len(out[split]) < n:
-            item = make_item(rng, split, len(out[split]))
-            if item.prompt not in seen:
-                seen.add(item.prompt)
-                out[split].append(item)
-    return out
+    return unique_splits(lambda split, i: make_item(rng, split, i), n_eval, n_train)
 
 
 def write_splits(splits: dict[str, list[FinanceItem]], data_dir: Path = DATA_DIR) -> None:
-    for split, items in splits.items():
-        write_jsonl(items, data_dir / f"{split}.jsonl")
+    base.write_splits(splits, data_dir)
 
 
 def main() -> None:

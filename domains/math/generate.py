@@ -15,7 +15,8 @@ from fractions import Fraction
 from math import isqrt
 from pathlib import Path
 
-from domains.base import write_jsonl
+from domains import base
+from domains.base import unique_splits
 from domains.math.domain import DATA_DIR, MathItem
 
 SEED = 7
@@ -73,25 +74,18 @@ KINDS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
 def make_splits(seed: int = SEED, n_train: int = 1000, n_eval: int = 64
                 ) -> dict[str, list[MathItem]]:
     rng = random.Random(seed)
-    seen: set[str] = set()
     kinds = sorted(KINDS)
-    out: dict[str, list[MathItem]] = {"eval": [], "train": []}
-    for split, n in (("eval", n_eval), ("train", n_train)):
-        while len(out[split]) < n:
-            i = len(out[split])
-            kind = kinds[i % len(kinds)] if split == "eval" else rng.choice(kinds)
-            prompt, answer = KINDS[kind](rng)
-            if prompt in seen:
-                continue
-            seen.add(prompt)
-            out[split].append(MathItem(id=f"math-{split}-{i:05d}", prompt=prompt,
-                                       answer=answer, kind=kind))
-    return out
+
+    def make_item(split: str, i: int) -> MathItem:
+        kind = kinds[i % len(kinds)] if split == "eval" else rng.choice(kinds)
+        prompt, answer = KINDS[kind](rng)
+        return MathItem(id=f"math-{split}-{i:05d}", prompt=prompt, answer=answer, kind=kind)
+
+    return unique_splits(make_item, n_eval, n_train)
 
 
 def write_splits(splits: dict[str, list[MathItem]], data_dir: Path = DATA_DIR) -> None:
-    for split, items in splits.items():
-        write_jsonl(items, data_dir / f"{split}.jsonl")
+    base.write_splits(splits, data_dir)
 
 
 def main() -> None:
