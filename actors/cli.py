@@ -140,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     add_ops_parsers(sub, common)
     show = sub.add_parser("config", help="print the merged config as JSON")
     common(show)
+    sub.add_parser("config-doc", help="print the configuration reference (docs/configuration.md)")
     acl = sub.add_parser("acl", help="create the per-role Redis users of a run (auth.enabled)")
     acl.add_argument("action", choices=["apply"])
     common(acl)
@@ -163,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(actor="serve-model")
         return main_serve_model(args.model, args.host, args.port, args.max_batch, args.threads,
                                 args.weight_version)
+    if args.command == "config-doc":
+        from actors.config_doc import main as config_doc
+
+        return config_doc()
     try:
         config = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as exc:

@@ -35,6 +35,7 @@ class RunConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     work_dir: str = "runs/{name}"
     """Weights, logs, the embedded server's data; ``{name}`` is the run name."""
     seed: int = 0
+    """Seed of the scheduler's task order and the learner's RNG (exact resume)."""
 
     @property
     def path(self) -> Path:
@@ -80,6 +81,7 @@ class QueueConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True
     reclaim_min_idle_ms: PosInt = 60_000
     """Entries idle this long in a consumer that stopped heart-beating are taken over."""
     reclaim_interval_s: PosFloat = 5.0
+    """How often each consumer looks for entries to take over from dead consumers."""
     heartbeat_interval_s: PosFloat = 10.0
     """How often live handlers reset the idle time of their entries (< min idle / 3)."""
     max_deliveries: PosInt = 5
@@ -124,19 +126,25 @@ class RetryConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True
     backoff_s: PosFloat = 0.5
     """First backoff; doubles each retry, with full jitter, capped at max_backoff_s."""
     max_backoff_s: PosFloat = 30.0
+    """Longest backoff between two retries of one message."""
 
 
 class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     domains: list[str] = msgspec.field(default_factory=lambda: ["arith"])
+    """Domains to train on (names of ``streamrl.domains`` entry points); tune each with a
+    ``[domain.<name>]`` table."""
     group_size: PosInt = 8
     """Completions per prompt (the GRPO group)."""
     max_new_tokens: PosInt = 64
+    """Generation budget per completion (per turn) unless the domain sets its own."""
     temperature: PosFloat = 1.0
+    """Sampling temperature of training tasks (evaluation is greedy)."""
     max_backlog: PosInt = 16
     """Do not add tasks while the generator group's backlog (lag + pending) exceeds this."""
     eval_every: NonNegInt = 5
     """Run the held-out evaluation every N policy versions (0: only at start and end)."""
     eval_items: PosInt = 64
+    """Held-out items per domain in each evaluation round."""
     max_train_groups: NonNegInt = 0
     """Admit at most this many training groups in the whole run (0: no limit). Exact across
     scheduler restarts: the count of admitted groups lives in Redis."""
@@ -172,10 +180,12 @@ class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     concurrency: PosInt = 8
     """Tasks handled at once; their prompts are batched together by the engine."""
     max_batch: PosInt = 64
+    """Most sequences the in-process engine decodes in one batch."""
     threads: NonNegInt = 1
     """torch threads in this process (0: torch's default). One per process is fastest on
     small CPUs: with 2 threads a forward pass of the 135M model took 2.5x longer here."""
     time_limit_s: PosFloat = 600.0
+    """Longest a generator may work on one message before it counts as failed (retried)."""
     engine: str = "transformers"
     """'transformers' (in-process CPU engine) or 'sglang' (HTTP client: SGLang servers, or
     ``streamrl serve-model`` on a CPU; see server_urls / router_url)."""
@@ -189,6 +199,7 @@ class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """engine 'sglang': how often each server is probed (a dead one is taken out, one that
     comes back loads the current weights before taking work)."""
     request_timeout_s: PosFloat = 600.0
+    """engine 'sglang': HTTP timeout of one /generate request."""
     pause_mode: str = "in_place"
     """engine 'sglang': /pause_generation mode around a weight update (abort, retract,
     in_place)."""
@@ -214,9 +225,11 @@ class DomainSandboxConfig(Section, frozen=True, kw_only=True, forbid_unknown_fie
 
 class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     concurrency: PosInt = 4
+    """Rollout messages executed at once (each runs its group's completions concurrently)."""
     backend: str = "process"
     """Sandbox backend; the limits of each run come from its domain."""
     time_limit_s: PosFloat = 120.0
+    """Longest an executor may work on one message (host-side bound over all its runs)."""
     pool_size: PosInt = 4
     """Warm containers kept ready per image (container backends), one per concurrent run:
     set it to ``concurrency`` times the group size to never create on the hot path."""
@@ -235,7 +248,9 @@ class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 class VerifierConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     concurrency: PosInt = 8
+    """Messages verified at once."""
     time_limit_s: PosFloat = 60.0
+    """Longest a verifier may work on one message before it counts as failed (retried)."""
     dynamic_sampling: bool = False
     """Skip training groups whose rewards are all equal (no GRPO signal), counting them
     (``count:zero_variance``), and count resolved/trained groups per domain
@@ -248,10 +263,15 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_staleness: NonNegInt = 2
     """Groups sampled by a policy more than this many versions behind are dropped (counted)."""
     lr: PosFloat = 1e-5
+    """AdamW learning rate."""
     clip_eps: PosFloat = 0.2
+    """PPO ratio clip: ratios outside [1 - clip_eps, 1 + clip_eps] carry no gradient."""
     max_grad_norm: PosFloat = 1.0
+    """Gradients are clipped to this global norm."""
     micro_batch_size: PosInt = 8
+    """Sequences per forward/backward pass (gradients accumulate over a step)."""
     grad_checkpointing: bool = False
+    """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     keep_last: PosInt = 3
     """Weight versions kept on disk."""
     checkpoint_optimizer: bool = True
@@ -274,10 +294,16 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
 
 class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``streamrl up``: the whole pipeline as child processes of one supervisor."""
+
     generators: PosInt = 1
+    """Generator processes ``up`` starts."""
     executors: PosInt = 1
+    """Executor processes ``up`` starts."""
     verifiers: PosInt = 1
+    """Verifier processes ``up`` starts."""
     progress_interval_s: PosFloat = 10.0
+    """How often ``up`` prints a progress line (policy version, reward, queues)."""
 
 
 class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -287,7 +313,7 @@ class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     metrics_addr: str = "127.0.0.1"
     """Address the metrics endpoint listens on (0.0.0.0 to be scraped from elsewhere)."""
     archive: bool = True
-    """``streamrl up`` starts the archiver (not with ``auth.enabled``: it has no ACL role yet)."""
+    """``streamrl up`` starts the archiver (as its own ACL user with ``auth.enabled``)."""
     archive_dir: str = ""
     """Where the archiver writes trajectory Parquet files (empty: ``<work_dir>/archive``)."""
 
