@@ -214,12 +214,24 @@ class Hop:
             raise RuntimeError(f"{published} outputs of {n}, {pending} still pending")
 
     async def batched(self, c: StreamConsumer, n: int) -> None:
+        """What the actors do: up to ``in_flight`` messages handled at once, each batch read
+        handed off in one ``complete_many`` round trip."""
+        await self.pipelined(c, n, per_message=False)
+
+    async def task_per_message(self, c: StreamConsumer, n: int) -> None:
+        """The same reads, but one task and one ``complete`` round trip per message."""
+        await self.pipelined(c, n, per_message=True)
+
+    async def pipelined(self, c: StreamConsumer, n: int, *, per_message: bool) -> None:
         in_flight = read = 0
         freed = trio.Event()
 
         async def hand_off(ds: list[Delivery]) -> None:
             nonlocal in_flight
-            await c.complete_many([self.handoff(d) for d in ds])
+            if per_message:
+                await c.complete(self.handoff(ds[0]))
+            else:
+                await c.complete_many([self.handoff(d) for d in ds])
             in_flight -= len(ds)
             freed.set()
 
@@ -231,28 +243,8 @@ class Hop:
                 ds = await c.read(min(self.args.read_count, self.args.in_flight - in_flight))
                 read += len(ds)
                 in_flight += len(ds)
-                nursery.start_soon(hand_off, ds)
-
-    async def task_per_message(self, c: StreamConsumer, n: int) -> None:
-        in_flight = read = 0
-        freed = trio.Event()
-
-        async def hand_off(d: Delivery) -> None:
-            nonlocal in_flight
-            await c.complete(self.handoff(d))
-            in_flight -= 1
-            freed.set()
-
-        async with trio.open_nursery() as nursery:
-            while read < n:
-                while in_flight >= self.args.in_flight:
-                    freed = trio.Event()
-                    await freed.wait()
-                ds = await c.read(min(self.args.read_count, self.args.in_flight - in_flight))
-                read += len(ds)
-                in_flight += len(ds)
-                for d in ds:
-                    nursery.start_soon(hand_off, d)
+                for group in ([d] for d in ds) if per_message else [ds]:
+                    nursery.start_soon(hand_off, group)
 
     async def unbatched(self, c: StreamConsumer, n: int) -> None:
         done = 0
