@@ -109,16 +109,36 @@ class Task(Message, frozen=True, kw_only=True):
     group_size: GroupSize
     sampling: Sampling
     eval_round: int = -1  # >= 0 for held-out evaluation tasks
+    episode: Episode | None = None  # multi-turn: the episode's state (actors/episodes.py)
+
+    @property
+    def episode_id(self) -> str:
+        return self.episode.id if self.episode is not None else self.id
+
+
+class Turn(msgspec.Struct, frozen=True, kw_only=True):
+    """One model turn of a multi-turn episode and what the environment answered."""
+
+    text: str  # what the model wrote
+    observation: str = ""  # the domain's rendering of the sandbox result ("" before it ran)
+    exit_code: int | None = None
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
-    """One completion: tokens and the behaviour logprobs of the policy that sampled them."""
+    """One completion: tokens and the behaviour logprobs of the policy that sampled them.
+
+    In a multi-turn episode ``tokens`` is the whole context after the prompt (model turns
+    and the observations between them), ``mask`` says which tokens the model produced (only
+    those are trained, and only they have behaviour logprobs; observation tokens carry 0),
+    ``text`` is the latest turn's text and ``turns`` every turn."""
 
     tokens: bytes  # int32 LE
     logprobs: bytes  # float32 LE, one per token
     text: str
     finish_reason: str
     weight_version: int
+    mask: bytes = b""  # uint8, one per token: 1 the model's, 0 an observation; b"": all 1
+    turns: list[Turn] = []
 
 
 class Rollout(Message, frozen=True, kw_only=True):
@@ -128,7 +148,7 @@ class Rollout(Message, frozen=True, kw_only=True):
 
     @property
     def episode_id(self) -> str:
-        return self.task.id
+        return self.task.episode_id
 
 
 class ExecOutcome(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,13 +162,27 @@ class ExecOutcome(msgspec.Struct, frozen=True, kw_only=True):
     stderr_dropped: int = 0
 
 
+class Episode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The state of a multi-turn episode (a GRPO group of ``group_size`` members advancing
+    turn by turn). It travels with the messages (``Task.episode``), so any generator or
+    executor replica can take the next turn; large parts go by claim check."""
+
+    id: str  # stable across turns and replicas: the first task's id
+    turn: int = 0  # model turns taken so far
+    prompt_ids: bytes = b""  # int32 LE, the rendered prompt
+    samples: list[Sample] = []  # continuations: each member's context so far
+    ended: list[str] = []  # per member: why it ended ("done", "max_turns", "budget", ...)
+    outcomes: list[ExecOutcome | None] = []  # per member: the final check, once it ended
+    snapshots: list[bytes] = []  # per member: its sandbox work dir after the last turn
+
+
 class Executed(Message, frozen=True, kw_only=True):
     rollout: Rollout
     outcomes: list[ExecOutcome]
 
     @property
     def episode_id(self) -> str:
-        return self.rollout.task.id
+        return self.rollout.task.episode_id
 
 
 class Trajectory(Message, frozen=True, kw_only=True):
@@ -160,7 +194,7 @@ class Trajectory(Message, frozen=True, kw_only=True):
 
     @property
     def episode_id(self) -> str:
-        return self.rollout.task.id
+        return self.rollout.task.episode_id
 
 
 class WeightsPublished(Message, frozen=True, kw_only=True):
