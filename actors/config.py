@@ -106,6 +106,12 @@ class QueueConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True
     """Newest entries kept per stream even when acknowledged (for replay and debugging)."""
     retain_events: PosInt = 100_000
     """Approximate length the ``weights`` and ``metrics`` event streams are trimmed to."""
+    shards: PosInt = 1
+    """Work-path shards of the run, one Redis Cluster hash slot each (docs/architecture.md,
+    Shards). 1: every key under ``{<run>}`` (one slot, unchanged layout). More: tasks are
+    routed to shards by episode, each stage consumes every shard and hands off within the
+    item's shard; ``weights``, ``metrics`` and counters stay run-global. Fixed for a run:
+    changing it strands the entries of the old layout."""
 
     def __post_init__(self) -> None:
         from queues.names import WORK_STREAMS
