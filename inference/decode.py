@@ -9,7 +9,13 @@ Guarantees:
 - a row stops at its first stop token (kept) or at its ``max_new_tokens``; finished rows are
   dropped from the batch and the KV cache, so they cost nothing afterwards;
 - each sampled row draws from its own ``torch.Generator``: a row's randomness does not depend
-  on which other rows share its batch.
+  on which other rows share its batch;
+- weights may change between two decoding steps (``weights`` hook): the running rows go on
+  under the new weights from a fresh prefill of prompt + tokens so far (the old KV cache was
+  computed by the old weights), so every logprob is exactly the new weights' teacher-forced
+  one; each token records the version of the weights whose logits it was sampled from;
+- a row whose ``aborted`` flag is set ends before the next step with what it has so far
+  (``finish_reason == "abort"``), the others go on.
 
 Not covered: continuous batching (rows never join a running batch), repetition penalties,
 top-k, stop strings.
@@ -33,12 +39,14 @@ class Row:
     temperature: float = 1.0  # 0 -> greedy
     top_p: float = 1.0
     generator: torch.Generator | None = None  # required when temperature > 0
+    aborted: Callable[[], bool] | None = None  # polled before every step (any thread may set)
 
 
 @dataclass
 class RowResult:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # weight version of each token
     finish_reason: str = "length"
 
 
@@ -65,6 +73,24 @@ def _choose(logp: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return chosen
 
 
+def _prefill(model: Any, seqs: list[list[int]], pad_id: int
+             ) -> tuple[Any, DynamicCache, torch.Tensor, torch.Tensor]:
+    """One forward over left-padded ``seqs``: ``(output, cache, attention mask, last position)``."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, width - len(seq) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    kv = DynamicCache(config=model.config)
+    out = model(
+        input_ids=ids, attention_mask=mask, position_ids=positions,
+        use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): kv},
+    )
+    return out, kv, mask, positions[:, -1:]
+
+
 @torch.inference_mode()
 def decode_batch(
     model: Any,  # a transformers causal LM
@@ -72,33 +98,26 @@ def decode_batch(
     stop_ids: frozenset[int],
     pad_id: int,
     checkpoint: Callable[[], None] | None = None,
+    weights: Callable[[], int] | None = None,
 ) -> tuple[list[RowResult], int]:
     """Decode ``rows`` together; returns one result per row and the number of forward passes.
 
     ``checkpoint`` is called before every forward pass and may raise to abort the batch
-    (the engine passes ``trio.from_thread.check_cancelled``).
+    (the engine passes ``trio.from_thread.check_cancelled``). ``weights`` is called before
+    every decoding step; it may swap the model's weights and returns the version of the
+    weights the next forward pass uses (without it every token is version 0).
     """
-    width = max(len(r.prompt) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row.prompt) :] = torch.as_tensor(list(row.prompt), dtype=torch.long)
-        mask[i, width - len(row.prompt) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    temps = torch.tensor([[r.temperature if r.temperature > 0 else 1.0] for r in rows])
-
+    results = [RowResult() for _ in rows]
+    active = [a for a in range(len(rows)) if not _aborted(rows[a], results[a])]
+    if not active:
+        return results, 0
     if checkpoint:
         checkpoint()
-    kv = DynamicCache(config=model.config)
-    cache_kw = {_cache_kwarg(model): kv}
-    out = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions,
-        use_cache=True, logits_to_keep=1, **cache_kw,
-    )
+    version = weights() if weights else 0
+    out, kv, mask, last_pos = _prefill(model, [list(rows[a].prompt) for a in active], pad_id)
+    temps = torch.tensor([[rows[a].temperature if rows[a].temperature > 0 else 1.0]
+                          for a in active])
     forwards = 1
-    results = [RowResult() for _ in rows]
-    active = list(range(len(rows)))  # batch position -> row index
-    last_pos = positions[:, -1:]
     while True:
         logp = torch.log_softmax(out.logits[:, -1, :].float() / temps, dim=-1)
         tokens = _choose(logp, [rows[a] for a in active])
@@ -108,9 +127,11 @@ def decode_batch(
             tok = int(tokens[j])
             results[a].tokens.append(tok)
             results[a].logprobs.append(float(chosen_logp[j]))
+            results[a].versions.append(version)
             if tok in stop_ids:
                 results[a].finish_reason = "stop"
-            elif len(results[a].tokens) < rows[a].max_new_tokens:
+            elif len(results[a].tokens) < rows[a].max_new_tokens and \
+                    not _aborted(rows[a], results[a]):
                 keep.append(j)
         if not keep:
             return results, forwards
@@ -120,12 +141,26 @@ def decode_batch(
             mask, last_pos = mask[index], last_pos[index]
             tokens, temps = tokens[index], temps[index]
             active = [active[j] for j in keep]
-        mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
-        last_pos = last_pos + 1
         if checkpoint:
             checkpoint()
+        current = weights() if weights else version
+        if current != version:  # new weights: rebuild the cache under them
+            version = current
+            seqs = [[*rows[a].prompt, *results[a].tokens] for a in active]
+            out, kv, mask, last_pos = _prefill(model, seqs, pad_id)
+            forwards += 1
+            continue
+        mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
+        last_pos = last_pos + 1
         out = model(
             input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos,
-            use_cache=True, **cache_kw,
+            use_cache=True, **{_cache_kwarg(model): kv},
         )
         forwards += 1
+
+
+def _aborted(row: Row, result: RowResult) -> bool:
+    if row.aborted is not None and row.aborted():
+        result.finish_reason = "abort"
+        return True
+    return False

@@ -10,9 +10,13 @@ a later SGLang HTTP client) keeps these guarantees:
   renormalised over the top-p nucleus, so a learner that recomputes
   ``log_softmax(logits / T)`` on the same tokens gets the same numbers (up to float noise);
 - a completion ends at the first stop token (included in ``tokens``, never anything after
-  it, ``finish_reason == "stop"``) or after ``max_new_tokens`` (``"length"``);
-- every token of one completion was sampled under one weight version: weights change only
-  between batches.
+  it, ``finish_reason == "stop"``) or after ``max_new_tokens`` (``"length"``); only an
+  engine asked to abort a request answers ``"abort"`` (with the tokens so far);
+- weights may change in the middle of a completion (interruptible rollouts): ``versions[i]``
+  is the weight version whose logits token ``i`` was sampled from (and ``logprobs[i]`` is
+  that version's logprob); versions never decrease along a completion, and
+  ``weight_version`` is the oldest, that of the first token (the version at the start for an
+  empty completion). ``versions=None`` means every token is ``weight_version``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 
 from queues.messages import Sampling
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,18 @@ class Completion:
     logprobs: np.ndarray  # float32, one per token
     text: str  # decoded, special tokens skipped
     finish_reason: FinishReason
-    weight_version: int
+    weight_version: int  # the oldest token's (see the module docstring)
+    versions: np.ndarray | None = None  # int32, one per token; None: all weight_version
+
+    def token_versions(self) -> np.ndarray:
+        """The weight version of every token (int32)."""
+        if self.versions is None:
+            return np.full(len(self.tokens), self.weight_version, dtype=np.int32)
+        return self.versions
 
 
 class Engine(Protocol):
-    """Generates completions for token-id prompts; swaps weights between batches."""
+    """Generates completions for token-id prompts; swaps weights between decoding steps."""
 
     @property
     def weight_version(self) -> int: ...

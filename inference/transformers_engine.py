@@ -5,8 +5,12 @@ Guarantees (on top of those in :mod:`inference.engine`):
   takes every row queued so far (up to ``max_batch``) and decodes them as one static batch in
   a worker thread; requests with different sampling settings share a batch;
 - a call with more prompts than ``max_batch`` is split across batches and reassembled;
-- ``update_weights`` waits for the running batch to finish and is applied before the next
-  one; every completion reports the version it was sampled under;
+- ``update_weights`` does not wait for a running batch: the batcher applies it between two
+  decoding steps (the batch goes on under the new weights, see :mod:`inference.decode`) or
+  before the next batch; every token records the version that produced it
+  (``Completion.versions``) and returns only once the engine serves that version;
+- ``generate(..., abort=flag)``: once the ``threading.Event`` is set, the call's rows end
+  before their next decoding step with the tokens so far (``finish_reason == "abort"``);
 - with ``Sampling.seed`` set, prompt ``i`` of a call samples from a generator seeded by
   ``(seed, i)``: the same call gives the same tokens whenever the logits are the same (the
   same weights and batch shape; a different batch mix changes logits by float noise only,
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import math
 import secrets
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterable
@@ -69,6 +74,17 @@ class _Request:
     done: trio.Event = field(default_factory=trio.Event)
     error: BaseException | None = None
     abandoned: bool = False
+    abort: threading.Event | None = None
+
+
+@dataclass(eq=False)
+class _Update:
+    """Weights waiting to be applied by the batcher (between batches or decoding steps)."""
+
+    state: dict[str, torch.Tensor]
+    version: int
+    done: trio.Event = field(default_factory=trio.Event)
+    error: BaseException | None = None
 
 
 def _row_generator(seed: int | None, index: int) -> torch.Generator:
@@ -120,7 +136,11 @@ class TransformersEngine:
         self._max_len = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self._version = weight_version
         self._lock = trio.Lock()  # held while decoding a batch or swapping weights
-        self._send, self._receive = trio.open_memory_channel[_Request](math.inf)
+        self._send, self._receive = trio.open_memory_channel[_Request | None](math.inf)
+        # Weights waiting for the batcher (applied by its thread between decoding steps), and
+        # the updates they supersede, answered when they are applied.
+        self._update_lock = threading.Lock()
+        self._pending: list[_Update] = []
         self._backlog: deque[tuple[_Request, int]] = deque()
         self._inflight: list[tuple[_Request, int]] = []
         self._unreceived_rows = 0  # sent to the channel, not yet taken by the batcher
@@ -149,12 +169,13 @@ class TransformersEngine:
 
     # ------------------------------------------------------------------ public API
 
-    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+    async def generate(self, prompts: list[list[int]], sampling: Sampling, *,
+                       abort: threading.Event | None = None) -> list[Completion]:
         self._validate(prompts, sampling)
         if not prompts:
             return []
         request = _Request([list(p) for p in prompts], sampling, [None] * len(prompts),
-                           remaining=len(prompts))
+                           remaining=len(prompts), abort=abort)
         try:
             self._send.send_nowait(request)
             self._unreceived_rows += len(prompts)
@@ -170,10 +191,21 @@ class TransformersEngine:
         return [c for c in request.results if c is not None]
 
     async def update_weights(self, path: str | Path, version: int) -> None:
+        """Load ``path`` and have the batcher apply it at its next decoding step (a running
+        batch goes on under it) or before its next batch; returns once applied (or
+        superseded by a newer update). A checkpoint that does not fit raises ValueError."""
         state = await trio.to_thread.run_sync(read_safetensors, path)
-        async with self._lock:
-            await trio.to_thread.run_sync(self._load_state, state)
-            self._version = version
+        await trio.to_thread.run_sync(self._check_state, state)
+        update = _Update(state, version)
+        with self._update_lock:
+            self._pending.append(update)
+        try:
+            self._send.send_nowait(None)  # wake an idle batcher
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise EngineClosed("engine is closed") from None
+        await update.done.wait()
+        if update.error is not None:
+            raise EngineClosed("engine stopped before the update") from update.error
 
     async def serve_batches(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                             ) -> None:
@@ -189,6 +221,8 @@ class TransformersEngine:
                         self._take(self._receive.receive_nowait())
                     except trio.WouldBlock:
                         break
+                if self._pending:
+                    await trio.to_thread.run_sync(self._apply_pending)
                 batch = self._next_batch()
                 if batch:
                     await self._run_batch(batch)
@@ -211,7 +245,9 @@ class TransformersEngine:
             if len(p) + sampling.max_new_tokens > self._max_len:
                 raise ValueError(f"prompt + max_new_tokens exceeds {self._max_len} positions")
 
-    def _take(self, request: _Request) -> None:
+    def _take(self, request: _Request | None) -> None:
+        if request is None:  # a weight update's wake-up call
+            return
         self._unreceived_rows -= len(request.prompts)
         self._backlog.extend((request, i) for i in range(len(request.prompts)))
 
@@ -231,16 +267,16 @@ class TransformersEngine:
                 prompt=request.prompts[i], max_new_tokens=s.max_new_tokens,
                 temperature=s.temperature, top_p=s.top_p,
                 generator=_row_generator(s.seed, i) if s.temperature > 0 else None,
+                aborted=None if request.abort is None else request.abort.is_set,
             ))
         self._inflight = batch
         async with self._lock:
-            version = self._version
             start = time.perf_counter()
             results, forwards = await trio.to_thread.run_sync(partial(
                 decode_batch, self.model, rows, self.stop_ids, self.pad_id,
-                checkpoint=trio.from_thread.check_cancelled,
+                checkpoint=trio.from_thread.check_cancelled, weights=self._apply_pending,
             ))
-            completions = await trio.to_thread.run_sync(self._completions, results, version)
+            completions = await trio.to_thread.run_sync(self._completions, results)
             self._busy_s += time.perf_counter() - start
         self._inflight = []
         self._stats["batches"] += 1
@@ -254,41 +290,69 @@ class TransformersEngine:
             if request.remaining == 0:
                 request.done.set()
 
-    def _completions(self, results: list[RowResult], version: int) -> list[Completion]:
+    def _completions(self, results: list[RowResult]) -> list[Completion]:
         return [
             Completion(
                 tokens=np.asarray(r.tokens, dtype=np.int32),
                 logprobs=np.asarray(r.logprobs, dtype=np.float32),
                 text=self.tokenizer.decode(r.tokens, skip_special_tokens=True),
-                finish_reason="stop" if r.finish_reason == "stop" else "length",
-                weight_version=version,
+                finish_reason=r.finish_reason,  # type: ignore[arg-type]
+                weight_version=r.versions[0] if r.versions else self._version,
+                versions=np.asarray(r.versions, dtype=np.int32),
             )
             for r in results
         ]
 
-    def _load_state(self, state: dict[str, torch.Tensor]) -> None:
-        result = self.model.load_state_dict(state, strict=False)
+    def _check_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Refuse a checkpoint that does not fit the model, before anything is changed."""
+        own = self.model.state_dict()
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        missing = set(result.missing_keys) - tied
-        if missing or result.unexpected_keys:
+        missing = set(own) - set(state) - tied
+        unexpected = set(state) - set(own)
+        wrong = [k for k in set(state) & set(own) if state[k].shape != own[k].shape]
+        if missing or unexpected or wrong:
             raise ValueError(
                 f"weights do not match the model: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(result.unexpected_keys)[:5]}"
+                f"unexpected {sorted(unexpected)[:5]}, wrong shape {sorted(wrong)[:5]}"
             )
+
+    def _apply_pending(self) -> int:
+        """In the batcher's thread: apply the newest waiting update (if any), answer it and
+        those it supersedes; returns the version now served."""
+        with self._update_lock:
+            updates, self._pending = self._pending, []
+        if updates:
+            newest = max(updates, key=lambda u: u.version)
+            self.model.load_state_dict(newest.state, strict=False)
+            self._version = newest.version
+            trio.from_thread.run_sync(_set_all, updates)
+        return self._version
 
     def _fail_all(self, exc: BaseException) -> None:
         self._send.close()
         pending = [req for req, _ in [*self._inflight, *self._backlog]]
         while True:
             try:
-                pending.append(self._receive.receive_nowait())
+                request = self._receive.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
+            if request is not None:
+                pending.append(request)
+        with self._update_lock:
+            updates, self._pending = self._pending, []
+        for update in updates:
+            update.error = exc
+            update.done.set()
         for req in pending:
             if not req.done.is_set():
                 req.error = exc
                 req.done.set()
         self._backlog.clear()
+
+
+def _set_all(updates: list[_Update]) -> None:
+    for update in updates:
+        update.done.set()
 
 
 @asynccontextmanager

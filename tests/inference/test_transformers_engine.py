@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import trio
@@ -138,35 +140,101 @@ async def test_tiny_top_p_is_greedy(engine: TransformersEngine) -> None:
     assert_consistent(engine, [PROMPTS[1]], [nucleus], 1.0)  # untruncated tempered logprobs
 
 
-async def test_update_weights_changes_outputs_and_version(
-    engine: TransformersEngine, tiny: Path, tmp_path: Path
-) -> None:
-    # Given new weights on disk
+def perturbed(tiny: Path, out: Path, seed: int = 0) -> torch.nn.Module:
+    """The tiny model with every weight moved, saved to ``out`` (HF layout)."""
     model = load_model(tiny)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    model.save_pretrained(tmp_path, safe_serialization=True)
+    model.save_pretrained(out, safe_serialization=True)
+    return model.eval()
+
+
+def assert_interrupted(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int],
+                       tokens: list[int], logprobs: list[float], versions: list[int],
+                       before: int, after: int, temperature: float) -> int:
+    """Tokens of both versions, in order; each token's logprob is its own version's
+    teacher-forced one. Returns the index of the first token of the new version."""
+    assert len(tokens) == len(logprobs) == len(versions)
+    assert set(versions) == {before, after}, "the update must land mid-generation"
+    k = versions.index(after)
+    assert versions == [before] * k + [after] * (len(tokens) - k)
+    c = Completion(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32), "",
+                   "length", before)
+    got = torch.tensor(logprobs)
+    # (float noise grows with the length: cached vs. one-pass attention over ~600 tokens)
+    torch.testing.assert_close(got[:k], teacher_forced(old, prompt, c, temperature)[:k],
+                               atol=1e-3, rtol=0)
+    torch.testing.assert_close(got[k:], teacher_forced(new, prompt, c, temperature)[k:],
+                               atol=1e-3, rtol=0)
+    return k
+
+
+async def test_update_lands_between_decoding_steps_of_a_running_batch(
+    tiny: Path, tmp_path: Path
+) -> None:
+    # Given new weights on disk and a long generation running on the old ones
+    old = load_model(tiny).eval()
+    new = perturbed(tiny, tmp_path)
     greedy = Sampling(max_new_tokens=10, temperature=0.0)
-    [before] = await engine.generate([PROMPTS[2]], greedy)
-    # When they are loaded while a batch is running
-    async with trio.open_nursery() as nursery:
+    async with open_transformers_engine(tiny, stop_token_ids=[]) as engine:
+        [before] = await engine.generate([PROMPTS[2]], greedy)
         running: list[Completion] = []
+        async with trio.open_nursery() as nursery:
 
-        async def long_generation() -> None:
-            running.extend(await engine.generate([PROMPTS[0]], Sampling(max_new_tokens=40)))
+            async def long_generation() -> None:
+                running.extend(await engine.generate(
+                    [PROMPTS[0]], Sampling(max_new_tokens=600, temperature=1.0, seed=1)))
 
-        nursery.start_soon(long_generation)
-        await trio.testing.wait_all_tasks_blocked()  # the batch is in its worker thread
-        await engine.update_weights(tmp_path, 7)
-        assert running, "the update must wait for the running batch"
-    # Then the running batch finished on the old weights, the next one uses the new ones
-    assert running[0].weight_version == 0 and before.weight_version == 0
-    [after] = await engine.generate([PROMPTS[2]], greedy)
-    assert engine.weight_version == 7 and after.weight_version == 7
-    assert after.tokens.tolist() != before.tokens.tolist()
-    assert_consistent(engine, [PROMPTS[2]], [after], 0.0)
+            nursery.start_soon(long_generation)
+            await trio.testing.wait_all_tasks_blocked()  # the batch is in its worker thread
+            await trio.sleep(0.1)  # some tokens under the old weights
+            # When the update is loaded
+            await engine.update_weights(tmp_path, 7)
+            # Then it does not wait for the running batch
+            assert not running and engine.weight_version == 7
+        # And the long completion has tokens of both versions, in order, each with the
+        # logprob of the weights that produced it (new ones: a fresh prefill, not the old cache)
+        [c] = running
+        assert len(c.tokens) == 600 and c.weight_version == 0
+        k = assert_interrupted(old, new, PROMPTS[0], c.tokens.tolist(), c.logprobs.tolist(),
+                               c.token_versions().tolist(), 0, 7, 1.0)
+        assert 0 < k < 600
+        # And the next batch runs wholly on the new weights
+        [after] = await engine.generate([PROMPTS[2]], greedy)
+        assert after.weight_version == 7 and set(after.token_versions().tolist()) == {7}
+        assert after.tokens.tolist() != before.tokens.tolist()
+        assert_consistent(engine, [PROMPTS[2]], [after], 0.0)
+
+
+async def test_abort_flag_ends_rows_with_tokens_so_far(engine: TransformersEngine) -> None:
+    flag = threading.Event()
+    flag.set()
+    # A request aborted before it starts ends with no tokens
+    [empty] = await engine.generate([PROMPTS[0]], Sampling(max_new_tokens=8), abort=flag)
+    assert empty.finish_reason == "abort" and len(empty.tokens) == 0
+    # One aborted while running ends with the tokens it has, the other rows go on
+    flag = threading.Event()
+    out: dict[str, list[Completion]] = {}
+
+    async def call(name: str, n: int, abort: threading.Event | None) -> None:
+        out[name] = await engine.generate([PROMPTS[1]], Sampling(max_new_tokens=n, seed=2),
+                                          abort=abort)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, "aborted", 1500, flag)
+        nursery.start_soon(call, "kept", 1500, None)
+        await trio.testing.wait_all_tasks_blocked()
+        await trio.sleep(0.05)
+        flag.set()
+    [aborted], [kept] = out["aborted"], out["kept"]
+    stops = engine.stop_ids
+    if kept.finish_reason == "length":
+        assert len(kept.tokens) == 1500
+    assert aborted.finish_reason == "abort" or set(aborted.tokens.tolist()) & stops
+    assert len(aborted.tokens) < 1500
+    assert_consistent(engine, [PROMPTS[1]], [aborted], 1.0)
 
 
 async def test_update_weights_rejects_a_foreign_checkpoint(
