@@ -742,11 +742,21 @@ def _owner_dead(owner: str | None) -> bool:
     if not owner or owner.count("/") != 2:
         return False
     host, pid, ticks = owner.split("/")
-    if host != socket.gethostname() or not pid.isdigit():
+    if host != _host() or not pid.isdigit():
         return False
     return _start_ticks(int(pid)) != ticks
 
 
+def _host() -> str:
+    """This host and pid namespace: executors in containers on the host network share the
+    host's name, and their pids mean nothing in each other's namespace."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return socket.gethostname()
+    return f"{socket.gethostname()}~{namespace}"
+
+
 def _owner() -> str:
     """This process, as ``host/pid/start ticks`` (a reused pid has other start ticks)."""
-    return f"{socket.gethostname()}/{os.getpid()}/{_start_ticks(os.getpid())}"
+    return f"{_host()}/{os.getpid()}/{_start_ticks(os.getpid())}"

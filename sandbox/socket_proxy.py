@@ -406,11 +406,11 @@ async def serve_proxy(
     listen: str,
     proxy: Proxy,
     *,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``proxy`` on ``unix:PATH`` (mode 0660 unless $STREAMRL_PROXY_MODE) or
     ``tcp:127.0.0.1:PORT``; never returns."""
-    listeners: Sequence[trio.abc.Listener[Any]]
+    listeners: Sequence[trio.SocketListener]
     if listen.startswith("unix:"):
         path = listen[len("unix:") :]
         with contextlib.suppress(FileNotFoundError):
@@ -427,7 +427,7 @@ async def serve_proxy(
         raise ValueError(f"--listen {listen!r}: use unix:PATH or tcp:HOST:PORT")
     log.info("docker_proxy.serving", listen=listen, upstream=proxy.upstream,
              images=list(proxy.policy.images))  # fmt: skip
-    await trio.serve_listeners(proxy.handle, listeners, task_status=task_status)
+    await trio.serve_listeners(proxy.handle, list(listeners), task_status=task_status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,10 +78,8 @@ async def test_the_docker_backend_works_through_the_proxy(proxy: tuple[str, Prox
     assert orphans == []
     assert p.counts["refused"] == 0 and p.counts["allowed"] > 5
     async with _engine() as engine:
-        left = await engine.get(
-            "/containers/json",
-            params={"all": "1", "filters": json.dumps({"label": [f"streamrl.instance={box.instance}"]})},
-        )
+        mine = json.dumps({"label": [f"streamrl.instance={box.instance}"]})
+        left = await engine.get("/containers/json", params={"all": "1", "filters": mine})
     assert left.json() == []
 
 
@@ -107,7 +105,7 @@ async def test_the_docker_backend_works_through_the_proxy(proxy: tuple[str, Prox
 async def test_a_dangerous_create_is_refused(
     proxy: tuple[str, Proxy], what: str, body: dict[str, Any]
 ) -> None:
-    path, p = proxy
+    path, _ = proxy
     name = f"streamrl-proxytest-{what.replace(' ', '-')}"
     async with _through(path) as client:
         response = await client.post("/v1.41/containers/create", params={"name": name}, json=body)
