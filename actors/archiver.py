@@ -29,8 +29,9 @@ from actors import metrics
 from actors.context import ActorContext
 from queues import names as N
 from queues.messages import MessageError, StepMetrics, Trajectory, decode
+from queues.shards import Consumer
 from queues.stats import pipeline_state
-from queues.streams import Delivery, EventReader, StreamConsumer
+from queues.streams import Delivery, EventReader
 
 log = structlog.get_logger()
 
@@ -87,7 +88,7 @@ def write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 async def archive_batch(
-    consumer: StreamConsumer, root: Path, deliveries: list[Delivery]
+    consumer: Consumer, root: Path, deliveries: list[Delivery]
 ) -> int:
     """Archive what can be archived, acknowledge everything read; returns rows written.
     Entries that are not trajectories are acknowledged and logged: the archive is a copy, the

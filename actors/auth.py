@@ -64,7 +64,10 @@ async def apply_role_users(
     """Create or update the role users of this run, connected as the admin."""
     admin = RedisClient(admin_url, max_connections=2)
     try:
-        await apply_acls(admin, Names(config.run.name), credentials)
+        shards = config.queues.shards
+        await apply_acls(
+            admin, Names(config.run.name), credentials, shards=shards if shards > 1 else 0
+        )
     finally:
         admin.close()
 

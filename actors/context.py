@@ -1,4 +1,10 @@
-"""What every actor process opens at start: config, logging, Redis, names, policies."""
+"""What every actor process opens at start: config, logging, Redis, names, policies.
+
+Shards (``queues.shards`` > 1): :attr:`ActorContext.names` is the run view of a sharded run;
+:meth:`ActorContext.consumer` then consumes every shard (:class:`queues.shards.ShardedConsumer`,
+hand-offs stay in the shard of their input) and :meth:`ActorContext.publish_work` routes new
+work to the shard of its routing key. With one shard both are the plain single-slot calls.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +27,8 @@ from queues.client import RedisClient
 from queues.messages import Task
 from queues.names import Names
 from queues.payloads import PayloadLimits
-from queues.streams import ConsumerSettings, Producer, StreamConsumer, open_stream_consumer
+from queues.shards import Consumer, open_consumer, publish_routed
+from queues.streams import ConsumerSettings, Producer
 
 DOWNSTREAM = {N.TASKS: N.ROLLOUTS, N.ROLLOUTS: N.EXECUTED, N.EXECUTED: N.TRAJECTORIES}
 """The work stream each handle-style stage feeds (producer-side backpressure)."""
@@ -55,7 +62,19 @@ class ActorContext:
         )
 
     def producer(self) -> Producer:
+        """Publishes to run-global streams, and to work streams of a one-shard run (for work,
+        :meth:`publish_work` also covers sharded runs)."""
         return Producer(self.client, self.names, self.payload_limits())
+
+    async def publish_work(self, stream: str, items: list[tuple[str, bytes]]) -> list[str]:
+        """XADD ``items`` [(routing key, payload)] to work stream ``stream``: into the shard of
+        each routing key (e.g. the episode id) when the run is sharded, else as
+        :meth:`Producer.publish`. Returns the entry ids (shard-qualified when sharded)."""
+        if not self.names.sharded:
+            return await self.producer().publish(stream, [p for _, p in items])
+        return await publish_routed(
+            self.client, self.names, stream, items, self.names.shards, self.payload_limits()
+        )
 
     def policies(self, time_limit_s: float) -> Policies:
         r = self.config.retry
@@ -77,8 +96,9 @@ class ActorContext:
         )
 
     @asynccontextmanager
-    async def consumer(self, stream: str, stage: str, **kw: Any) -> AsyncIterator[StreamConsumer]:
-        async with open_stream_consumer(
+    async def consumer(self, stream: str, stage: str, **kw: Any) -> AsyncIterator[Consumer]:
+        """A consumer of ``stream`` over the whole run: every shard of a sharded run."""
+        async with open_consumer(
             self.client,
             self.names,
             stream,
@@ -127,6 +147,6 @@ async def open_context(
         raise ValueError("run.redis_url is empty: set it, or use `streamrl up` (embedded server)")
     client = RedisClient(actor_url(config, role, password))
     try:
-        yield ActorContext(config, client, Names(config.run.name))
+        yield ActorContext(config, client, Names(config.run.name, shards=config.queues.shards))
     finally:
         client.close()

@@ -11,8 +11,10 @@ Guarantees:
 - nothing here decodes more than it shows: a payload that does not decode as its stream's
   message is shown as bytes with the decoding error.
 
-The dead-letter stream of the default (unsharded) layout is read; dead letters of sharded
-runs are not covered yet.
+Sharded runs (``queues.shards`` > 1): every shard has its own dead-letter stream (in the
+slot of the streams whose letters it holds); every command covers all of them, and a dead
+letter's id is qualified by its shard (``<shard>:<entry id>``). A letter is requeued into
+its original stream in its own shard, so the requeue stays one script in one slot.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from queues.messages import (
     decode,
 )
 from queues.payloads import PayloadLimits, prepare_many, store_blobs
+from queues.shards import qualify, split_qualified
 
 MESSAGE_OF_STREAM: dict[str, type[msgspec.Struct]] = {
     N.TASKS: Task,
@@ -117,11 +120,18 @@ def _str(value: object) -> str:
 async def list_dead(
     client: RedisClient, names: N.Names, selection: Selection | None = None
 ) -> list[DeadEntry]:
-    """Every dead letter of the run (oldest first) that ``selection`` matches."""
-    rows: Any = await client.call(client.sync.xrange, names.stream(N.DEAD))
+    """Every dead letter of the run that ``selection`` matches: oldest first (shard by shard
+    on a sharded run)."""
+    rows: list[tuple[str, Any]] = []
+    for layout in names.layouts():
+        raw: Any = await client.call(client.sync.xrange, layout.stream(N.DEAD))
+        for raw_id, fields in raw or []:
+            dead_id = _str(raw_id)
+            if layout.shard is not None:
+                dead_id = qualify(layout.shard, dead_id)
+            rows.append((dead_id, fields))
     out = []
-    for raw_id, fields in rows or []:
-        dead_id = _str(raw_id)
+    for dead_id, fields in rows:
         try:
             letter: DeadLetter | None = decode(fields.get(b"d", b""), DeadLetter)
             error = letter.error if letter else ""
@@ -170,18 +180,19 @@ async def requeue(
     for entry in entries:
         if entry.letter is None or entry.letter.stream not in N.WORK_STREAMS:
             raise ValueError(f"dead letter {entry.dead_id} has no original work stream")
-        key = names.stream(entry.letter.stream)
+        layout, raw_id = _locate(names, entry.dead_id)
+        key = layout.stream(entry.letter.stream)
         prepared, blobs = prepare_many([(key, entry.letter.payload)], limits)
 
         def run(
-            key: str = key, dead_id: str = entry.dead_id, payload: bytes = prepared[0][1],
-            blobs: Any = blobs,
+            key: str = key, dead_id: str = raw_id, payload: bytes = prepared[0][1],
+            blobs: Any = blobs, dead: str = layout.stream(N.DEAD),
         ) -> Any:
             if blobs:
                 pipe = client.sync.pipeline(transaction=False)
                 store_blobs(pipe, blobs, limits)
                 pipe.execute()
-            return script(keys=[names.stream(N.DEAD), key], args=[dead_id, payload])
+            return script(keys=[dead, key], args=[dead_id, payload])
 
         new_id = await client.call(run)
         done.append((entry.dead_id, _str(new_id) if new_id else None))
@@ -192,8 +203,22 @@ async def purge(client: RedisClient, names: N.Names, entries: list[DeadEntry]) -
     """Delete exactly these dead letters; returns how many were still there."""
     if not entries:
         return 0
-    ids = [e.dead_id for e in entries]
-    return int(await client.call(client.sync.xdel, names.stream(N.DEAD), *ids))
+    by_layout: dict[N.Names, list[str]] = {}
+    for e in entries:
+        layout, raw_id = _locate(names, e.dead_id)
+        by_layout.setdefault(layout, []).append(raw_id)
+    deleted = 0
+    for layout, ids in by_layout.items():
+        deleted += int(await client.call(client.sync.xdel, layout.stream(N.DEAD), *ids))
+    return deleted
+
+
+def _locate(names: N.Names, dead_id: str) -> tuple[N.Names, str]:
+    """The layout (shard) a dead letter id belongs to, and its id in that shard's stream."""
+    shard, raw_id = split_qualified(dead_id)
+    if (shard is None) == names.sharded:
+        raise ValueError(f"dead letter id {dead_id!r} does not fit a run of {names.shards} shards")
+    return (names if shard is None else names.in_shard(shard)), raw_id
 
 
 # --------------------------------------------------------------------------- the command

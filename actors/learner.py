@@ -16,6 +16,16 @@ acknowledgement was lost in a crash. Groups of a step that crashed before its we
 complete are still pending and are trained again (that step never happened). The same
 episode twice in one batch (a duplicate published after Redis lost a dedup key) is trained
 once.
+
+Sharded runs (``queues.shards`` > 1): the learner consumes ``trajectories`` in every shard
+(one consumer name, ``learner-0``, in each, so a restart drains its own pending entries
+everywhere). ``weights`` and ``metrics`` are run-global, so a step's announcement and the
+acknowledgement of its groups (of several shards) cannot be one script: they are two
+idempotent steps, ``publish_once`` under the step's dedup key in the run's slot, then the
+acknowledgements shard by shard (:meth:`queues.shards.ShardedConsumer.ack_many`). A crash
+in between leaves the groups pending; the restarted learner re-announces its latest step
+(nothing is published twice) and acknowledges them, and the ledger keeps any of them from
+being trained again.
 """
 
 from __future__ import annotations
@@ -54,7 +64,8 @@ from queues.messages import (
     new_id,
     now,
 )
-from queues.streams import Delivery, Handoff, StreamConsumer
+from queues.shards import Consumer
+from queues.streams import Delivery, Handoff
 
 log = structlog.get_logger()
 
@@ -116,7 +127,7 @@ def follow(config: Config) -> int:
 
 
 class Learner:
-    def __init__(self, ctx: ActorContext, consumer: StreamConsumer) -> None:
+    def __init__(self, ctx: ActorContext, consumer: Consumer) -> None:
         self.ctx = ctx
         self.cfg = ctx.config.learner
         self.consumer = consumer

@@ -74,7 +74,7 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
     except (RedisUnreachable, ValueError) as exc:
         print(f"streamrl {args.command}: {exc}", file=sys.stderr)
         return 2
-    names = Names(config.run.name)
+    names = Names(config.run.name, shards=config.queues.shards)
     try:
         if args.command == "dlq":
             from actors.dlq import Selection, run_dlq

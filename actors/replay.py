@@ -14,7 +14,10 @@ rescore, retrain or export them.
   Both are computed before the optimiser step, so the optimiser state does not matter;
 - ``export``: JSONL (one decoded trajectory per line, token arrays as lists) and Parquet
   (the archive's columns).
-Reads only; never acknowledges or changes a stream.
+Reads only; never acknowledges or changes a stream. On a sharded run (``queues.shards``)
+the live streams of every shard are read; their entry ids are shown shard-qualified
+(``<shard>:<entry id>``, as the archive stores them) and ``--from-id``/``--to-id`` bound the
+entry id within each shard.
 """
 
 from __future__ import annotations
@@ -43,10 +46,11 @@ from queues.messages import (
     decode,
 )
 from queues.payloads import PayloadLimits, resolve
+from queues.shards import qualify, split_qualified
 
 
 def _id_key(entry_id: str, default_seq: int) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition("-")
+    ms, _, seq = split_qualified(entry_id)[1].partition("-")
     return int(ms), int(seq) if seq else default_seq
 
 
@@ -99,12 +103,15 @@ class Found:
 
 async def select_live(client: RedisClient, names: N.Names, query: Query) -> list[Found]:
     out = []
-    for stream in query.streams:
-        key = names.stream(stream)
-        rows: Any = await client.call(client.sync.xrange, key, query.from_id, query.to_id)
+    for stream, layout in [(s, n) for s in query.streams for n in names.layouts()]:
+        key = layout.stream(stream)
+        low, high = split_qualified(query.from_id)[1], split_qualified(query.to_id)[1]
+        rows: Any = await client.call(client.sync.xrange, key, low, high)
         entries = [(e.decode(), (f or {}).get(b"d")) for e, f in rows or []]
         resolved = await client.call(resolve, client.sync, entries, PayloadLimits())
         for (entry_id, _), r in zip(entries, resolved, strict=True):
+            if layout.shard is not None:
+                entry_id = qualify(layout.shard, entry_id)
             if r.payload is None:
                 continue
             try:
@@ -310,6 +317,8 @@ def to_json(t: Trajectory) -> dict[str, Any]:
     for s, raw in zip(data["rollout"]["samples"], t.rollout.samples, strict=True):
         s["tokens"] = bytes_to_ids(raw.tokens).tolist()
         s["logprobs"] = bytes_to_floats(raw.logprobs).tolist()
+        if isinstance(s.get("mask"), bytes):  # multi-turn: uint8 per token
+            s["mask"] = list(s["mask"])
     return data
 
 

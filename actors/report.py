@@ -26,6 +26,7 @@ from actors.replay import Query, select
 from queues import names as N
 from queues.client import RedisClient
 from queues.messages import MessageError, StepMetrics, decode
+from queues.stats import stream_length
 
 PRODUCED_BY = {
     N.TASKS: "scheduler", N.ROLLOUTS: "generator", N.EXECUTED: "executor",
@@ -66,12 +67,14 @@ async def collect(
             t.rewards
         )
     for stream, stage in PRODUCED_BY.items():
-        ids: Any = await client.call(
-            client.sync.xrange, names.stream(stream), count=MAX_ENTRIES
-        )
-        data.produced[stage] = [int(e.decode().split("-")[0]) / 1000 for e, _ in ids or []]
+        data.produced[stage] = []
+        for layout in names.layouts():  # every shard of a sharded run
+            ids: Any = await client.call(
+                client.sync.xrange, layout.stream(stream), count=MAX_ENTRIES
+            )
+            data.produced[stage] += [int(e.decode().split("-")[0]) / 1000 for e, _ in ids or []]
     data.produced["learner (steps)"] = [m.created_at for m in data.steps]
-    data.dead_letters = int(await client.call(client.sync.xlen, names.stream(N.DEAD)))
+    data.dead_letters = await stream_length(client, names, N.DEAD)
     return data
 
 

@@ -11,6 +11,9 @@
   steal live work;
 - malformed input (undecodable, wrong schema or version) is dead-lettered with the reason
   and the actor keeps running.
+- on a sharded run (``consumer`` a :class:`queues.shards.ShardedConsumer`) all of this holds
+  per entry in its own shard: outputs and dedup key go to the input's shard, and the
+  downstream backlog is the sum over the shards.
 Handlers are plain ``async def handle(message) -> list[Output]`` with no Redis I/O.
 """
 
@@ -29,8 +32,9 @@ from actors import metrics
 from actors.policies import Policies, Reject, Retry, Unavailable
 from queues.messages import Message, MessageError, decode, encode
 from queues.payloads import PayloadTooLarge
+from queues.shards import Consumer
 from queues.stats import group_state
-from queues.streams import Delivery, Handoff, StreamConsumer
+from queues.streams import Delivery, Handoff
 
 log = structlog.get_logger()
 
@@ -75,7 +79,7 @@ class RuntimeSettings:
 class ActorRuntime:
     def __init__(
         self,
-        consumer: StreamConsumer,
+        consumer: Consumer,
         actor: Actor[Any],
         policies: Policies,
         settings: RuntimeSettings,
@@ -244,7 +248,7 @@ class ActorRuntime:
 
 
 async def serve_actor(
-    consumer: StreamConsumer,
+    consumer: Consumer,
     actor: Actor[Any],
     policies: Policies,
     settings: RuntimeSettings,

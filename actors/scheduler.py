@@ -13,6 +13,12 @@ Admission guarantees:
 - limit: at most ``max_train_groups`` training groups per run (0: no limit);
 - the staleness and limit bounds are exact: tasks and the counter move together in one
   compare-and-set script, which adds nothing when replayed or when the counter has moved;
+  on a sharded run (``queues.shards`` > 1) tasks are routed to the shard of their episode
+  and the counter stays run-global (``admitted``), so they cannot share a script: the
+  admission is counted together with a write-ahead record of its tasks, then published
+  into each shard once (:func:`queues.shards.publish_counted_routed`); a scheduler that
+  died in between has the rest published at its next start. The backlog is the generator
+  group's, summed over the shards;
 - evaluation: a held-out round (greedy, one sample per item) is published at version 0 and
   every ``eval_every`` versions; evaluation bypasses the staleness bound;
 - domains: which domain each training task comes from is decided by
@@ -37,6 +43,7 @@ from actors.scheduling import FairShare, Share
 from domains.registry import get_domain
 from queues import names as N
 from queues.messages import Sampling, Task, WeightsPublished, decode, encode, new_id, now
+from queues.shards import finish_admissions, publish_counted_routed
 from queues.stats import group_state
 from queues.streams import EventReader
 
@@ -83,11 +90,24 @@ def shares(config: Config) -> list[Share]:
     ]
 
 
+def eval_domains(config: Config) -> list[str]:
+    """The domains of a held-out round: the trained ones, then the evaluation-only ones."""
+    names = config.scheduler.domains + config.scheduler.eval_domains
+    return list(dict.fromkeys(names))
+
+
+def eval_round_size(config: Config) -> int:
+    """Tasks in one held-out round (a domain with fewer eval items than eval_items gives
+    all it has)."""
+    n = config.scheduler.eval_items
+    return sum(len(get_domain(d).load_items("eval")[:n]) for d in eval_domains(config))
+
+
 async def publish_eval_round(ctx: ActorContext, round_no: int, version: int) -> int:
     """Publish one held-out evaluation round; returns the number of tasks."""
     cfg = ctx.config.scheduler
     tasks = []
-    for name in cfg.domains:
+    for name in eval_domains(ctx.config):
         sampling = domain_sampling(ctx.config, name, 0.0)
         items = get_domain(name).load_items("eval")[: cfg.eval_items]
         tasks += [
@@ -102,7 +122,7 @@ async def publish_eval_round(ctx: ActorContext, round_no: int, version: int) -> 
             )
             for it in items
         ]
-    await ctx.producer().publish(N.TASKS, [encode(t) for t in tasks])
+    await ctx.publish_work(N.TASKS, [(t.episode_id, encode(t)) for t in tasks])
     log.info("eval round published", round=round_no, policy_version=version, tasks=len(tasks))
     return len(tasks)
 
@@ -188,16 +208,39 @@ class Scheduler:
         bounds computed from it hold exactly across restarts and replayed calls. Returns the
         number admitted."""
         c = self.ctx
-        sampled = [self.sample(version) for _ in range(count)]
-        tasks = [encode(t) for t in sampled if t is not None]
-        if not tasks:
+        sampled = [t for t in (self.sample(version) for _ in range(count)) if t is not None]
+        if not sampled:
             return 0
+        if c.names.sharded:
+            return await publish_counted_routed(
+                c.client,
+                c.names,
+                N.TASKS,
+                [(t.episode_id, encode(t)) for t in sampled],
+                c.names.admitted,
+                admitted,
+                c.payload_limits(),
+                dedup_ttl_s=c.config.queues.dedup_ttl_s,
+            )
+        tasks = [encode(t) for t in sampled]
         return await c.producer().publish_counted(N.TASKS, tasks, c.names.admitted, admitted)
+
+    async def finish_admissions(self) -> None:
+        """Sharded runs: publish what a scheduler that died mid-admission counted but did not
+        publish yet (a no-op otherwise)."""
+        c = self.ctx
+        if c.names.sharded:
+            finished = await finish_admissions(
+                c.client, c.names, c.payload_limits(), dedup_ttl_s=c.config.queues.dedup_ttl_s
+            )
+            if finished:
+                log.info("finished interrupted admissions", admissions=finished)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         c = self.ctx
         reader = EventReader(c.client, c.names, N.WEIGHTS, block_ms=c.config.queues.block_ms)
         try:
+            await self.finish_admissions()
             version = await latest_version(reader)
             next_eval = await self._eval_if_due(version, None)
             task_status.started()

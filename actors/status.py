@@ -10,6 +10,11 @@ Bottleneck: over several samples (``--samples``, or the history of ``--watch``),
 whose input backlog (lag + pending) grows. Backpressure makes every stage upstream of a slow
 one back up too, so the bottleneck is the *most downstream* stage whose backlog grows.
 
+Sharded runs (``queues.shards`` > 1): every figure of a work stream is summed over its
+shards (lengths, lag, pending, dead letters), the oldest pending age and highest delivery
+count are the largest of any shard, and a consumer (one name in every shard) is listed once
+with its pending entries summed and its shortest idle time.
+
 Reads only. Never waits long for Redis: the connection uses short socket timeouts and the
 reconnect window of :data:`OPS_RECONNECT`, so an unreachable server is a clear error in
 seconds (exit status 2), not a 60 s hang.
@@ -34,7 +39,7 @@ from actors.config import Config
 from queues import names as N
 from queues.client import Reconnect, RedisClient, RedisURL
 from queues.messages import MessageError, WeightsPublished, decode
-from queues.stats import group_state
+from queues.stats import group_state, stream_length
 
 OPS_RECONNECT = Reconnect(timeout_s=3.0, backoff_s=0.1, max_backoff_s=0.5)
 """Operator commands give up on an unreachable Redis after about 3 s."""
@@ -98,6 +103,8 @@ class Snapshot:
     """The stage (consumer group) whose backlog grows, most downstream; None if none does."""
     growth: dict[str, int] = field(default_factory=dict)
     """Backlog change per stream across the samples the bottleneck was judged on."""
+    shards: int = 1
+    """Work-path shards of the run (``queues.shards``); the figures are their sums."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,6 +115,25 @@ def _s(value: object) -> str:
 
 
 async def _group_detail(
+    client: RedisClient, names: N.Names, stream: str, group: str
+) -> tuple[float | None, int, list[Consumer]]:
+    """Oldest pending age, highest delivery count, consumers: over every shard of the run."""
+    ages: list[float] = []
+    most = 0
+    merged: dict[str, Consumer] = {}
+    for layout in names.layouts():
+        oldest, deliveries, consumers = await _shard_detail(client, layout, stream, group)
+        ages += [oldest] if oldest is not None else []
+        most = max(most, deliveries)
+        for c in consumers:
+            seen = merged.get(c.name)
+            merged[c.name] = c if seen is None else Consumer(
+                c.name, seen.pending + c.pending, min(seen.idle_s, c.idle_s)
+            )
+    return (max(ages) if ages else None), most, list(merged.values())
+
+
+async def _shard_detail(
     client: RedisClient, names: N.Names, stream: str, group: str
 ) -> tuple[float | None, int, list[Consumer]]:
     key = names.stream(stream)
@@ -135,7 +161,7 @@ async def _group_detail(
 async def _dead_by_stream(client: RedisClient, names: N.Names) -> tuple[int, dict[str, int]]:
     from actors.dlq import list_dead
 
-    total = int(await client.call(client.sync.xlen, names.stream(N.DEAD)))
+    total = await stream_length(client, names, N.DEAD)
     counts: dict[str, int] = {}
     if total <= 10_000:  # beyond that only the total: listing would take long
         for entry in await list_dead(client, names):
@@ -174,7 +200,9 @@ async def snapshot(client: RedisClient, names: N.Names) -> Snapshot:
             )
         )
     version, rate = await _learner(client, names)
-    return Snapshot(names.run, time.time(), version, rate, total_dead, groups)
+    return Snapshot(
+        names.run, time.time(), version, rate, total_dead, groups, shards=names.shards
+    )
 
 
 def bottleneck(samples: Sequence[Snapshot]) -> tuple[str | None, dict[str, int]]:
@@ -213,8 +241,9 @@ async def sample(
 
 def render(s: Snapshot) -> str:
     rate = f"{s.steps_per_min:.2f} steps/min" if s.steps_per_min is not None else "no steps yet"
+    run = f"{s.run} ({s.shards} shards)" if s.shards > 1 else s.run
     lines = [
-        f"run {s.run}: policy v{s.policy_version}, {rate}, {s.dead_letters} dead letters,"
+        f"run {run}: policy v{s.policy_version}, {rate}, {s.dead_letters} dead letters,"
         f" bottleneck: {s.bottleneck or '-'}",
         f"{'stream':<14}{'group':<11}{'length':>8}{'lag':>7}{'pending':>9}{'oldest':>9}"
         f"{'maxdel':>8}{'dead':>6}  consumers (pending/idle)",
@@ -237,7 +266,7 @@ async def print_status(
     samples: int = 2,
     interval_s: float = 1.0,
 ) -> int:
-    names = N.Names(config.run.name)
+    names = N.Names(config.run.name, shards=config.queues.shards)
     try:
         client = ops_client(config)
     except (RedisUnreachable, ValueError) as exc:

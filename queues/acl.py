@@ -164,12 +164,20 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
     tasks = _stream(n, N.TASKS)
     if role == "scheduler":
         admitted = _glob(n.admitted)
+        admissions = _glob(n.admissions)
+        admit_dedup = _glob(n.dedup("admit", "")) + "*"
         return [
             *_follow(n, N.WEIGHTS),  # the policy version
             Grant(OBSERVE, read=(tasks,)),  # the generator group's backlog
             *_produce(n, N.TASKS),  # evaluation rounds
             Grant(SCRIPTS, rw=(tasks, admitted)),  # publish_counted.lua: admission
             Grant(("get", "incrby"), rw=(admitted,)),
+            # sharded runs (queues.shards): reserve_counted.lua in the run's slot, then
+            # publish_once.lua into each shard, then the record is deleted
+            Grant(SCRIPTS, rw=(admitted, admissions)),
+            Grant(("hget", "hset", "hgetall", "hdel"), rw=(admissions,)),
+            Grant(SCRIPTS, rw=(tasks, admit_dedup, _blobs(n, N.TASKS))),
+            Grant(("set",), write=(admit_dedup,)),
             Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
             Grant(("exists",), read=(_glob(n.stop),)),
             Grant(("get",), read=(_glob(n.counter("dropped_stale")),)),  # replaces drops

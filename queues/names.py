@@ -77,6 +77,26 @@ class Names:
     shard: int | None = None
     """None: one shard, every key under ``{<run>}``. k: the work path of shard k under
     ``{<run>.s<k>}`` (see the module docstring)."""
+    shards: int = 1
+    """How many shards the run's work path is split into (``queues.shards``). 1: the default
+    layout, one slot. With more, the unsharded view (``shard=None``) names the run-global keys
+    and the per-shard views (:meth:`layouts`) the work path; readers of the whole run
+    (:mod:`queues.stats`, status, dead letters) sum over :meth:`layouts`."""
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards > 1
+
+    def layouts(self) -> list[Names]:
+        """Where the run's work path lives: ``[Names(run)]`` with one shard, else the view of
+        every shard ``0 .. shards-1``."""
+        if not self.sharded:
+            return [self.in_shard(None)]
+        return [self.in_shard(k) for k in range(self.shards)]
 
     @property
     def prefix(self) -> str:
@@ -131,6 +151,12 @@ class Names:
     def admitted(self) -> str:
         """Counter of training groups the scheduler has admitted (staleness admission)."""
         return f"{self.prefix}admitted"
+
+    @property
+    def admissions(self) -> str:
+        """Hash of admissions reserved but maybe not yet published into every shard (sharded
+        runs: the write-ahead record of :func:`queues.shards.publish_counted_routed`)."""
+        return f"{self.prefix}admissions"
 
     @property
     def eval_round(self) -> str:

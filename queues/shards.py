@@ -11,23 +11,34 @@ Guarantees, on top of :mod:`queues.streams`:
   (:func:`queues.names.shard_for`: stable across processes), in order within a shard;
 - :class:`ShardedConsumer` consumes one group on a stream in several shards, with the
   interface of :class:`queues.streams.StreamConsumer`. Its entry ids are qualified by the
-  shard (``"<k>/<entry id>"``); a hand-off is acknowledged in the entry's own shard and its
-  dedup key and outputs, named by the unsharded layout (``Names(run)``), are moved into that
-  shard (:meth:`queues.names.Names.localize`), so a hand-off never crosses slots. Run-global
+  shard (``"<k>:<entry id>"``, safe in file names); a hand-off is acknowledged in the
+  entry's own shard and its dedup key and outputs, named by the unsharded layout
+  (``Names(run)``), are moved into that shard (:meth:`queues.names.Names.localize`), so a
+  hand-off never crosses slots. Run-global
   outputs (``weights``, ``metrics``) stay run-global: such a hand-off is two idempotent
   steps, see :meth:`ShardedConsumer.ack_many`;
 - a read blocks on every shard at once and returns as soon as one has entries, never more
   than ``count``: entries the other shards delivered meanwhile are held (and heart-beaten)
-  for the next read, none is lost to the pending list.
+  for the next read, none is lost to the pending list;
+- :func:`publish_counted_routed` is :meth:`queues.streams.Producer.publish_counted` across
+  slots (entries routed into shards, a run-global counter): exact, like the one-slot script,
+  through a write-ahead record (see there);
+- :func:`open_consumer` picks the layout from the names: a plain
+  :class:`queues.streams.StreamConsumer` for a one-shard run (``Names(run)``, unchanged keys),
+  a :class:`ShardedConsumer` over every shard otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
+from importlib import resources
+from typing import Any
 
+import msgspec
 import trio
 
 from queues import names as N
@@ -42,16 +53,25 @@ from queues.streams import (
     open_stream_consumer,
 )
 
+_RESERVE_COUNTED = resources.files("queues").joinpath("reserve_counted.lua").read_text()
+
 
 def qualify(shard: int, entry_id: str) -> str:
-    return f"{shard}/{entry_id}"
+    return f"{shard}:{entry_id}"
 
 
 def unqualify(entry_id: str) -> tuple[int, str]:
-    shard, sep, eid = entry_id.partition("/")
+    shard, sep, eid = entry_id.partition(":")
     if not sep:
         raise ValueError(f"not a sharded entry id: {entry_id!r}")
     return int(shard), eid
+
+
+def split_qualified(entry_id: str) -> tuple[int | None, str]:
+    """``(shard, entry id)`` of a qualified id, ``(None, entry id)`` of a plain one."""
+    if ":" in entry_id:
+        return unqualify(entry_id)
+    return None, entry_id
 
 
 async def publish_routed(
@@ -231,3 +251,113 @@ async def open_sharded_consumer(
             for shard in shards
         }
         yield ShardedConsumer(names, consumers)
+
+
+Consumer = StreamConsumer | ShardedConsumer
+"""What :func:`open_consumer` hands out; both have the same interface."""
+
+
+@asynccontextmanager
+async def open_consumer(
+    client: RedisClient,
+    names: N.Names,
+    stream: str,
+    *,
+    stage: str,
+    group: str | None = None,
+    consumer: str | None = None,
+    settings: ConsumerSettings | None = None,
+) -> AsyncIterator[Consumer]:
+    """A consumer of ``stream`` for the whole run ``names``: one :class:`StreamConsumer` when
+    the run has one shard (the default layout, keys unchanged), else a
+    :class:`ShardedConsumer` over all of ``names.shards``."""
+    kw: dict[str, Any] = dict(stage=stage, group=group, consumer=consumer, settings=settings)
+    if names.shard is None and names.sharded and stream not in N.RUN_GLOBAL_STREAMS:
+        async with open_sharded_consumer(client, names, stream, range(names.shards), **kw) as c:
+            yield c
+    else:
+        async with open_stream_consumer(client, names, stream, **kw) as c:
+            yield c
+
+
+# ---------------------------------------------------------------------- counted admission
+
+
+class _Admission(msgspec.Struct, array_like=True, frozen=True):
+    stream: str
+    items: list[tuple[str, bytes]]  # (routing key, payload)
+
+
+_TOKEN_LEN = 32  # uuid4().hex
+
+
+async def publish_counted_routed(
+    client: RedisClient,
+    names: N.Names,
+    stream: str,
+    items: list[tuple[str, bytes]],
+    counter: str,
+    expected: int,
+    limits: PayloadLimits | None = None,
+    *,
+    dedup_ttl_s: int = 24 * 3600,
+) -> int:
+    """Publish ``items`` [(routing key, payload)] routed over ``names.shards`` shards and add
+    their number to the run-global ``counter``, only if it still holds ``expected``; returns
+    how many were admitted (0 or ``len(items)``).
+
+    The entries (one slot per shard) and the counter (the run's slot) cannot move in one
+    script on a cluster, so this is three idempotent steps: (1) ``reserve_counted.lua``, in
+    the run's slot: compare-and-set the counter and record the batch in ``names.admissions``
+    (the write-ahead record; a replay after a lost reply is recognised by its token); (2) per
+    shard, :meth:`Producer.publish_once` of that shard's entries under the dedup key
+    ``(admit, expected)`` in the shard's slot; (3) delete the record. A crash after (1) leaves
+    the record: :func:`finish_admissions` (run at start, and after every reservation)
+    publishes what is missing, so the counter and the published entries always end up
+    agreeing: every counted entry is published exactly once, nothing uncounted is published.
+    """
+    if not items:
+        return 0
+    record = msgspec.msgpack.encode(_Admission(stream, items))
+    token = uuid.uuid4().hex
+    assert len(token) == _TOKEN_LEN
+    script = client.sync.register_script(_RESERVE_COUNTED)
+    added = int(
+        await client.call(
+            script,
+            keys=[counter, names.admissions],
+            args=[expected, token, token.encode() + record, len(items)],
+        )
+    )
+    await finish_admissions(client, names, limits, dedup_ttl_s=dedup_ttl_s)
+    return added
+
+
+async def finish_admissions(
+    client: RedisClient,
+    names: N.Names,
+    limits: PayloadLimits | None = None,
+    *,
+    dedup_ttl_s: int = 24 * 3600,
+) -> int:
+    """Publish every reserved admission of the run (see :func:`publish_counted_routed`) that
+    is still recorded, each entry once, and delete the records; returns how many records were
+    finished. Idempotent; safe to run from several processes at once."""
+    raw: Any = await client.call(client.sync.hgetall, names.admissions)
+    done = 0
+    for field_raw, value in sorted((raw or {}).items(), key=lambda kv: int(kv[0])):
+        start = field_raw.decode() if isinstance(field_raw, bytes) else str(field_raw)
+        admission = msgspec.msgpack.decode(value[_TOKEN_LEN:], type=_Admission)
+        by_shard: dict[int, list[bytes]] = defaultdict(list)
+        for key, payload in admission.items:
+            by_shard[N.shard_for(key, names.shards)].append(payload)
+        for shard, payloads in sorted(by_shard.items()):
+            local = names.in_shard(shard) if names.sharded else names.in_shard(None)
+            await Producer(client, local, limits).publish_once(
+                local.dedup("admit", start),
+                [(admission.stream, p) for p in payloads],
+                dedup_ttl_s=dedup_ttl_s,
+            )
+        await client.call(client.sync.hdel, names.admissions, start)
+        done += 1
+    return done

@@ -1,4 +1,10 @@
-"""Read-only views of stream state: backlog for backpressure, snapshots for monitoring."""
+"""Read-only views of stream state: backlog for backpressure, snapshots for monitoring.
+
+For a sharded run (``Names(run, shards=n)``, n > 1) the run-wide view (``shard=None``) of a
+work stream is the sum over its shards: length, lag, pending and consumers added up, so the
+scheduler's backlog bound, the stages' backpressure and ``streamrl status`` see the whole
+run. A per-shard view (``names.in_shard(k)``) reads that shard alone.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +32,27 @@ def _as_str(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def spans_shards(names: N.Names, stream: str) -> bool:
+    """Whether ``stream`` of the run view ``names`` lives in several shards."""
+    return names.shard is None and names.sharded and stream not in N.RUN_GLOBAL_STREAMS
+
+
 async def group_state(client: RedisClient, names: N.Names, stream: str, group: str) -> GroupState:
+    """The group's state; summed over the shards for the run view of a sharded run."""
+    if spans_shards(names, stream):
+        parts = [await _group_state(client, n, stream, group) for n in names.layouts()]
+        return GroupState(
+            stream,
+            group,
+            sum(p.length for p in parts),
+            sum(p.lag for p in parts),
+            sum(p.pending for p in parts),
+            sum(p.consumers for p in parts),
+        )
+    return await _group_state(client, names, stream, group)
+
+
+async def _group_state(client: RedisClient, names: N.Names, stream: str, group: str) -> GroupState:
     key = names.stream(stream)
 
     def fetch() -> GroupState:
@@ -58,4 +84,7 @@ async def pipeline_state(client: RedisClient, names: N.Names) -> list[GroupState
 
 
 async def stream_length(client: RedisClient, names: N.Names, stream: str) -> int:
+    """XLEN; summed over the shards for the run view of a sharded run."""
+    if spans_shards(names, stream):
+        return sum([await stream_length(client, n, stream) for n in names.layouts()])
     return int(await client.call(client.sync.xlen, names.stream(stream)))

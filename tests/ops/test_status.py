@@ -28,6 +28,7 @@ GROUP_SCHEMA = {
 TOP_SCHEMA = {
     "run": str, "at": float, "policy_version": int, "steps_per_min": (float, type(None)),
     "dead_letters": int, "groups": list, "bottleneck": (str, type(None)), "growth": dict,
+    "shards": int,
 }
 
 
