@@ -12,10 +12,15 @@ Guarantees:
   ``output_token_logprobs`` as ``[[logprob, token_id, null], ...]`` (exact behaviour
   logprobs, see :mod:`inference.engine`);
 - concurrent requests share the engine's batches; ``/abort_request`` (by ``rid`` or
-  ``abort_all``) and a client that disconnects drop a request's rows;
+  ``abort_all``) ends a request before its next decoding step and answers what it has so
+  far (``finish_reason`` ``abort``, with ``output_ids`` and their logprobs, as SGLang does);
+  a client that disconnects drops its request's rows;
 - ``/pause_generation`` holds new requests (mode ``abort`` also aborts the running ones)
-  until ``/continue_generation``; ``/update_weights_from_disk`` applies between batches and
-  every completion names the weight version it was sampled under;
+  until ``/continue_generation``; ``/update_weights_from_disk`` does not wait for running
+  requests: the new weights apply between two decoding steps and the running requests go
+  on under them (interruptible rollouts). An answer whose tokens came from more than one
+  version says which: ``meta_info.weight_versions = [{version, start, end}, ...]`` (token
+  ranges, ``end`` exclusive, in order); ``weight_version`` is that of the last token;
 - both spellings of the renamed endpoints answer (``/model_info`` and ``/get_model_info``,
   ``/server_info`` and ``/get_server_info``).
 
@@ -36,6 +41,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -64,6 +70,21 @@ class BadRequest(ValueError):
 
 
 @dataclass
+class Running:
+    """A ``/generate`` in progress: cancelled while it waits for the server to resume,
+    aborted (answering its tokens so far) once its rows are in the engine."""
+
+    scope: trio.CancelScope
+    abort: threading.Event = field(default_factory=threading.Event)
+    in_engine: bool = False
+
+    def stop(self) -> None:
+        self.abort.set()
+        if not self.in_engine:
+            self.scope.cancel()
+
+
+@dataclass
 class ServerState:
     engine: TransformersEngine
     model_path: str
@@ -71,7 +92,7 @@ class ServerState:
     port: int
     weight_version: str = "default"
     labels: dict[int, str] = field(default_factory=dict)  # engine version -> weight_version
-    running: dict[str, trio.CancelScope] = field(default_factory=dict)
+    running: dict[str, Running] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
     waiting: int = 0
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update process groups
@@ -136,6 +157,7 @@ def _cut(c: Completion, stop: list[str], stop_ids: set[int], state: ServerState
     tokens, logprobs = c.tokens.tolist(), c.logprobs.tolist()
     reason: dict[str, Any] = (
         {"type": "stop", "matched": tokens[-1]} if c.finish_reason == "stop" and tokens
+        else {"type": "abort", "message": "Abort request"} if c.finish_reason == "abort"
         else {"type": "length", "length": len(tokens)}
     )
     for i, t in enumerate(tokens):
@@ -159,6 +181,7 @@ def _cut(c: Completion, stop: list[str], stop_ids: set[int], state: ServerState
 def _answer(prompt: list[int], c: Completion | None, rid: str, want_logprob: bool,
             stop: list[str], stop_ids: set[int], state: ServerState, started: float
             ) -> dict[str, Any]:
+    ranges: list[dict[str, Any]] = []
     if c is None:
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -167,7 +190,17 @@ def _answer(prompt: list[int], c: Completion | None, rid: str, want_logprob: boo
         version = state.weight_version
     else:
         tokens, logprobs, text, reason = _cut(c, stop, stop_ids, state)
-        version = state.labels.get(c.weight_version, str(c.weight_version))
+        if reason["type"] == "abort":
+            reason["message"] = "Abort request " + rid
+        versions = c.token_versions()[: len(tokens)].tolist()
+        for i, v in enumerate(versions):
+            if ranges and ranges[-1]["_v"] == v:
+                ranges[-1]["end"] = i + 1
+            else:
+                ranges.append({"_v": v, "version": state.labels.get(v, str(v)),
+                               "start": i, "end": i + 1})
+        last = versions[-1] if versions else c.weight_version
+        version = state.labels.get(last, str(last))
     meta: dict[str, Any] = {
         "id": rid,
         "finish_reason": reason,
@@ -177,6 +210,9 @@ def _answer(prompt: list[int], c: Completion | None, rid: str, want_logprob: boo
         "weight_version": version,
         "e2e_latency": time.perf_counter() - started,
     }
+    if len(ranges) > 1:  # the weights changed while this request ran
+        meta["weight_versions"] = [{k: r[k] for k in ("version", "start", "end")}
+                                   for r in ranges]
     if want_logprob:
         meta["input_token_logprobs"] = []
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
@@ -201,7 +237,7 @@ async def generate(request: Request) -> Response:
     error: Exception | None = None
     disconnected = False
     with trio.CancelScope() as scope:
-        state.running[rid] = scope
+        running = state.running[rid] = Running(scope)
         try:
             async with trio.open_nursery() as nursery:
 
@@ -218,8 +254,10 @@ async def generate(request: Request) -> Response:
                     await state.resumed.wait()
                 finally:
                     state.waiting -= 1
+                running.in_engine = True
                 try:
-                    completions = await state.engine.generate(prompts, sampling)
+                    completions = await state.engine.generate(prompts, sampling,
+                                                              abort=running.abort)
                 except (ValueError, EngineClosed) as exc:
                     error = exc
                 nursery.cancel_scope.cancel()
@@ -257,7 +295,7 @@ async def _body(request: Request) -> dict[str, Any]:
 def _abort(state: ServerState, rid: str | None = None) -> int:
     rids = list(state.running) if rid is None else [r for r in state.running if r == rid]
     for r in rids:
-        state.running[r].cancel()
+        state.running[r].stop()
     return len(rids)
 
 
@@ -342,14 +380,14 @@ async def update_weights_from_disk(request: Request) -> Response:
         _abort(state)
     started = time.perf_counter()
     version = state.engine.weight_version + 1
+    label = body.get("weight_version")
+    state.labels[version] = str(label) if label is not None else state.weight_version
     try:
         await state.engine.update_weights(path, version)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, EngineClosed) as exc:
         log.warning("weight update failed", path=path, error=str(exc))
         return JSONResponse({"success": False, "message": f"Failed to update weights: {exc}",
                              "num_paused_requests": 0}, status_code=400)
-    label = body.get("weight_version")
-    state.labels[version] = str(label) if label is not None else state.weight_version
     state.weight_version = state.labels[version]
     state.model_path = path
     message = "Succeeded to update model weights."
@@ -458,12 +496,12 @@ async def update_weights_from_distributed(request: Request) -> Response:
         file = Path(tmp) / "model.safetensors"
         await trio.to_thread.run_sync(save_file, tensors, str(file))
         version = state.engine.weight_version + 1
+        label = body.get("weight_version")
+        state.labels[version] = str(label) if label is not None else state.weight_version
         try:
             await state.engine.update_weights(file, version)
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, EngineClosed) as exc:
             return _fail(f"Failed to update parameter online: {exc}")
-    label = body.get("weight_version")
-    state.labels[version] = str(label) if label is not None else state.weight_version
     state.weight_version = state.labels[version]
     log.info("weights updated from the group", weight_version=state.weight_version,
              tensors=len(specs))

@@ -11,15 +11,25 @@ Guarantees:
 - with several servers the client balances: the least-loaded healthy server (requests in
   flight from this client), sticky per ``session`` (an episode id) so a multi-turn episode
   reuses one server's prefix cache; with ``router_url`` every request goes to the router;
-- a server that fails (connection error, 5xx, an aborted answer) is taken out of rotation
-  and the request is tried on the next healthy one; when none is left
-  :class:`ServerUnavailable` is raised: the caller's message is retried, the run does not
-  fail. :meth:`SGLangEngine.serve_health_checks` probes ``/health`` and brings a server
-  back only after it serves the current weight version;
+- a server that fails (connection error, 5xx) is taken out of rotation and the request is
+  tried on the next healthy one; when none is left :class:`ServerUnavailable` is raised:
+  the caller's message is retried, the run does not fail.
+  :meth:`SGLangEngine.serve_health_checks` probes ``/health`` and brings a server back only
+  after it serves the current weight version;
 - ``update_weights`` runs ``pause_generation -> update_weights_from_disk(weight_version=N)
   -> continue_generation`` on every server at once; a server that misses it is taken out
   and re-synced by the health checks before it takes work again (so does a replica that
   joins mid-run);
+- interruptible rollouts: an update does not wait for long generations. With
+  ``interrupt="resubmit"`` (the portable default) it aborts the running requests
+  (``/abort_request`` ``abort_all`` after the pause); an aborted answer keeps its tokens and
+  the request is resubmitted, once the update is done, as ``input_ids + tokens so far``
+  with the ``max_new_tokens`` left (up to :data:`MAX_RESUBMITS` times, else
+  :class:`ServerUnavailable`). With ``interrupt="in_place"`` running requests go on under
+  the new weights on the server, which must then say which tokens came from which version
+  (``meta_info.weight_versions``, as ``serve-model`` does). Either way every token of a
+  :class:`Completion` carries the version that produced it (``versions``), read from the
+  answers: ``weight_versions`` ranges if present, else ``weight_version`` for all its tokens;
 - renamed endpoints are tried under the new name, then the old one on 404
   (``/model_info`` -> ``/get_model_info``, ``/server_info`` -> ``/get_server_info``).
 """
@@ -30,12 +40,13 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import structlog
 import trio
@@ -47,6 +58,8 @@ log = structlog.get_logger()
 
 RENAMED = {"/model_info": "/get_model_info", "/server_info": "/get_server_info"}
 MAX_STICKY = 10_000
+MAX_RESUBMITS = 8  # aborted answers resumed per prompt before the request counts as failed
+INTERRUPT_MODES = ("resubmit", "in_place")
 
 
 class ServerUnavailable(RuntimeError):
@@ -77,7 +90,28 @@ class Server:
         return f"Server({self.url}, healthy={self.healthy}, v={self.weight_version})"
 
 
+def _versions(meta: dict[str, Any], n: int) -> np.ndarray:
+    """Per-token versions: from ``weight_versions`` ranges when the server reports them
+    (they must cover the tokens in order), else ``weight_version`` for all."""
+    ranges = meta.get("weight_versions")
+    if not ranges:
+        return np.full(n, parse_version(meta.get("weight_version")), dtype=np.int32)
+    versions = np.empty(n, dtype=np.int32)
+    at = 0
+    for r in ranges:
+        start, end = int(r["start"]), int(r["end"])
+        if start != at or not start < end <= n:
+            raise ProtocolError(f"weight_versions do not cover the tokens: {ranges}")
+        versions[start:end] = parse_version(r["version"])
+        at = end
+    if at != n:
+        raise ProtocolError(f"weight_versions do not cover the tokens: {ranges}")
+    return versions
+
+
 def _completion(answer: Any) -> Completion:
+    """One answer as a :class:`Completion`; ``finish_reason`` may be ``abort`` (the tokens so
+    far, to be resumed)."""
     try:
         meta = answer["meta_info"]
         tokens = np.asarray(answer["output_ids"], dtype=np.int32)
@@ -87,24 +121,47 @@ def _completion(answer: Any) -> Completion:
             raise ProtocolError("output_token_logprobs do not match output_ids")
         reason = meta["finish_reason"]["type"]
         text = str(answer["text"])
-        version = parse_version(meta.get("weight_version"))
+        versions = _versions(meta, len(tokens))
+        version = int(versions[0]) if len(tokens) else parse_version(meta.get("weight_version"))
     except (KeyError, TypeError, IndexError, ValueError) as exc:
         if isinstance(exc, ProtocolError):
             raise
         raise ProtocolError(f"malformed /generate answer: {exc!r}") from None
-    if reason not in ("stop", "length"):
-        raise ServerUnavailable(f"request ended with {meta['finish_reason']}")
+    if reason not in ("stop", "length", "abort"):
+        raise ProtocolError(f"unknown finish_reason {meta['finish_reason']}")
     return Completion(tokens=tokens, logprobs=logprobs, text=text, finish_reason=reason,
-                      weight_version=version)
+                      weight_version=version, versions=versions)
+
+
+def _join(parts: list[Completion]) -> Completion:
+    """The pieces of one interrupted completion, as one (the last piece's finish reason).
+    The text is the pieces' texts joined (each decoded by the server on its own)."""
+    versions = np.concatenate([p.token_versions() for p in parts]).astype(np.int32)
+    return Completion(
+        tokens=np.concatenate([p.tokens for p in parts]).astype(np.int32),
+        logprobs=np.concatenate([p.logprobs for p in parts]).astype(np.float32),
+        text="".join(p.text for p in parts),
+        finish_reason=parts[-1].finish_reason,
+        weight_version=int(versions[0]) if len(versions) else parts[0].weight_version,
+        versions=versions,
+    )
 
 
 class SGLangEngine:
     """See the module docstring. Use :func:`open_sglang_engine`."""
 
     def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], *,
-                 router_url: str = "", pause_mode: str = "in_place") -> None:
+                 router_url: str = "", pause_mode: str = "in_place",
+                 interrupt: str = "resubmit") -> None:
         if not urls and not router_url:
             raise ValueError("need at least one server URL or a router URL")
+        if interrupt not in INTERRUPT_MODES:
+            raise ValueError(f"interrupt {interrupt!r}: use one of {INTERRUPT_MODES}")
+        self.interrupt = interrupt
+        self._updates = 0  # weight updates under way
+        self._updated = trio.Event()  # set while no update is under way
+        self._updated.set()
+        self.resubmits = 0  # aborted requests resumed (statistics)
         self.client = client
         self.servers = [Server(u.rstrip("/")) for u in urls]
         self.router = Server(router_url.rstrip("/"), healthy=True) if router_url else None
@@ -124,8 +181,47 @@ class SGLangEngine:
                        session: str | None = None) -> list[Completion]:
         if not prompts:
             return []
+        prompts = [list(map(int, p)) for p in prompts]
+        answers = await self._generate(prompts, sampling, session)
+        completions = [_completion(a) for a in answers]
+        if all(c.finish_reason != "abort" for c in completions):
+            return completions
+
+        async def resume(i: int) -> None:
+            completions[i] = await self._resume(prompts[i], completions[i], sampling, session)
+
+        async with trio.open_nursery() as nursery:
+            for i, c in enumerate(completions):
+                if c.finish_reason == "abort":
+                    nursery.start_soon(resume, i)
+        return completions
+
+    async def _resume(self, prompt: list[int], first: Completion, sampling: Sampling,
+                      session: str | None) -> Completion:
+        """Resubmit an aborted request as prompt + tokens so far, after the weight update
+        that aborted it, until it finishes."""
+        parts = [first]
+        for _ in range(MAX_RESUBMITS):
+            await self._updated.wait()
+            done = sum(len(p.tokens) for p in parts)
+            left = sampling.max_new_tokens - done
+            if left <= 0:
+                return replace(_join(parts), finish_reason="length")
+            so_far = [*prompt, *(int(t) for p in parts for t in p.tokens)]
+            self.resubmits += 1
+            log.info("resubmitting an interrupted request", tokens_so_far=done, left=left)
+            rest = msgspec.structs.replace(sampling, max_new_tokens=left)
+            [answer] = await self._generate([so_far], rest, session)
+            parts.append(_completion(answer))
+            if parts[-1].finish_reason != "abort":
+                return _join(parts)
+        raise ServerUnavailable(f"a request was aborted {MAX_RESUBMITS + 1} times")
+
+    async def _generate(self, prompts: list[list[int]], sampling: Sampling,
+                        session: str | None) -> list[Any]:
+        """One batched /generate on a healthy server (the next one if it fails)."""
         body: dict[str, Any] = {
-            "input_ids": [list(map(int, p)) for p in prompts],
+            "input_ids": prompts,
             "sampling_params": {"max_new_tokens": sampling.max_new_tokens,
                                 "temperature": sampling.temperature, "top_p": sampling.top_p},
             "return_logprob": True,
@@ -151,16 +247,25 @@ class SGLangEngine:
                 continue
             if not isinstance(answers, list) or len(answers) != len(prompts):
                 raise ProtocolError(f"expected {len(prompts)} answers from {server.url}")
-            return [_completion(a) for a in answers]
+            return answers
 
     async def update_weights(self, path: str | Path, version: int) -> None:
         """Every healthy server serves ``version`` when this returns; raises
-        :class:`ServerUnavailable` if none could load it."""
+        :class:`ServerUnavailable` if none could load it. Requests it interrupts are
+        resubmitted once it returns (``interrupt="resubmit"``)."""
         self._target = (str(path), version)
         healthy = [s for s in self.servers if s.healthy] or ([self.router] if self.router else [])
-        async with trio.open_nursery() as nursery:
-            for server in healthy:
-                nursery.start_soon(self._sync_one, server)
+        if self._updates == 0:
+            self._updated = trio.Event()
+        self._updates += 1
+        try:
+            async with trio.open_nursery() as nursery:
+                for server in healthy:
+                    nursery.start_soon(self._sync_one, server)
+        finally:
+            self._updates -= 1
+            if self._updates == 0:
+                self._updated.set()
         self._version = version  # the target: a server that missed it loads it when back
         if self.servers and not any(s.healthy for s in self.servers):
             raise ServerUnavailable(f"no server loaded weights version {version}")
@@ -217,6 +322,8 @@ class SGLangEngine:
         try:
             await self._post(server, "/pause_generation", {"mode": self.pause_mode})
             try:
+                if self.interrupt == "resubmit":  # answered with their tokens so far
+                    await self._post(server, "/abort_request", {"abort_all": True})
                 answer = await self._post(server, "/update_weights_from_disk", {
                     "model_path": path, "weight_version": str(version),
                     "flush_cache": self.pause_mode != "in_place",
@@ -310,6 +417,7 @@ class SGLangEngine:
 async def open_sglang_engine(
     urls: Sequence[str], *, router_url: str = "", health_interval_s: float = 2.0,
     request_timeout_s: float = 600.0, pause_mode: str = "in_place",
+    interrupt: str = "resubmit",
 ) -> AsyncIterator[SGLangEngine]:
     """A client with its health checks running (one probe done before it is handed out)."""
     timeout = httpx.Timeout(request_timeout_s, connect=5.0)
@@ -318,7 +426,8 @@ async def open_sglang_engine(
         httpx.AsyncClient(timeout=timeout, limits=limits) as client,
         trio.open_nursery() as nursery,
     ):
-        engine = SGLangEngine(client, urls, router_url=router_url, pause_mode=pause_mode)
+        engine = SGLangEngine(client, urls, router_url=router_url, pause_mode=pause_mode,
+                              interrupt=interrupt)
         await nursery.start(engine.serve_health_checks, health_interval_s)
         try:
             yield engine
