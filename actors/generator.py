@@ -37,10 +37,40 @@ from queues.streams import EventReader
 log = structlog.get_logger()
 
 
+class VersionGate:
+    """The weight version this generator serves, for tasks that must not be generated on
+    older weights than they were admitted for (synchronous mode, ``learner.max_staleness =
+    0``). :func:`serve_weight_updates` advances it."""
+
+    def __init__(self, timeout_s: float = 60.0, retry_delay_s: float = 2.0) -> None:
+        self.version = 0
+        self.timeout_s = timeout_s
+        self.retry_delay_s = retry_delay_s
+        self._advanced = trio.Event()
+
+    def advance(self, version: int) -> None:
+        if version > self.version:
+            self.version = version
+            self._advanced.set()
+            self._advanced = trio.Event()
+
+    async def wait_for(self, version: int) -> None:
+        """Return once ``version`` or a newer one is served; after ``timeout_s``
+        :class:`Unavailable` (the task is retried, then released for redelivery)."""
+        with trio.move_on_after(self.timeout_s):
+            while self.version < version:
+                await self._advanced.wait()
+            return
+        raise Unavailable(f"weights v{version} not served yet (serving v{self.version})",
+                          delay=self.retry_delay_s)
+
+
 class Generator:
     stage = "generator"
     input_stream = N.TASKS
     input_type = Task
+    gate: VersionGate | None = None
+    """Set in synchronous mode: a task waits for the weights it was admitted for."""
 
     def __init__(self, engine: Engine, tokenizer: Any, retry_delay_s: float = 2.0) -> None:
         self.engine = engine
@@ -48,6 +78,8 @@ class Generator:
         self.retry_delay_s = retry_delay_s
 
     async def handle(self, task: Task) -> list[Output]:
+        if self.gate is not None:
+            await self.gate.wait_for(task.policy_version)
         domain, item = domain_item(task)
         prompt = domain.render_prompt(item, self.tokenizer)
         prompts = [prompt] * task.group_size
@@ -65,6 +97,7 @@ class Generator:
                 text=c.text,
                 finish_reason=c.finish_reason,
                 weight_version=c.weight_version,
+                versions=ids_to_bytes(c.token_versions()),
             )
             for c in completions
         ]
@@ -88,9 +121,11 @@ class Generator:
 
 
 async def serve_weight_updates(
-    ctx: ActorContext, engine: Engine, *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ctx: ActorContext, engine: Engine, gate: VersionGate | None = None, *,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Load the current policy version, report ready, then follow every new version."""
+    """Load the current policy version, report ready, then follow every new version (and
+    advance ``gate`` to each version served)."""
     reader = EventReader(ctx.client, ctx.names, N.WEIGHTS, block_ms=ctx.config.queues.block_ms)
     try:
         latest = await reader.latest()
@@ -101,6 +136,8 @@ async def serve_weight_updates(
                 log.info("weights loaded", policy_version=event.version)
             except ServerUnavailable as exc:  # no server up yet: each loads it before work
                 log.warning("weights not loaded", policy_version=event.version, error=str(exc))
+        if gate is not None:
+            gate.advance(engine.weight_version)
         task_status.started()
         while True:
             events = [decode(raw, WeightsPublished) for _, raw in await reader.read()]
@@ -113,8 +150,10 @@ async def serve_weight_updates(
                         # The version stays the target: each server loads it when it is back.
                         log.warning("weights not loaded", policy_version=newest.version,
                                     error=str(exc))
-                        continue
-                    log.info("weights updated", policy_version=newest.version)
+                    else:
+                        log.info("weights updated", policy_version=newest.version)
+                    if gate is not None:  # a server that missed it loads it before work
+                        gate.advance(engine.weight_version)
     finally:
         reader.close()
 
@@ -144,9 +183,12 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
         open_engine(cfg, model_dir) as engine,
         trio.open_nursery() as nursery,
     ):
-        await nursery.start(serve_weight_updates, ctx, engine)
+        gate = VersionGate() if ctx.config.learner.max_staleness == 0 else None
+        await nursery.start(serve_weight_updates, ctx, engine, gate)
+        generator = Generator(engine, tokenizer)
+        generator.gate = gate
         await ctx.serve(
-            Generator(engine, tokenizer),
+            generator,
             concurrency=cfg.concurrency,
             time_limit_s=cfg.time_limit_s,
             task_status=task_status,

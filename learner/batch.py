@@ -81,8 +81,12 @@ class Batch:
 
 
 def group_staleness(trajectory: Trajectory, learner_version: int) -> int:
-    """How many versions behind the learner the oldest sample of the group was drawn."""
-    oldest = min(s.weight_version for s in trajectory.rollout.samples)
+    """How many versions behind the learner the oldest token of the group was drawn (per-token
+    versions: a completion may span a weight update)."""
+    oldest = min(
+        min(s.weight_version, int(s.token_versions().min(initial=s.weight_version)))
+        for s in trajectory.rollout.samples
+    )
     return learner_version - oldest
 
 

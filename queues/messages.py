@@ -139,6 +139,16 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     weight_version: int
     mask: bytes = b""  # uint8, one per token: 1 the model's, 0 an observation; b"": all 1
     turns: list[Turn] = []
+    versions: bytes = b""
+    """int32 LE, one per token: the weight version that produced it (weights may change in
+    the middle of a completion: interruptible rollouts); b"": all ``weight_version``. A
+    generator sets ``weight_version`` to the oldest of them (its first token's)."""
+
+    def token_versions(self) -> np.ndarray:
+        """The weight version of every token (int32)."""
+        if self.versions:
+            return np.frombuffer(self.versions, dtype="<i4")
+        return np.full(len(self.tokens) // 4, self.weight_version, dtype=np.int32)
 
 
 class Rollout(Message, frozen=True, kw_only=True):

@@ -316,21 +316,38 @@ async def publish_counted_routed(
     publishes what is missing, so the counter and the published entries always end up
     agreeing: every counted entry is published exactly once, nothing uncounted is published.
     """
+    added = await reserve_admission(client, names, stream, items, counter, expected)
+    await finish_admissions(client, names, limits, dedup_ttl_s=dedup_ttl_s)
+    return added
+
+
+async def reserve_admission(
+    client: RedisClient,
+    names: N.Names,
+    stream: str,
+    items: list[tuple[str, bytes]],
+    counter: str,
+    expected: int,
+    *,
+    token: str | None = None,
+) -> int:
+    """Step (1) of :func:`publish_counted_routed` alone: count ``items`` and record them,
+    if ``counter`` still holds ``expected``; publishes nothing. Repeating it with the same
+    ``token`` (what the client does after a lost reply) reserves nothing twice."""
     if not items:
         return 0
+    token = token or uuid.uuid4().hex
+    if len(token) != _TOKEN_LEN:
+        raise ValueError(f"token must be {_TOKEN_LEN} characters")
     record = msgspec.msgpack.encode(_Admission(stream, items))
-    token = uuid.uuid4().hex
-    assert len(token) == _TOKEN_LEN
     script = client.sync.register_script(_RESERVE_COUNTED)
-    added = int(
+    return int(
         await client.call(
             script,
             keys=[counter, names.admissions],
-            args=[expected, token, token.encode() + record, len(items)],
+            args=[expected, token, record, len(items)],
         )
     )
-    await finish_admissions(client, names, limits, dedup_ttl_s=dedup_ttl_s)
-    return added
 
 
 async def finish_admissions(
