@@ -151,6 +151,9 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """Run the held-out evaluation every N policy versions (0: only at start and end)."""
     eval_items: PosInt = 64
     """Held-out items per domain in each evaluation round."""
+    eval_domains: list[str] = msgspec.field(default_factory=list)
+    """Evaluation-only domains (e.g. ``["general"]``): in every held-out round next to
+    ``domains``, never trained, so that forgetting shows in the per-domain eval series."""
     max_train_groups: NonNegInt = 0
     """Admit at most this many training groups in the whole run (0: no limit). Exact across
     scheduler restarts: the count of admitted groups lives in Redis."""
@@ -341,9 +344,10 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-domain settings, ``[domain.math]``; a domain without a table gets the defaults."""
 
     def __post_init__(self) -> None:
-        unknown = set(self.domain) - set(self.scheduler.domains)
+        unknown = set(self.domain) - {*self.scheduler.domains, *self.scheduler.eval_domains}
         if unknown:
-            raise ValueError(f"[domain.*] tables for domains not in scheduler.domains: "
+            raise ValueError(f"[domain.*] tables for domains not in scheduler.domains or "
+                             f"eval_domains: "
                              f"{sorted(unknown)}")
 
     def domain_config(self, name: str) -> DomainConfig:

@@ -30,6 +30,8 @@ class EvalRound:
     expected: int
     rewards: list[float] = field(default_factory=list)
     versions: set[int] = field(default_factory=set)
+    by_domain: dict[str, list[float]] = field(default_factory=dict)
+    """domain -> rewards of its held-out items in this round."""
 
     @property
     def done(self) -> bool:
@@ -38,6 +40,9 @@ class EvalRound:
     @property
     def mean(self) -> float:
         return statistics.fmean(self.rewards) if self.rewards else float("nan")
+
+    def domain_means(self) -> dict[str, float]:
+        return {d: statistics.fmean(r) for d, r in sorted(self.by_domain.items()) if r}
 
 
 def not_an_eval_result(traj: Trajectory) -> str | None:
@@ -68,6 +73,24 @@ class Summary(msgspec.Struct, kw_only=True):
     learner_step_seconds: float | None
     learner_busy_fraction: float | None
     trained_tokens_per_second: float | None
+    eval_by_domain: dict[str, list[dict[str, Any]]] = {}
+    """domain -> one point per completed round: round, policy_version, reward, items (the
+    per-domain series over time; eval-only domains such as ``general`` included)."""
+
+
+def eval_series(rounds: list[EvalRound]) -> dict[str, list[dict[str, Any]]]:
+    """Per-domain held-out reward over completed rounds (policy version: the round's
+    lowest weight version)."""
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in rounds:
+        for domain, rewards in sorted(r.by_domain.items()):
+            series.setdefault(domain, []).append({
+                "round": r.round,
+                "policy_version": min(r.versions) if r.versions else None,
+                "reward": statistics.fmean(rewards),
+                "items": len(rewards),
+            })
+    return series
 
 
 class Monitor:
@@ -117,6 +140,7 @@ class Monitor:
         task = traj.rollout.task
         r = self.rounds.setdefault(task.eval_round, EvalRound(task.eval_round, self.eval_items))
         r.rewards.extend(traj.rewards)
+        r.by_domain.setdefault(task.domain, []).extend(traj.rewards)
         r.versions.update(s.weight_version for s in traj.rollout.samples)
         with log_path.open("a") as f:
             f.write(
@@ -159,6 +183,9 @@ class Monitor:
         last = self.steps[-1] if self.steps else None
         rounds = self.completed_rounds()
         evals = " ".join(f"{r.mean:.2f}@v{min(r.versions)}" for r in rounds[-4:]) or "-"
+        if rounds:
+            evals += " (" + " ".join(
+                f"{d} {m:.2f}" for d, m in rounds[-1].domain_means().items()) + ")"
         recent = self.steps[-5:]
         reward = statistics.fmean(s.reward_mean for s in recent) if recent else float("nan")
         span = sum(s.step_seconds + s.wait_seconds for s in recent)
@@ -193,9 +220,11 @@ class Monitor:
                     "reward": r.mean,
                     "versions": sorted(r.versions),
                     "items": len(r.rewards),
+                    "by_domain": r.domain_means(),
                 }
                 for r in rounds
             ],
+            eval_by_domain=eval_series(rounds),
             reward_first_steps=statistics.fmean(s.reward_mean for s in steps[:k]) if k else None,
             reward_last_steps=statistics.fmean(s.reward_mean for s in steps[-k:]) if k else None,
             dropped_stale=steps[-1].dropped_stale if steps else 0,

@@ -6,10 +6,12 @@ archive, deduplicated), and the entry ids of the work streams (an entry id is th
 producer wrote it: the throughput of each stage).
 
 Charts (matplotlib, Agg backend): ``reward.png`` (training reward per domain over policy
-versions), ``eval.png`` (held-out reward per domain over policy versions),
-``throughput.png`` (entries per minute each stage produced), ``learner_busy.png`` (step /
-(step + wait) per step), ``staleness.png`` (max staleness per step); ``summary.md`` holds
-the numbers behind them. A chart with no data is left out and the summary says so.
+versions), ``eval.png`` (held-out reward per domain over policy versions; an eval-only
+domain such as ``general`` dashed), ``throughput.png`` (entries per minute each stage
+produced), ``learner_busy.png`` (step / (step + wait) per step), ``staleness.png`` (max
+staleness per step); ``summary.md`` holds the numbers behind them, and each domain's
+held-out reward at its first and last evaluated version (forgetting). A chart with no data
+is left out and the summary says so.
 """
 
 from __future__ import annotations
@@ -86,6 +88,23 @@ def per_version(series: dict[str, dict[int, list[float]]]) -> dict[str, list[tup
     return {d: [(v, _mean(r)) for v, r in sorted(by.items())] for d, by in sorted(series.items())}
 
 
+def forgetting(data: RunData) -> list[str]:
+    """Markdown: each domain's held-out reward at the first and the last evaluated policy
+    version (a drop on an eval-only domain is forgetting)."""
+    series = per_version(data.evals)
+    if not series:
+        return []
+    lines = ["", "## Held-out reward, first vs last version", "",
+             "| domain | trained | first (version) | last (version) | change |",
+             "|---|---|---|---|---|"]
+    for domain, points in series.items():
+        (v0, r0), (v1, r1) = points[0], points[-1]
+        trained = "yes" if domain in data.reward else "no (eval only)"
+        lines.append(f"| {domain} | {trained} | {r0:.3f} (v{v0}) | {r1:.3f} (v{v1}) |"
+                     f" {r1 - r0:+.3f} |")
+    return lines
+
+
 def busy_fraction(m: StepMetrics) -> float:
     total = m.step_seconds + m.wait_seconds
     return m.step_seconds / total if total > 0 else 0.0
@@ -125,7 +144,10 @@ def charts(data: RunData, out: Path) -> list[str]:
         if series:
             fig, ax = plt.subplots(figsize=(7, 4))
             for domain, points in per_version(series).items():
-                ax.plot([v for v, _ in points], [r for _, r in points], marker="o", label=domain)
+                only = series is data.evals and domain not in data.reward  # e.g. general
+                ax.plot([v for v, _ in points], [r for _, r in points], marker="o",
+                        linestyle="--" if only else "-",
+                        label=f"{domain} (eval only)" if only else domain)
             ax.set(title=title, xlabel="policy version", ylabel="mean reward", ylim=(-0.05, 1.05))
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.legend()
@@ -177,6 +199,7 @@ def summary(run: str, data: RunData, written: list[str]) -> str:
         for domain, by in sorted(series.items()):
             for version, rewards in sorted(by.items()):
                 lines.append(f"| {domain} | {version} | {_mean(rewards):.3f} | {len(rewards)} |")
+    lines += forgetting(data)
     lines += ["", "## Throughput (entries still in the streams)", "",
               "| stage | entries | per minute |", "|---|---|---|"]
     for stage, times in data.produced.items():

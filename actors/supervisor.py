@@ -32,7 +32,7 @@ from actors.config import Config
 from actors.context import open_context
 from actors.logs import configure_logging, get_logger
 from actors.monitor import Monitor, Summary
-from actors.scheduler import publish_eval_round
+from actors.scheduler import eval_round_size, publish_eval_round
 from queues.acl import Credentials
 from queues.client import RedisURL
 from queues.server import ServerProcess
@@ -166,9 +166,7 @@ async def _up(
         children = _children(config, config_path, overrides, credentials)
         own = credentials.get("monitor")  # this process: progress, evaluation rounds
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
-            monitor = Monitor(
-                ctx, run_dir, config.scheduler.eval_items * len(config.scheduler.domains)
-            )
+            monitor = Monitor(ctx, run_dir, eval_round_size(config))
             interrupted = False
             async with trio.open_nursery() as nursery:
                 await nursery.start(monitor.serve)
