@@ -1,0 +1,79 @@
+"""Synchronous mode in the generator: a task admitted for policy version V is never generated
+on older weights; it waits for V (real Redis weights stream, real in-process engine)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from actors.config import load_config
+from actors.context import ActorContext
+from actors.generator import Generator, VersionGate, serve_weight_updates
+from actors.policies import Unavailable
+from actors.scheduler import make_task
+from domains.registry import get_domain
+from inference.transformers_engine import open_transformers_engine
+from learner.model import load_tokenizer
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import Rollout, Sampling, WeightsPublished, encode, new_id, now
+from queues.names import Names
+from queues.streams import FIELD
+from tests.inference.test_weight_sync import publish_perturbed
+
+
+async def test_task_waits_for_the_version_it_was_admitted_for(
+    redis_url: str, names: Names, tiny_dir: Path, tmp_path: Path
+) -> None:
+    config = load_config(None, [f'run.name="{names.run}"', f'run.redis_url="{redis_url}"',
+                                "learner.max_staleness=0", "queues.block_ms=100"])
+    client = RedisClient(redis_url)
+    ctx = ActorContext(config, client, names)
+    item = get_domain("arith").load_items("train")[0]
+    sampling = Sampling(max_new_tokens=4, temperature=1.0)
+    # Given a task admitted at version 1 while the generator still serves version 0
+    task = make_task("arith", item, split="train", group_size=2, sampling=sampling, version=1)
+    gate = VersionGate(timeout_s=60)
+    rollouts: list[Rollout] = []
+    try:
+        async with open_transformers_engine(tiny_dir) as engine, trio.open_nursery() as nursery:
+            await nursery.start(serve_weight_updates, ctx, engine, gate)
+            generator = Generator(engine, load_tokenizer(tiny_dir))
+            generator.gate = gate
+
+            async def handle() -> None:
+                [out] = await generator.handle(task)
+                assert isinstance(out.message, Rollout)
+                rollouts.append(out.message)
+
+            nursery.start_soon(handle)
+            # When no version 1 is published, nothing is generated
+            await trio.sleep(1.0)
+            assert not rollouts and engine.statistics().rows == 0
+            # When the learner publishes version 1
+            path = await trio.to_thread.run_sync(publish_perturbed, tiny_dir, tmp_path / "w", 1)
+            event = WeightsPublished(id=new_id(), created_at=now(), policy_version=1,
+                                     version=1, path=str(path))
+            await client.call(lambda: client.sync.xadd(names.stream(N.WEIGHTS),
+                                                       {FIELD: encode(event)}))
+            with trio.fail_after(30):
+                while not rollouts:
+                    await trio.sleep(0.05)
+            # Then the task was generated on version 1 only, every token of it
+            [rollout] = rollouts
+            assert rollout.policy_version == 1
+            assert {int(v) for s in rollout.samples for v in s.token_versions()} == {1}
+            assert all(len(s.versions) == len(s.tokens) for s in rollout.samples)
+            nursery.cancel_scope.cancel()
+    finally:
+        client.close()
+
+
+async def test_gate_gives_up_with_a_retryable_error() -> None:
+    gate = VersionGate(timeout_s=0.2)
+    gate.advance(3)
+    await gate.wait_for(2)  # older versions pass at once
+    with pytest.raises(Unavailable, match="v4 not served"):
+        await gate.wait_for(4)
