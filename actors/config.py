@@ -212,6 +212,11 @@ class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     pause_mode: str = "in_place"
     """engine 'sglang': /pause_generation mode around a weight update (abort, retract,
     in_place)."""
+    interrupt: str = "resubmit"
+    """engine 'sglang': what a weight update does to running requests. 'resubmit' (any
+    SGLang): abort them (/abort_request) and resubmit each with its tokens so far appended to
+    input_ids once the update is done; 'in_place': they go on under the new weights, for
+    servers that report per-token versions (``meta_info.weight_versions``, serve-model)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ("transformers", "sglang"):
@@ -220,6 +225,8 @@ class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError("generator.engine 'sglang' needs server_urls or router_url")
         if self.pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"generator.pause_mode {self.pause_mode!r}")
+        if self.interrupt not in ("resubmit", "in_place"):
+            raise ValueError(f"generator.interrupt {self.interrupt!r}: 'resubmit' or 'in_place'")
 
 
 class DomainSandboxConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -311,6 +318,11 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Executor processes ``up`` starts."""
     verifiers: PosInt = 1
     """Verifier processes ``up`` starts."""
+    serve_models: NonNegInt = 0
+    """``streamrl serve-model`` processes ``up`` starts on loopback ports (the model of
+    ``model.spec``, ``generator.max_batch`` and ``generator.threads``); when > 0 every
+    generator uses them (``generator.engine = "sglang"`` with their URLs) instead of its
+    in-process engine. 0: none."""
     progress_interval_s: PosFloat = 10.0
     """How often ``up`` prints a progress line (policy version, reward, queues)."""
 

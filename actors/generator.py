@@ -3,7 +3,10 @@
 Each completion records the behaviour logprob of every token and the policy (weights)
 version that produced it. The process loads the current policy version before it takes any
 work, and follows every ``weights`` event afterwards; the engine applies an update between
-batches.
+two decoding steps, so a completion may span versions: ``Sample.versions`` has the version
+of every token (interruptible rollouts, see ``inference/``). With ``learner.max_staleness
+= 0`` (synchronous mode) a task waits for the version it was admitted for
+(:class:`VersionGate`).
 """
 
 from __future__ import annotations
@@ -166,6 +169,7 @@ def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextMan
         return open_sglang_engine(
             cfg.server_urls, router_url=cfg.router_url, health_interval_s=cfg.health_interval_s,
             request_timeout_s=cfg.request_timeout_s, pause_mode=cfg.pause_mode,
+            interrupt=cfg.interrupt,
         )
     from inference.transformers_engine import open_transformers_engine
 
