@@ -1,34 +1,45 @@
-"""The local process sandbox: run untrusted code as a short-lived, unprivileged child process.
+"""The local process sandbox: untrusted code as unprivileged processes in bubblewrap sandboxes.
 
 Guarantees (on top of :mod:`sandbox.base`):
-- every session (a one-shot ``run`` is a session of one command) gets a fresh private work
-  directory (``streamrl-sbx-<label>-*``), owned by the session's uid, removed when the session
-  ends on any exit path; its files persist across the session's runs, ``reset`` kills what the
-  session started and empties it. Host-side file I/O (``put_files``/``get_files``) never
-  follows a link or opens a fifo the code planted;
-- the child runs with a scrubbed environment (PATH, LANG, HOME=work dir, two PYTHON* knobs),
+- with bubblewrap (the default where it works) every session, and every one-shot ``run`` (a
+  session of one command), gets a resident sandbox of its own: one bubblewrap sandbox started
+  once, whose pid 1 is :mod:`sandbox.runner`, which fork/execs each command inside it (see
+  :mod:`sandbox.resident`). Its work dir /work is a size-capped tmpfs inside the sandbox
+  (``work_mb``), as are /tmp (``tmpfs_mb``) and /dev/shm (``shm_mb``); the root and /dev are
+  read-only, so the code can fill at most ``work_mb + tmpfs_mb + shm_mb`` of memory-backed
+  disk per sandbox. A warm pool (``pool_size`` sandboxes kept started, idle ones beyond it
+  stopped after ``idle_s``) serves sessions and one-shot runs; a sandbox is reset (every
+  process killed, System V IPC removed, the tmpfs mounts emptied) before it serves another
+  episode, and discarded instead if the reset fails or the code tampered with its runner;
+- the code runs with a scrubbed environment (PATH, LANG, HOME=work dir, two PYTHON* knobs),
   in its own session / process group, with rlimits set before exec (CPU, AS, NPROC, FSIZE,
-  NOFILE, CORE=0) and ``PR_SET_NO_NEW_PRIVS``;
-- when the host runs as root the child never keeps root: each concurrent run gets its own uid
-  from a pool (``uid_base`` ...), so RLIMIT_NPROC is counted per run (a fork bomb in one run
-  cannot starve the others) and runs cannot signal each other. Inside bwrap/unshare the code
-  sees itself as uid/gid 65534;
-- nothing outlives the call: on the host deadline, on a normal exit, and on cancellation the
-  whole process group is SIGKILLed; with ``bwrap``/``unshare`` the pid namespace dies with its
-  first process; with ``none`` every process of the run's uid is killed as well;
+  NOFILE, CORE=0) and ``PR_SET_NO_NEW_PRIVS``; files persist across a session's runs, ``reset``
+  kills what the session started and empties it. Host-side file I/O (``put_files`` /
+  ``get_files``) never follows a link or opens a fifo the code planted;
+- when the host runs as root the code never keeps root: each sandbox (or, without resident
+  sandboxes, each concurrent run) gets its own uid from a pool (``uid_base`` ...), so
+  RLIMIT_NPROC is counted per sandbox (a fork bomb in one cannot starve the others) and
+  sandboxes cannot signal each other. Inside bwrap/unshare the code sees uid/gid 65534;
+- nothing the code starts outlives its command: on the deadline, on a normal exit, and on
+  cancellation every process of the command is SIGKILLed (the runner kills every process of
+  its sandbox; a cancelled or stuck call kills the whole sandbox, with ``--die-with-parent``);
+  sandboxes themselves die with the pool's ``trio.run``, with ``aclose`` and with the executor;
 - stdout/stderr are capped at ``limits.output_bytes`` each but drained to the end; the rest is
   counted in ``stdout_dropped`` / ``stderr_dropped``. A background child holding a pipe open
   cannot stall the call past ``limits.timeout_s``.
 
-Isolation modes (``isolation=``, probed once at construction, the result is in ``.isolation``):
+Isolation modes (``isolation=``, probed once at construction, the result is in ``.isolation``;
+``.resident`` says whether resident sandboxes are used):
 - ``bwrap``: bubblewrap with every namespace unshared (user, pid, net, ipc, uts, mount, cgroup),
-  nested user namespaces disabled, read-only /usr (+ /bin, /lib* and a few /etc files),
-  fresh /proc, /dev and a size-capped tmpfs /tmp; the work dir (at /work) is the only
-  writable host path. No network at all (not even loopback to the host).
-- ``unshare``: util-linux ``unshare`` with user, net, pid, mount, ipc and uts namespaces.
-  The file system is the host's: the child is confined only by its uid, so world-writable
-  host directories (/tmp, /dev/shm, /var/tmp) ARE writable. A ``/bin/sh`` shim is pid 1 of
-  the pid namespace so the code gets ordinary signal semantics.
+  nested user namespaces disabled, capabilities dropped, read-only /usr (+ /bin, /lib* and a
+  few /etc files), fresh /proc, a minimal read-only /dev, size-capped tmpfs /tmp and /dev/shm,
+  read-only root. No network at all (not even loopback to the host). Resident (``resident=True``,
+  the default when ``python`` runs inside the sandbox): /work is a size-capped tmpfs; otherwise
+  each command is a fresh bubblewrap sandbox whose /work is a host directory bound into it.
+- ``unshare``: util-linux ``unshare`` with user, net, pid, mount, ipc and uts namespaces, a
+  fresh sandbox per command. The file system is the host's: the child is confined only by its
+  uid, so world-writable host directories (/tmp, /dev/shm, /var/tmp) ARE writable. A
+  ``/bin/sh`` shim is pid 1 of the pid namespace so the code gets ordinary signal semantics.
 - ``none``: a plain child process (uid switch + rlimits only), logged as a warning. Network,
   file system (world-writable dirs) and /proc of the host are visible.
 
@@ -36,26 +47,31 @@ What this sandbox does NOT isolate, in every mode: the kernel is shared (no secc
 no gVisor/VM, so a kernel exploit escapes); CPU is limited per process in CPU seconds, not
 shared fairly in wall time (no cgroups: N runs can saturate N cores); memory is an address
 space limit per process (RLIMIT_AS), not a cgroup limit, so a tree of processes can use
-``max_processes * memory_mb``; total disk use of the work dir is not capped (only per-file
-size and the number of open files: a session can fill the disk its work dir is on); only
-``bwrap`` forbids nested user namespaces, in ``unshare``/``none`` the code can create its
-own (harmless to the host's mounts, but more kernel attack surface); without root
-(developer machines) the uid is not switched and RLIMIT_NPROC counts every process of the
-invoking user.
+``max_processes * memory_mb``, plus the tmpfs mounts (memory-backed, not counted in any
+process's limit) and System V shared memory while its command runs; disk use is capped only
+in resident bwrap sandboxes (tmpfs sizes), in the other modes only per file (RLIMIT_FSIZE: a
+session can fill the disk its host work dir is on); only ``bwrap`` forbids nested user
+namespaces, in ``unshare``/``none`` the code can create its own (harmless to the host's
+mounts, but more kernel attack surface); the code shares the uid of its runner, so it can
+change the runner's rlimits, priority or affinity for the rest of its own session (the
+runner refuses reuse by another episode then); without root (developer machines) the uid is
+not switched and RLIMIT_NPROC also counts processes of the invoking user outside the sandbox.
 
 Result conventions:
 - ``exit_code``: the child's exit status; a child killed by signal N reports ``128 + N``
-  (shell style, the same through bwrap, unshare and none), so ``exit(137)`` and SIGKILL look
-  alike. ``None`` when the host deadline killed it.
-- ``timed_out``: the host deadline (``limits.timeout_s``) fired, or the CPU rlimit was hit
+  (shell style, in every mode), so ``exit(137)`` and SIGKILL look alike. ``None`` when the
+  deadline killed it.
+- ``timed_out``: the deadline (``limits.timeout_s``) fired, or the CPU rlimit was hit
   (exit by SIGXCPU, ``exit_code == 128 + 24``; the hard limit one second later is a SIGKILL).
+  A resident sandbox whose runner did not answer by ``timeout_s + host_grace_s`` is killed
+  and reports ``timed_out`` with ``exit_code`` None.
 - ``oom_killed`` (best effort): RLIMIT_AS makes allocations fail rather than waking the OOM
   killer, so this is detected from stderr: a Python ``MemoryError`` or C++ ``std::bad_alloc``
   near the end of stderr, or a child killed by SIGKILL/SIGSEGV whose stderr says
   "Cannot allocate memory"/"out of memory". A C program that ignores a NULL from malloc and
   segfaults is NOT reported as OOM.
 - request paths that are absolute or contain ``..`` raise ``ValueError`` (a bad request, not
-  something the untrusted code did); failures to start the child raise ``SandboxUnavailable``.
+  something the untrusted code did); failures to start the sandbox raise ``SandboxUnavailable``.
 """
 
 from __future__ import annotations
@@ -80,21 +96,36 @@ from typing import Literal
 import trio
 
 from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from sandbox.resident import (
+    PoolStatistics,
+    ResidentSession,
+    Runner,
+    RunnerPool,
+    _RunnerGone,
+    checked_path,
+    looks_oom,
+)
 
 log = logging.getLogger(__name__)
 
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
 
 INNER_ID = 65534  # the uid/gid the code sees inside bwrap/unshare ("nobody")
+RUNNER_SOURCE = Path(__file__).with_name("runner.py").read_text()
 _WRAPPER_PROCS = 3  # bwrap/unshare and their helper processes, charged to RLIMIT_NPROC
+_RUNNER_NPROC = 4096  # ceilings of a resident sandbox; each command gets its own limits
+_RUNNER_NOFILE = 4096
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NO_NEW_PRIVS = 38
-_OOM_MARKERS = (b"MemoryError", b"std::bad_alloc", b"Cannot allocate memory", b"out of memory")
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
 class ProcessSandbox:
-    """Runs each :class:`ExecRequest` as a fresh child process. ``run`` is concurrency-safe."""
+    """Runs each :class:`ExecRequest` in a bubblewrap sandbox (see the module docstring).
+
+    ``run`` is concurrency-safe. Resident sandboxes belong to the ``trio.run`` that started
+    them: a sandbox object used by several runs in turn gets a fresh pool in each.
+    """
 
     name = "process"
 
@@ -107,14 +138,29 @@ class ProcessSandbox:
         path: str = "/usr/bin:/bin",
         tmp_dir: str | None = None,
         tmpfs_mb: int = 64,
+        resident: bool = True,
+        work_mb: int = 64,
+        shm_mb: int = 16,
+        pool_size: int = 2,
+        idle_s: float = 30.0,
+        host_grace_s: float = 2.0,
+        start_timeout_s: float = 30.0,
+        python: str = "python3",
     ) -> None:
         self._switch_uid = os.geteuid() == 0
         self._free_uids = list(range(uid_base + uid_count - 1, uid_base - 1, -1))
         self._uid_slots = trio.Semaphore(uid_count) if self._switch_uid else None
         self._path = path
         self._tmp_dir = tmp_dir
-        self._tmpfs_bytes = tmpfs_mb << 20
+        self._mounts_mb = (work_mb, tmpfs_mb, shm_mb)
+        self.pool_size = pool_size
+        self._idle_s = idle_s
+        self._grace = host_grace_s
+        self._start_timeout = start_timeout_s
+        self._python = python
+        self._pool: RunnerPool | None = None
         self._closed = False
+        self.resident = resident
         self.isolation: str = self._probe(isolation)
         if self.isolation == "none":
             log.warning(
@@ -125,19 +171,43 @@ class ProcessSandbox:
     # -- public API ---------------------------------------------------------------------
 
     async def run(self, request: ExecRequest) -> ExecResult:
-        """A one-shot session: fresh work dir, one command, everything torn down."""
+        """A one-shot session: a clean sandbox, one command, the sandbox reset or removed."""
+        if self.resident:
+            for name in request.files:  # a bad request fails before a sandbox is taken
+                checked_path(name)
+            pool = self._runner_pool()
+            runner = await pool.acquire()
+            try:
+                return await runner.run(request, request.limits, self._grace)
+            finally:
+                with trio.CancelScope(shield=True):
+                    await pool.release(runner)
         async with self.session(request.limits) as session:
             return await session.run(request)
 
     def session(
         self, limits: Limits, label: str = ""
-    ) -> contextlib.AbstractAsyncContextManager[ProcessSession]:
+    ) -> contextlib.AbstractAsyncContextManager[ProcessSession | ResidentSession]:
+        """One episode's sandbox; ``label`` (e.g. the message id) names its host work dir in
+        the non-resident modes and is logged otherwise (resident sandboxes die with their
+        executor: there is nothing to reap)."""
         return self._open_session(limits, label)
 
     @contextlib.asynccontextmanager
-    async def _open_session(self, limits: Limits, label: str) -> AsyncIterator[ProcessSession]:
+    async def _open_session(
+        self, limits: Limits, label: str
+    ) -> AsyncIterator[ProcessSession | ResidentSession]:
         if self._closed:
             raise SandboxUnavailable("ProcessSandbox is closed")
+        if self.resident:
+            resident = ResidentSession(self._runner_pool(), limits, self._grace, label)
+            await resident.open()
+            log.debug("sandbox session %r in resident sandbox pid %s", label, resident.pid)
+            try:
+                yield resident
+            finally:
+                await resident.aclose()
+            return
         async with self._lease_uid() as uid:
             session = ProcessSession(self, limits, uid, self._make_workdir(uid, label))
             try:
@@ -146,10 +216,55 @@ class ProcessSandbox:
                 with trio.CancelScope(shield=True):
                     await session.aclose()
 
+    def statistics(self) -> PoolStatistics:
+        """Resident sandboxes of the current run's pool (all zero before the first use)."""
+        if self._pool is None:
+            return PoolStatistics(started=0, reused=0, killed=0, ready=0, busy=0)
+        return self._pool.statistics()
+
     async def aclose(self) -> None:
         self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None and pool.token is trio.lowlevel.current_trio_token():
+            await pool.aclose()  # (a pool of an earlier trio.run died with it)
 
-    # -- one run ------------------------------------------------------------------------
+    # -- resident sandboxes -------------------------------------------------------------
+
+    def _runner_pool(self) -> RunnerPool:
+        if self._closed:
+            raise SandboxUnavailable("ProcessSandbox is closed")
+        pool = self._pool
+        if pool is None or pool.token is not trio.lowlevel.current_trio_token():
+            pool = self._pool = RunnerPool(self._start_runner, self.pool_size, self._idle_s)
+        return pool
+
+    async def _start_runner(self) -> Runner:
+        """Start one resident sandbox (as a leased uid) and wait for its runner's hello."""
+        lease = self._lease_uid()
+        uid = await lease.__aenter__()
+        try:
+            argv = self._resident_argv([self._python, "-I", "-S", "-c", RUNNER_SOURCE])
+            runner = Runner.spawn(argv, self._env("/work"), _runner_setup(uid), lease)
+        except BaseException:
+            await lease.__aexit__(None, None, None)
+            raise
+        try:
+            hello = await runner.wait_ready(self._start_timeout)
+        except BaseException as exc:
+            await runner.kill()
+            if isinstance(exc, _RunnerGone):
+                raise SandboxUnavailable(f"resident sandbox did not start: {exc}") from exc
+            raise
+        if hello.get("dumpable", True):
+            log.warning("sandbox runner could not make itself non-dumpable: %s", hello)
+        return runner
+
+    def _resident_argv(self, argv: list[str]) -> list[str]:
+        work_mb = self._mounts_mb[0]
+        work = ["--perms", "0700", "--size", str(work_mb << 20), "--tmpfs", "/work"]
+        return [*self._bwrap_args(work, as_pid_1=True), "--", *argv]
+
+    # -- one run (non-resident modes) ---------------------------------------------------
 
     async def _execute(
         self, request: ExecRequest, limits: Limits, workdir: str, uid: int | None, live: set[int]
@@ -182,7 +297,7 @@ class ProcessSandbox:
             stdout=bytes(out.kept),
             stderr=bytes(err.kept),
             timed_out=timed_out or exit_code == 128 + signal.SIGXCPU,
-            oom_killed=exit_code not in (None, 0) and _looks_oom(err.kept),
+            oom_killed=exit_code not in (None, 0) and looks_oom(err.kept),
             duration_s=time.monotonic() - start,
             stdout_dropped=out.dropped,
             stderr_dropped=err.dropped,
@@ -194,20 +309,13 @@ class ProcessSandbox:
         if not argv:
             raise ValueError("ExecRequest.argv is empty")
         wrapped, cwd, home = self._wrap(self.isolation, list(argv), workdir)
-        env = {
-            "PATH": self._path,
-            "LANG": "C.UTF-8",
-            "HOME": home,
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTHONHASHSEED": "0",
-        }
         try:
             return await trio.lowlevel.open_process(
                 wrapped,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                env=env,
+                env=self._env(home),
                 cwd=cwd,
                 start_new_session=True,
                 preexec_fn=_child_setup(limits, uid),
@@ -215,23 +323,35 @@ class ProcessSandbox:
         except (OSError, subprocess.SubprocessError) as exc:
             raise SandboxUnavailable(f"cannot start sandboxed process: {exc}") from exc
 
+    def _env(self, home: str) -> dict[str, str]:
+        return {
+            "PATH": self._path,
+            "LANG": "C.UTF-8",
+            "HOME": home,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONHASHSEED": "0",
+        }
+
     def _wrap(self, mode: str, argv: list[str], workdir: str) -> tuple[list[str], str, str]:
         """The command line for ``mode``, the host cwd, and HOME as the child sees it."""
         if mode == "bwrap":
-            return [*self._bwrap_prefix(), "--bind", workdir, "/work", "--", *argv], "/", "/work"
+            return [*self._bwrap_args(["--bind", workdir, "/work"]), "--", *argv], "/", "/work"
         if mode == "unshare":
             # A shell as pid 1 so that the code itself is not init (which ignores signals).
             shim = ["/bin/sh", "-c", '"$@"; exit $?', "sh"]
             return [*_UNSHARE_PREFIX, "--", *shim, *argv], workdir, workdir
         return argv, workdir, workdir
 
-    def _bwrap_prefix(self) -> list[str]:
+    def _bwrap_args(self, work: list[str], as_pid_1: bool = False) -> list[str]:
+        """bubblewrap's options: ``work`` mounts /work; the root and /dev end read-only."""
         args = [
             "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(INNER_ID), "--gid", str(INNER_ID), "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr",
         ]  # fmt: skip
+        if as_pid_1:
+            args.append("--as-pid-1")
         for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
             if os.path.islink(top):
                 args += ["--symlink", os.readlink(top), top]
@@ -240,8 +360,11 @@ class ProcessSandbox:
         for item in ("/etc/ld.so.cache", "/etc/alternatives", "/etc/localtime"):
             if os.path.exists(item):
                 args += ["--ro-bind", item, item]
+        _, tmp_mb, shm_mb = self._mounts_mb
         args += ["--proc", "/proc", "--dev", "/dev"]
-        args += ["--size", str(self._tmpfs_bytes), "--tmpfs", "/tmp", "--chdir", "/work"]
+        args += ["--perms", "1777", "--size", str(shm_mb << 20), "--tmpfs", "/dev/shm"]
+        args += ["--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp"]
+        args += [*work, "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/work"]
         return args
 
     # -- processes, uids, work dirs ----------------------------------------------------
@@ -270,7 +393,8 @@ class ProcessSandbox:
         return workdir
 
     def _probe(self, wanted: Isolation) -> str:
-        """Pick the strongest mode that really runs a process here (done once)."""
+        """Pick the strongest mode that really runs a process here (done once); with bwrap,
+        use resident sandboxes if ``python`` runs in one (else warn and fall back)."""
         candidates = ["bwrap", "unshare", "none"] if wanted == "auto" else [wanted]
         uid = self._free_uids[0] if self._switch_uid else None
         problems = []
@@ -278,6 +402,14 @@ class ProcessSandbox:
             if mode != "none" and shutil.which(mode) is None:
                 problems.append(f"{mode}: not on PATH")
                 continue
+            if mode == "bwrap" and self.resident:
+                argv = self._resident_argv([self._python, "-I", "-S", "-c", "pass"])
+                error = _try(argv, "/", self._path, uid)
+                if error is None:
+                    return mode
+                log.warning("ProcessSandbox: no resident bwrap sandbox (%s); one per command",
+                            error)  # fmt: skip
+            self.resident = False
             error = self._try_mode(mode, uid)
             if error is None:
                 return mode
@@ -288,17 +420,23 @@ class ProcessSandbox:
         workdir = self._make_workdir(uid)
         try:
             argv, cwd, _ = self._wrap(mode, ["/usr/bin/env", "true"], workdir)
-            done = subprocess.run(
-                argv, cwd=cwd, env={"PATH": self._path}, capture_output=True, timeout=10,
-                preexec_fn=_child_setup(Limits(), uid), check=False,
-            )  # fmt: skip
-            if done.returncode != 0:
-                return done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
-            return None
-        except (OSError, subprocess.SubprocessError) as exc:
-            return str(exc)
+            return _try(argv, cwd, self._path, uid)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _try(argv: list[str], cwd: str, path: str, uid: int | None) -> str | None:
+    """Why ``argv`` does not run successfully here, or None when it does."""
+    try:
+        done = subprocess.run(
+            argv, cwd=cwd, env={"PATH": path}, capture_output=True, timeout=10,
+            preexec_fn=_child_setup(Limits(), uid), check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return str(exc)
+    if done.returncode != 0:
+        return done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
+    return None
 
 
 class ProcessSession:
@@ -328,13 +466,13 @@ class ProcessSession:
     async def put_files(self, files: dict[str, bytes]) -> None:
         self._check_open()
         for name, data in files.items():
-            _write_under(self.workdir, _checked_path(name), data, self.uid)
+            _write_under(self.workdir, checked_path(name), data, self.uid)
 
     async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
         """Regular files only; a missing file, a link, a fifo or a directory maps to None."""
         self._check_open()
         cap = self.limits.max_file_mb << 20
-        return {p: _read_under(self.workdir, _checked_path(p), cap) for p in paths}
+        return {p: _read_under(self.workdir, checked_path(p), cap) for p in paths}
 
     async def reset(self) -> None:
         """Kill everything the session started and empty its work dir."""
@@ -519,10 +657,13 @@ async def _feed(stream: trio.abc.SendStream | None, data: bytes) -> None:
         await stream.aclose()
 
 
-def _child_setup(limits: Limits, uid: int | None) -> Callable[[], None]:
-    """The function run in the forked child before exec: rlimits, no-new-privs, drop root."""
+def _child_setup(
+    limits: Limits, uid: int | None, rlimits: list[tuple[int, tuple[int, int]]] | None = None
+) -> Callable[[], None]:
+    """The function run in the forked child before exec: rlimits (``limits``'s, or exactly
+    ``rlimits``), no-new-privs, drop root, SIGKILL when the forking thread dies."""
     mb = 1 << 20
-    rlimits = [
+    rlimits = rlimits or [
         (resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1)),
         (resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb)),
         (resource.RLIMIT_NPROC, (limits.max_processes + _WRAPPER_PROCS,) * 2),
@@ -543,6 +684,18 @@ def _child_setup(limits: Limits, uid: int | None) -> Callable[[], None]:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
     return setup
+
+
+def _runner_setup(uid: int | None) -> Callable[[], None]:
+    """``_child_setup`` for a resident sandbox: the ceilings under which its runner sets each
+    command's own limits (no CPU, memory or file size limit on the runner itself)."""
+    ceilings = []
+    for which, wanted in ((resource.RLIMIT_NPROC, _RUNNER_NPROC),
+                          (resource.RLIMIT_NOFILE, _RUNNER_NOFILE)):  # fmt: skip
+        hard = resource.getrlimit(which)[1]
+        value = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        ceilings.append((which, (value, value)))
+    return _child_setup(Limits(), uid, [*ceilings, (resource.RLIMIT_CORE, (0, 0))])
 
 
 def _kill_uid(uid: int) -> None:
@@ -568,19 +721,7 @@ def _is_zombie(proc_dir: str) -> bool:
         return f.read().rpartition(b")")[2].split()[0] in (b"Z", b"X")
 
 
-def _checked_path(name: str) -> PurePosixPath:
-    rel = PurePosixPath(name)
-    if not name or rel.is_absolute() or ".." in rel.parts or rel == PurePosixPath("."):
-        raise ValueError(f"ExecRequest.files: {name!r} must be a relative path without '..'")
-    return rel
-
-
 def _shell_status(returncode: int | None) -> int | None:
     if returncode is None:
         return None
     return 128 - returncode if returncode < 0 else returncode
-
-
-def _looks_oom(stderr: bytes | bytearray) -> bool:
-    tail = bytes(stderr[-4096:])
-    return any(marker in tail for marker in _OOM_MARKERS)

@@ -1,17 +1,23 @@
-"""The resident runner: the command of every Docker sandbox container (stdlib only).
+"""The resident runner: the command of every Docker sandbox container and of every resident
+bubblewrap sandbox of the process backend (stdlib only).
 
-The Docker backend starts each container with ``python3 -I -S -c <this file's source>``, so any
-image with a ``python3`` works and nothing is installed into it. The runner then serves
-requests, one at a time, over the container's attached stdin/stdout (no network), and starts
-each command with ``fork`` + ``exec``: a trivial command costs about what a bare process does,
-not a ``docker exec``.
+Both backends start it as ``python3 -I -S -c <this file's source>``, so any image with a
+``python3`` works and nothing is installed into it. The runner then serves requests, one at a
+time, over its stdin/stdout (the container's attached streams, or two pipes to the host; no
+network), and starts each command with ``fork`` + ``exec``: a trivial command costs about what
+a bare process does, not a ``docker exec`` or a new bubblewrap sandbox. Inside bubblewrap the
+runner is pid 1 of the sandbox's pid namespace (``--as-pid-1``): the code cannot signal it, and
+everything dies with it.
 
 Guarantees, per ``run`` request:
-- the command starts in /work with a scrubbed environment, in its own session, with every
-  signal at its default, the rlimits of the request (CPU seconds, file size, open files, no
-  core dumps) and only fds 0-2 (pipes to the runner);
+- the command starts in /work with a scrubbed environment (``PATH`` is the runner's own), in
+  its own session, with every signal at its default, the rlimits of the request (CPU seconds,
+  file size, open files, no core dumps; address space ``as_mb`` and processes ``nproc`` when
+  the request has them: the process backend, which has no cgroup) and only fds 0-2 (pipes to
+  the runner);
 - at the deadline (``timeout`` seconds) or as soon as the command exits, every other process of
-  the container (except init and the runner) is SIGKILLed, so nothing outlives a command and
+  the container (except init and the runner) is SIGKILLed and every System V IPC object
+  (shared memory, message queues, semaphores) is removed, so nothing outlives a command and
   a background child that holds stdout open cannot stall the reply;
 - stdout/stderr are kept up to ``cap`` bytes each and drained to the end; the rest is counted;
 - ``oom`` is true when the container's memory cgroup recorded an OOM kill during the command.
@@ -22,6 +28,12 @@ untrusted code runs as the same uid and could write into the container's stdout 
 /proc/1/fd/1), but it never sees the id, so a forged reply is detected by the host. The runner
 makes itself non-dumpable so the code cannot read its memory or fds. Ops: ``run``, ``put``
 (files), ``get`` (files), ``reset`` (kill everything, empty the writable mounts).
+
+The code shares the runner's uid, so it can change some of the runner's own state from outside
+(lower its rlimits with ``prlimit``, renice it, change its scheduling policy or CPU affinity),
+which later commands would inherit. ``reset`` compares that state with the runner's state at
+start and answers an error when it changed: the host then discards the runner instead of
+handing it to another episode.
 """
 
 from __future__ import annotations
@@ -206,6 +218,38 @@ def oom_count() -> int | None:
     return None
 
 
+def remove_ipc() -> None:
+    """Remove every System V IPC object of this IPC namespace (they outlive their creator)."""
+    kinds = (("shm", "shmctl", ()), ("msg", "msgctl", ()), ("sem", "semctl", (0,)))
+    for kind, call, extra in kinds:
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                ids = [int(line.split()[1]) for line in f.read().splitlines()[1:] if line.strip()]
+        except (OSError, ValueError, IndexError):
+            continue
+        if ids:
+            import ctypes
+
+            ctl = getattr(ctypes.CDLL(None), call)
+            for ipc_id in ids:
+                ctl(ipc_id, *extra, 0, None)  # IPC_RMID
+
+
+def own_state() -> tuple:
+    """What the code could change in the runner from outside and later commands inherit."""
+    limits = tuple(resource.getrlimit(getattr(resource, name)) for name in dir(resource)
+                   if name.startswith("RLIMIT_"))  # fmt: skip
+    state: tuple = (limits, os.getpriority(os.PRIO_PROCESS, 0))
+    with_sched = (getattr(os, "sched_getscheduler", None), getattr(os, "sched_getaffinity", None))
+    for call in with_sched:
+        if call is not None:
+            try:
+                state += (call(0),)
+            except OSError:
+                state += (None,)
+    return state
+
+
 def limits_of(req: dict) -> list[tuple[int, int, int]]:
     """(resource, soft, hard) for a request, clamped to the container's hard limits."""
     mb = 1 << 20
@@ -215,6 +259,10 @@ def limits_of(req: dict) -> list[tuple[int, int, int]]:
         (resource.RLIMIT_NOFILE, req["nofile"], req["nofile"]),
         (resource.RLIMIT_CORE, 0, 0),
     ]
+    if "as_mb" in req:
+        wanted.append((resource.RLIMIT_AS, req["as_mb"] * mb, req["as_mb"] * mb))
+    if "nproc" in req:
+        wanted.append((resource.RLIMIT_NPROC, req["nproc"], req["nproc"]))
     out = []
     for which, soft, hard in wanted:
         _, ceiling = resource.getrlimit(which)
@@ -227,11 +275,12 @@ def limits_of(req: dict) -> list[tuple[int, int, int]]:
 def spawn(req: dict, stdin_r: int, out_w: int, err_w: int) -> int:
     """Start the command; returns its pid.
 
-    Fast path (an image with /bin/sh): ``posix_spawn`` (vfork-like, no copy of the runner)
-    of a shell stub that sets the rlimits (hard and soft) and then execs the command, so no
-    instruction of the command runs without its limits. Otherwise fork, set up, exec.
+    Fast path (an image with /bin/sh, a request without ``as_mb``/``nproc``, whose ``ulimit``
+    flags differ between shells): ``posix_spawn`` (vfork-like, no copy of the runner) of a shell
+    stub that sets the rlimits (hard and soft) and then execs the command, so no instruction of
+    the command runs without its limits. Otherwise fork, set up, exec.
     """
-    if os.path.exists("/bin/sh"):
+    if os.path.exists("/bin/sh") and "as_mb" not in req and "nproc" not in req:
         cpu, fsize, nofile, _ = limits_of(req)
         stub = (
             f"ulimit -c 0; ulimit -n {nofile[2]}; ulimit -f {fsize[2] // 512};"
@@ -340,6 +389,7 @@ def run(req: dict, payload: bytes, wake_r: int) -> tuple[dict, bytes]:
             status = raw
     # The command is done (or out of time): nothing else it started may live on.
     kill_all()
+    remove_ipc()
     for fd, cap in caps.items():  # every writer is dead: read what is left up to EOF
         while chunk := os.read(fd, CHUNK):
             cap.add(chunk)
@@ -361,12 +411,15 @@ def run(req: dict, payload: bytes, wake_r: int) -> tuple[dict, bytes]:
     return reply, bytes(caps[out_r].kept) + bytes(caps[err_r].kept)
 
 
-def reset() -> None:
+def reset(baseline: tuple) -> None:
     kill_all()
+    remove_ipc()
     os.chmod(WORK, 0o700)
     for top in WIPE:
         if os.path.isdir(top) and os.access(top, os.W_OK):
             wipe(top)
+    if own_state() != baseline:
+        raise RuntimeError("the runner's rlimits, priority or affinity were changed: discard it")
 
 
 def serve() -> None:
@@ -382,6 +435,8 @@ def serve() -> None:
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
+    ENV["PATH"] = os.environ.get("PATH") or ENV["PATH"]
+    baseline = own_state()
     os.makedirs(WORK, exist_ok=True)
     os.chdir(WORK)  # the cwd every command inherits
     write_frame({"op": "ready", "pid": os.getpid(), "oom": oom_count() is not None,
@@ -403,7 +458,7 @@ def serve() -> None:
             elif op == "get":
                 reply["sizes"], out = get_files(req["paths"], req.get("cap", 1 << 26))
             elif op == "reset":
-                reset()
+                reset(baseline)
             else:
                 raise ValueError(f"unknown op {op!r}")
         except Exception as exc:

@@ -125,11 +125,12 @@ def test_unknown_backend_is_a_config_error() -> None:
 
 
 async def test_sandbox_unavailable_asks_for_a_retry(tmp_path: Path) -> None:
-    # Given a backend whose work dirs cannot be created (an infrastructure failure)
+    # Given a backend whose work dirs cannot be created (an infrastructure failure; host work
+    # dirs are used without resident sandboxes, whose work dir is a tmpfs inside the sandbox)
     missing = tmp_path / "gone"
 
     def opener(backend: str, **options: Any) -> Sandbox:
-        return ProcessSandbox(tmp_dir=str(missing))
+        return ProcessSandbox(tmp_dir=str(missing), resident=False)
 
     sandboxes = Sandboxes("process", opener=opener)
     # When the executor handles a group, Then it asks for the whole message to be retried
@@ -145,7 +146,9 @@ async def test_outage_is_retried_by_the_runtime_then_published(
     base = Path(tempfile.mkdtemp(prefix="streamrl-test-exec-"))
     base.chmod(0o711)  # the sandbox uid must reach its work dir
     missing = base / "later"
-    sandboxes = Sandboxes("process", opener=lambda b, **o: ProcessSandbox(tmp_dir=str(missing)))
+    sandboxes = Sandboxes(
+        "process", opener=lambda b, **o: ProcessSandbox(tmp_dir=str(missing), resident=False)
+    )
     await Producer(client, names).publish(N.ROLLOUTS, [encode(_rollout(_program("print(5)")))])
     policies = Policies(retry=RetryPolicy(max_retries=20, backoff_s=0.05, max_backoff_s=0.2))
     settings = ConsumerSettings(block_ms=50)

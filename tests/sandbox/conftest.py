@@ -1,8 +1,8 @@
 """Fixtures for the sandbox tests: every backend behind one ``backend`` fixture, and a marker
 that proves nothing a test started outlives it.
 
-``backend`` yields the process backend always (its strongest isolation mode here, or
-``$STREAMRL_TEST_ISOLATION``), and the Docker backend when ``open_sandbox("docker")`` works;
+``backend`` yields the process backend always (its strongest isolation mode here, resident
+bwrap sandboxes where they work, or ``$STREAMRL_TEST_ISOLATION``), and the Docker backend when ``open_sandbox("docker")`` works;
 without an engine the Docker cases skip with the reason, except under CI (``$CI`` set), where
 they fail.
 """
@@ -65,9 +65,12 @@ def _unavailable(name: str, reason: str) -> None:
     pytest.skip(f"{name} backend unavailable here: {reason}")
 
 
-def _options(name: str) -> dict[str, str]:
+def _options(name: str) -> dict[str, str | bool]:
+    """``$STREAMRL_TEST_ISOLATION``: bwrap, bwrap-per-command (no resident sandbox), unshare,
+    none."""
     if name == "process" and os.environ.get("STREAMRL_TEST_ISOLATION"):
-        return {"isolation": os.environ["STREAMRL_TEST_ISOLATION"]}
+        isolation, _, per_command = os.environ["STREAMRL_TEST_ISOLATION"].partition("-")
+        return {"isolation": isolation, "resident": not per_command}
     return {}
 
 

@@ -30,8 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 SLACK_S = 2.0  # what a result may take beyond its deadline (kill, reap, drain) on a busy host
 
 _NOT_CAPPED = (
-    "the process backend's work dir is a host directory: each file is capped (RLIMIT_FSIZE) "
-    "but not their total (no quota/tmpfs per session; documented in sandbox/process.py)"
+    "without a resident bwrap sandbox the process backend's work dir is a host directory: each "
+    "file is capped (RLIMIT_FSIZE) but not their total (documented in sandbox/process.py)"
 )
 _SHARED_FS = "unshare/none modes share the host file system: world-writable /tmp is writable"
 _USERNS = (
@@ -40,7 +40,8 @@ _USERNS = (
     "larger kernel attack surface)"
 )
 KNOWN_GAPS: dict[tuple[str, str], dict[str, str]] = {
-    ("process", "bwrap"): {"disk_fill": _NOT_CAPPED},
+    # ("process", "bwrap"), the resident sandbox: none (its work dir is a size-capped tmpfs)
+    ("process", "bwrap-per-command"): {"disk_fill": _NOT_CAPPED},
     ("process", "unshare"): {
         "disk_fill": _NOT_CAPPED,
         "write_outside": _SHARED_FS,
@@ -57,7 +58,10 @@ KNOWN_GAPS: dict[tuple[str, str], dict[str, str]] = {
 
 
 def expect_gap(request: pytest.FixtureRequest, box: Sandbox, attack: str) -> None:
-    key = (box.name, str(getattr(box, "isolation", "")))
+    mode = str(getattr(box, "isolation", ""))
+    if mode == "bwrap" and not getattr(box, "resident", True):
+        mode = "bwrap-per-command"
+    key = (box.name, mode)
     reason = KNOWN_GAPS.get(key, {}).get(attack)
     if reason:
         request.node.add_marker(pytest.mark.xfail(strict=True, reason=f"{key}: {reason}"))

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import os
 import textwrap
-import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,15 +12,19 @@ import trio
 from sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
 
 REPO = Path(__file__).resolve().parents[2]
-ALL_MODES = ("bwrap", "unshare", "none")
-NAMESPACED = ("bwrap", "unshare")
+ALL_MODES = ("bwrap", "bwrap-per-command", "unshare", "none")
+NAMESPACED = ("bwrap", "bwrap-per-command", "unshare")
 
 
 def _open(mode: str) -> ProcessSandbox:
+    """``bwrap`` is the resident sandbox, ``bwrap-per-command`` one bwrap sandbox per command."""
+    isolation, _, per_command = mode.partition("-")
     try:
-        return ProcessSandbox(isolation=mode)  # type: ignore[arg-type]
+        box = ProcessSandbox(isolation=isolation, resident=not per_command)  # type: ignore[arg-type]
     except SandboxUnavailable as exc:
         pytest.skip(f"isolation {mode!r} unavailable here: {exc}")
+    assert box.resident == (mode == "bwrap"), f"{mode}: resident={box.resident}"
+    return box
 
 
 @pytest.fixture(scope="module", params=ALL_MODES)
@@ -34,29 +35,6 @@ def box(request: pytest.FixtureRequest) -> ProcessSandbox:
 @pytest.fixture(scope="module", params=NAMESPACED)
 def ns_box(request: pytest.FixtureRequest) -> ProcessSandbox:
     return _open(request.param)
-
-
-@pytest.fixture
-def marker() -> Iterator[str]:
-    """A string put on every sandboxed command line; no process may carry it after the test."""
-    tag = f"sbxmark-{uuid.uuid4().hex}"
-    yield tag
-    deadline = time.monotonic() + 1.0  # SIGKILLed processes need a moment to vanish
-    while (left := _processes_with(tag)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"sandbox processes outlived the call: {left}"
-
-
-def _processes_with(tag: str) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if tag.encode() in Path(entry.path, "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def py(code: str, tag: str, **limits: float) -> ExecRequest:
