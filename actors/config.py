@@ -251,6 +251,12 @@ class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     set it to ``concurrency`` times the group size to never create on the hot path."""
     domains: dict[str, DomainSandboxConfig] = msgspec.field(default_factory=dict)
     """Per-domain sandbox choice, e.g. ``[executor.domains.code]`` ``backend = "docker"``."""
+    episode_snapshots: bool = True
+    """Multi-turn episodes: after each turn, snapshot each member's sandbox work dir into the
+    message (by claim check when large), so another replica can take the next turn."""
+    session_idle_s: PosFloat = 600.0
+    """Multi-turn episodes: release a cached sandbox session unused for this long (its
+    episode moved to another replica, or died)."""
 
     def __post_init__(self) -> None:
         from sandbox import BACKENDS

@@ -18,21 +18,27 @@ One backend instance per (backend, image), opened on first use, closed with the 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from contextlib import AbstractAsyncContextManager
+from dataclasses import replace as dc_replace
 from typing import Any
 
+import msgspec
 import structlog
 import trio
 
 from actors.config import DomainConfig, DomainSandboxConfig
 from actors.context import ActorContext, domain_item
-from actors.policies import Unavailable
+from actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed
+from actors.policies import Reject, Unavailable
 from actors.runtime import Output
+from domains.base import is_multi_turn
 from queues import names as N
-from queues.messages import ExecOutcome, Executed, Rollout, new_id, now
-from sandbox import ExecRequest, ExecResult, Sandbox, SandboxUnavailable, open_sandbox
+from queues.messages import Episode, ExecOutcome, Executed, Rollout, new_id, now
+from sandbox import ExecRequest, ExecResult, Limits, Sandbox, SandboxUnavailable, open_sandbox
+from sandbox.base import SandboxSession
 
 log = structlog.get_logger()
+replace = msgspec.structs.replace
 
 
 def to_outcome(result: ExecResult | None) -> ExecOutcome:
@@ -99,14 +105,27 @@ class Sandboxes:
         limits, tight = request.limits, self.limits.get(domain.name)
         if tight is not None and tight.timeout_s > 0:
             cpu_s = max(1, int(tight.timeout_s + 0.999))  # as SandboxSpec.with_overrides
-            limits = replace(limits, timeout_s=tight.timeout_s, cpu_s=cpu_s)
+            limits = dc_replace(limits, timeout_s=tight.timeout_s, cpu_s=cpu_s)
         if tight is not None and tight.memory_mb:
-            limits = replace(limits, memory_mb=tight.memory_mb)
+            limits = dc_replace(limits, memory_mb=tight.memory_mb)
         files = {**getattr(spec, "files", {}), **request.files}
-        return backend, image, replace(request, limits=limits, files=files)
+        return backend, image, dc_replace(request, limits=limits, files=files)
 
     async def run(self, domain: Any, request: ExecRequest) -> ExecResult:
         backend, image, request = self.choose(domain, request)
+        return await self._box(domain, backend, image).run(request)
+
+    def session(self, domain: Any, label: str) -> AbstractAsyncContextManager[SandboxSession]:
+        """A session for one member of a multi-turn episode, under the domain's limits."""
+        spec = getattr(domain, "sandbox", None)
+        base = ExecRequest(argv=[], limits=getattr(spec, "limits", Limits()))
+        backend, image, request = self.choose(domain, base)
+        return self._box(domain, backend, image).session(request.limits, label)
+
+    def staged_files(self, domain: Any) -> dict[str, bytes]:
+        return dict(getattr(getattr(domain, "sandbox", None), "files", {}))
+
+    def _box(self, domain: Any, backend: str, image: str) -> Sandbox:
         box = self._boxes.get((backend, image))
         if box is None:
             options: dict[str, Any] = {"image": image} if image else {}
@@ -116,7 +135,7 @@ class Sandboxes:
             box = self._open(backend, **options)
             self._boxes[(backend, image)] = box
             log.info("sandbox backend opened", backend=backend, image=image, domain=domain.name)
-        return await box.run(request)
+        return box
 
     async def aclose(self) -> None:
         boxes, self._boxes = list(self._boxes.values()), {}
@@ -130,12 +149,25 @@ class Executor:
     input_stream = N.ROLLOUTS
     input_type = Rollout
 
-    def __init__(self, sandboxes: Sandboxes) -> None:
+    def __init__(
+        self,
+        sandboxes: Sandboxes,
+        sessions: EpisodeSessions | None = None,
+        domain_config: dict[str, DomainConfig] | None = None,
+    ) -> None:
         self.sandboxes = sandboxes
+        self.sessions = sessions if sessions is not None else EpisodeSessions(sandboxes)
+        self.domain_config = domain_config or {}
+
+    def max_turns(self, domain: Any) -> int:
+        configured = self.domain_config.get(domain.name, DomainConfig()).max_turns
+        return configured or domain.episode.max_turns
 
     async def handle(self, rollout: Rollout) -> list[Output]:
         task = rollout.task
         domain, item = domain_item(task)
+        if is_multi_turn(domain):
+            return await self.handle_turn(rollout, domain, item)
         results: list[ExecResult | None] = [None] * len(rollout.samples)
 
         unavailable: list[str] = []
@@ -170,16 +202,98 @@ class Executor:
             )
         ]
 
+    # -- multi-turn episodes (actors/episodes.py) -------------------------------------------
+
+    async def handle_turn(self, rollout: Rollout, domain: Any, item: Any) -> list[Output]:
+        """Run this turn of every live member in its session; members that end get their
+        final check. Out: the next turn (``tasks``), or the whole episode (``executed``)."""
+        task, ep = rollout.task, rollout.task.episode
+        if ep is None:
+            raise Reject("a multi-turn domain's rollout without episode state")
+        g = len(rollout.samples)
+        st = TurnState(list(rollout.samples), list(ep.ended) or [""] * g,
+                       list(ep.outcomes) or [None] * g, list(ep.snapshots) or [b""] * g)
+        if not len(st.ended) == len(st.outcomes) == len(st.snapshots) == g:
+            raise Reject(f"episode state of {len(st.ended)} members for {g} samples")
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(g):
+                    if st.outcomes[i] is None:
+                        nursery.start_soon(self._member_turn, domain, item, ep, i, st)
+            if st.unavailable:
+                raise Unavailable(f"sandbox unavailable ({len(st.unavailable)} members): "
+                                  f"{st.unavailable[0]}")
+        except BaseException:  # error, retry, cancel: a redone turn restores from snapshots
+            await self.sessions.release(ep.id)
+            raise
+        log.info("turn executed", turn=ep.turn, live=st.ended.count(""),
+                 ended=[e for e in st.ended if e])
+        if st.finished:
+            done = replace(ep, samples=[], snapshots=[], ended=st.ended, outcomes=st.outcomes)
+            final = replace(rollout, task=replace(task, episode=done), samples=st.samples)
+            outcomes = [o for o in st.outcomes if o is not None]
+            return [Output(N.EXECUTED, Executed(
+                id=new_id(), created_at=now(), policy_version=rollout.policy_version,
+                attempt=rollout.attempt, rollout=final, outcomes=outcomes))]
+        state = replace(ep, prompt_ids=rollout.prompt_ids, samples=st.samples, ended=st.ended,
+                        outcomes=st.outcomes, snapshots=st.snapshots)
+        return [Output(N.TASKS, replace(task, id=new_id(), created_at=now(),
+                                        policy_version=rollout.policy_version,
+                                        attempt=rollout.attempt, episode=state))]
+
+    async def _member_turn(self, domain: Any, item: Any, ep: Episode, i: int,
+                           st: TurnState) -> None:
+        try:
+            held = await self.sessions.checkout(domain, item, ep.id, i, ep.turn, st.snapshots[i])
+        except LostSession as exc:
+            log.warning("member lost its session", member=i, error=str(exc))
+            st.ended[i], st.outcomes[i] = "lost", LOST
+            await self.sessions.release(ep.id, i)
+            return
+        except SandboxUnavailable as exc:
+            st.unavailable.append(str(exc))
+            return
+        try:
+            async with held.lock:
+                if not st.ended[i]:
+                    text = st.samples[i].text
+                    request = domain.exec_request(item, text)
+                    held.turn = -1  # until this turn's command has run to the end
+                    result = await held.session.run(request) if request else None
+                    held.turn = ep.turn
+                    observation = domain.render_observation(item, result)
+                    st.samples[i] = observed(st.samples[i], observation, result)
+                    if domain.is_done(item, text):
+                        st.ended[i] = "done"
+                    elif ep.turn >= self.max_turns(domain):
+                        st.ended[i] = "max_turns"
+                if st.ended[i]:
+                    check = domain.final_request(item)
+                    st.outcomes[i] = to_outcome(await held.session.run(check) if check else None)
+                else:
+                    st.snapshots[i] = await self.sessions.snapshot(held)
+        except SandboxUnavailable as exc:
+            st.unavailable.append(str(exc))
+            return
+        if st.ended[i]:
+            await self.sessions.release(ep.id, i)
+
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.executor
     sandboxes = Sandboxes(cfg.backend, cfg.domains, ctx.config.domain, pool_size=cfg.pool_size)
+    sessions = EpisodeSessions(sandboxes, snapshots=cfg.episode_snapshots,
+                               idle_s=cfg.session_idle_s)
     try:
-        await ctx.serve(
-            Executor(sandboxes),
-            concurrency=cfg.concurrency,
-            time_limit_s=cfg.time_limit_s,
-            task_status=task_status,
-        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(sessions.serve_idle_release)
+            await ctx.serve(
+                Executor(sandboxes, sessions, ctx.config.domain),
+                concurrency=cfg.concurrency,
+                time_limit_s=cfg.time_limit_s,
+                task_status=task_status,
+            )
+            nursery.cancel_scope.cancel()
     finally:
+        await sessions.aclose()
         await sandboxes.aclose()

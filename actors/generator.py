@@ -19,14 +19,17 @@ import trio
 
 from actors.config import GeneratorConfig
 from actors.context import ActorContext, domain_item
+from actors.episodes import generate_turn
 from actors.policies import Unavailable
 from actors.runtime import Output
-from inference.engine import Engine
+from domains.base import is_multi_turn
+from inference.engine import Completion, Engine
 from inference.sglang_client import ServerUnavailable, SGLangEngine
 from queues import names as N
 from queues.messages import (
     Rollout,
     Sample,
+    Sampling,
     Task,
     WeightsPublished,
     decode,
@@ -80,19 +83,25 @@ class Generator:
         self.tokenizer = tokenizer
         self.retry_delay_s = retry_delay_s
 
+    async def generate(
+        self, prompts: list[list[int]], sampling: Sampling, session: str
+    ) -> list[Completion]:
+        if isinstance(self.engine, SGLangEngine):
+            try:  # one server per episode (its prefix cache); none: retried, then released
+                return await self.engine.generate(prompts, sampling, session=session)
+            except ServerUnavailable as exc:
+                raise Unavailable(str(exc), delay=self.retry_delay_s) from exc
+        return await self.engine.generate(prompts, sampling)
+
     async def handle(self, task: Task) -> list[Output]:
         if self.gate is not None:
             await self.gate.wait_for(task.policy_version)
         domain, item = domain_item(task)
+        if is_multi_turn(domain):
+            return await self.handle_turn(task, domain, item)
         prompt = domain.render_prompt(item, self.tokenizer)
         prompts = [prompt] * task.group_size
-        if isinstance(self.engine, SGLangEngine):
-            try:  # one server per task (its prefix cache); no server: retried, then released
-                completions = await self.engine.generate(prompts, task.sampling, session=task.id)
-            except ServerUnavailable as exc:
-                raise Unavailable(str(exc), delay=self.retry_delay_s) from exc
-        else:
-            completions = await self.engine.generate(prompts, task.sampling)
+        completions = await self.generate(prompts, task.sampling, task.episode_id)
         samples = [
             Sample(
                 tokens=ids_to_bytes(c.tokens),
@@ -121,6 +130,20 @@ class Generator:
             tokens=sum(len(c.tokens) for c in completions),
         )
         return [Output(N.ROLLOUTS, rollout)]
+
+    async def handle_turn(self, task: Task, domain: Any, item: Any) -> list[Output]:
+        """The next turn of a multi-turn episode (actors/episodes.py)."""
+        budget = domain.episode.max_total_tokens
+        state, prompt_ids, samples = await generate_turn(
+            task, domain, item, self.tokenizer, self.generate, budget
+        )
+        version = min(s.weight_version for s in samples)
+        ep = state.episode
+        log.info("turn generated", turn=ep.turn if ep else 0,
+                 live=ep.ended.count("") if ep else 0)
+        return [Output(N.ROLLOUTS, Rollout(
+            id=new_id(), created_at=now(), policy_version=version, attempt=task.attempt,
+            task=state, prompt_ids=prompt_ids, samples=samples))]
 
 
 async def serve_weight_updates(

@@ -184,7 +184,7 @@ def render_episode(f: Found) -> str:
             f"--- turn {i + 1}/{len(t.rollout.samples)}: sample {i}, weights "
             f"v{sample.weight_version}, {len(bytes_to_ids(sample.tokens))} tokens, "
             f"finish {sample.finish_reason}",
-            sample.text,
+            *_turns(sample, task.episode.ended[i] if task.episode else ""),
             f"--- sandbox: exit {outcome.exit_code} in {outcome.duration_s:.2f}s"
             + (f" ({', '.join(flags)})" if flags else ""),
             "stdout: " + (outcome.stdout.rstrip() or "(empty)"),
@@ -192,6 +192,18 @@ def render_episode(f: Found) -> str:
             f"--- reward {reward:g}",
         ]
     return "\n".join(lines)
+
+
+def _turns(sample: Any, ended: str) -> list[str]:
+    """A single-turn sample's text, or every model turn and observation of a multi-turn one."""
+    if not sample.turns:
+        return [sample.text]
+    lines = []
+    for k, turn in enumerate(sample.turns, 1):
+        lines += [f"--- model turn {k}/{len(sample.turns)}", turn.text]
+        if turn.observation:
+            lines += [f"--- observation (exit {turn.exit_code})", turn.observation]
+    return [*lines, f"--- episode ended: {ended or '?'}"]
 
 
 # --------------------------------------------------------------------------- rescore

@@ -92,6 +92,64 @@ class Domain(Protocol):
     def score(self, item: Any, completion_text: str, result: ExecResult | None) -> float: ...
 
 
+class MultiTurnDomain(Domain, Protocol):
+    """A domain whose ``episode.multi_turn`` is true (the executor's turn loop,
+    ``actors/episodes.py``). Each member of a group holds one sandbox session for its whole
+    episode; every model turn:
+
+    - ``exec_request(item, turn_text)``: what to run for this turn (None: nothing), in the
+      member's session (the request's limits are ignored: the session's apply);
+    - ``render_observation(item, result)``: the text fed back to the model (``result`` is
+      None when nothing ran); bounded in size whatever the command printed;
+    - ``is_done(item, turn_text)``: the model declared the episode over.
+
+    When a member ends (done, ``max_turns``, token budget) ``final_request(item)`` runs in
+    its session, after everything the model did (the hidden check: staged only now, never
+    visible to the model's commands), and ``score(item, last_turn_text, final_result)`` is
+    its reward. ``session_files(item)`` are staged in a fresh session before turn 1.
+    """
+
+    def session_files(self, item: Any) -> dict[str, bytes]: ...
+
+    def render_observation(self, item: Any, result: ExecResult | None) -> str: ...
+
+    def is_done(self, item: Any, turn_text: str) -> bool: ...
+
+    def final_request(self, item: Any) -> ExecRequest | None: ...
+
+
+def is_multi_turn(domain: Any) -> bool:
+    return bool(getattr(getattr(domain, "episode", None), "multi_turn", False))
+
+
+_TURN_MARK = "\x00streamrl-turn\x00"
+
+
+def chat_observation_ids(
+    tokenizer: Any, observation: str, closed: bool, role: str = "user"
+) -> list[int]:
+    """Token ids that close the model's turn (unless ``closed``: its completion already ended
+    with the end-of-turn token), add ``observation`` as a ``role`` message and open the next
+    assistant turn, all in the model's own chat template. Derived by rendering a dummy
+    conversation with and without the observation, so any template works whose rendering of
+    a conversation is a prefix of the rendering of its continuation."""
+    convo = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _TURN_MARK}]
+    before = tokenizer.apply_chat_template(convo, tokenize=False)
+    after = tokenizer.apply_chat_template(
+        [*convo, {"role": role, "content": observation}], tokenize=False,
+        add_generation_prompt=True,
+    )
+    if not after.startswith(before):
+        raise ValueError("chat template: a conversation does not render as a prefix of its "
+                         "continuation; cannot append observations")
+    closing = before[before.index(_TURN_MARK) + len(_TURN_MARK):]
+    eos = getattr(tokenizer, "eos_token", None) or ""
+    if closed and eos and closing.startswith(eos):
+        closing = closing[len(eos):]
+    text = closing + after[len(before):]
+    return [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
 def chat_prompt_ids(tokenizer: Any, user: str, system: str | None = None) -> list[int]:
     """Token ids of a one-turn chat, ending with the assistant header (generation prompt)."""
     messages = [{"role": "system", "content": system}] if system else []

@@ -8,13 +8,18 @@ Guarantees:
   ``advantages`` without further shifting;
 - ``loss_mask`` is 1 exactly on the completion tokens the policy sampled: never on prompt
   tokens, never on padding (padding is found by length, not by token id, because the pad
-  token is usually EOS, which a completion may legitimately end with).
+  token is usually EOS, which a completion may legitimately end with), and never on the
+  observation tokens of a multi-turn episode (``Sample.mask`` 0: what the sandbox answered,
+  wrapped in the chat template, is context, not action).
 
 Layout of sample ``i`` with a prompt of P tokens and a completion of C tokens::
 
     input_ids[i]    p0 p1 .. p{P-1} c0 c1 .. c{C-1} pad ..
     loss_mask[i]     0  0 ..  1      1  1 ..  0      0  ..    (1 at columns P-1 .. P+C-2)
     old_logprobs[i]  0  0 .. lp0    lp1 lp2 .. 0     0  ..
+
+In a multi-turn sample the completion is the whole episode after the prompt (turns and
+observations); column ``P - 1 + j`` of ``loss_mask`` is ``Sample.mask[j]``.
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
     """
     from queues.messages import bytes_to_floats, bytes_to_ids
 
-    rows: list[tuple[Tensor, Tensor, Tensor, float, float, float]] = []
+    rows: list[tuple[Tensor, Tensor, Tensor, Tensor, float, float, float]] = []
     for traj in trajectories:
         rollout = traj.rollout
         if not rollout.samples or len(traj.rewards) != len(rollout.samples):
@@ -141,7 +146,14 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
                 raise ValueError(
                     f"trajectory {traj.id}: {tokens.numel()} tokens, {logprobs.numel()} logprobs"
                 )
-            rows.append((prompt, tokens, logprobs, adv, temperature, float(reward)))
+            if sample.mask:
+                trained = torch.frombuffer(bytearray(sample.mask), dtype=torch.uint8).float()
+                if trained.numel() != tokens.numel():
+                    raise ValueError(f"trajectory {traj.id}: {tokens.numel()} tokens, "
+                                     f"{trained.numel()} mask entries")
+            else:
+                trained = torch.ones(tokens.numel(), dtype=torch.float32)
+            rows.append((prompt, tokens, logprobs, trained, adv, temperature, float(reward)))
 
     if not rows:
         raise ValueError("no trajectories to build a batch from")
@@ -152,23 +164,23 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
     loss_mask = torch.zeros((n, width - 1), dtype=torch.float32)
     old_logprobs = torch.zeros((n, width - 1), dtype=torch.float32)
     advantages = torch.zeros((n, width - 1), dtype=torch.float32)
-    for i, (prompt, tokens, logprobs, adv, _, _) in enumerate(rows):
+    for i, (prompt, tokens, logprobs, trained, adv, _, _) in enumerate(rows):
         p, c = len(prompt), len(tokens)
         input_ids[i, :p] = prompt
         input_ids[i, p : p + c] = tokens
         attention_mask[i, : p + c] = 1
         # completion token j sits at column p + j and is predicted from column p + j - 1
-        loss_mask[i, p - 1 : p - 1 + c] = 1.0
-        old_logprobs[i, p - 1 : p - 1 + c] = logprobs
-        advantages[i, p - 1 : p - 1 + c] = adv
+        loss_mask[i, p - 1 : p - 1 + c] = trained
+        old_logprobs[i, p - 1 : p - 1 + c] = logprobs * trained
+        advantages[i, p - 1 : p - 1 + c] = adv * trained
     return Batch(
         input_ids=input_ids,
         attention_mask=attention_mask,
         loss_mask=loss_mask,
         old_logprobs=old_logprobs,
         advantages=advantages,
-        temperature=torch.tensor([r[4] for r in rows], dtype=torch.float32),
-        rewards=torch.tensor([r[5] for r in rows], dtype=torch.float32),
+        temperature=torch.tensor([r[5] for r in rows], dtype=torch.float32),
+        rewards=torch.tensor([r[6] for r in rows], dtype=torch.float32),
         lengths=attention_mask.sum(dim=1),
     )
 
@@ -182,6 +194,7 @@ def make_trajectory(
     weight_versions: Sequence[int] | int = 0,
     temperature: float = 1.0,
     policy_version: int = 0,
+    masks: Sequence[Sequence[int]] | None = None,
 ) -> Trajectory:
     """A well-formed ``Trajectory`` from plain lists, for tests and benchmarks.
 
@@ -202,6 +215,7 @@ def make_trajectory(
 
     if isinstance(weight_versions, int):
         weight_versions = [weight_versions] * len(completions)
+    mask_bytes = [bytes(bytearray(m)) for m in masks] if masks else [b""] * len(completions)
     task = Task(
         id=new_id(),
         created_at=now(),
@@ -221,8 +235,11 @@ def make_trajectory(
             text="",
             finish_reason="stop",
             weight_version=version,
+            mask=mask,
         )
-        for tokens, lps, version in zip(completions, logprobs, weight_versions, strict=True)
+        for tokens, lps, version, mask in zip(
+            completions, logprobs, weight_versions, mask_bytes, strict=True
+        )
     ]
     rollout = Rollout(
         id=new_id(),

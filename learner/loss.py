@@ -60,7 +60,8 @@ def policy_loss(
         old_logprobs: log pi_old(token), the anchor of the ratio. Today this is the
             behaviour logprob the generator recorded while sampling.
         advantages: the sample's advantage, broadcast to its tokens.
-        mask: 1 where a token is trained on, 0 elsewhere.
+        mask: 1 where a token is trained on, 0 elsewhere (prompt, padding, and the
+            observation tokens of a multi-turn episode: only model-produced tokens train).
         clip_eps_low, clip_eps_high: the ratio is clipped to
             ``[1 - clip_eps_low, 1 + clip_eps_high]``; a larger ``clip_eps_high`` is
             DAPO's "clip-higher".

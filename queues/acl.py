@@ -194,7 +194,8 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
     if role == "generator":
         return [*_consume(n, N.TASKS, role, (N.ROLLOUTS,)), *_follow(n, N.WEIGHTS)]
     if role == "executor":
-        return _consume(n, N.ROLLOUTS, role, (N.EXECUTED,))
+        # multi-turn episodes: the next turn goes back to tasks (actors/episodes.py)
+        return _consume(n, N.ROLLOUTS, role, (N.EXECUTED, N.TASKS))
     if role == "verifier":
         return [
             *_consume(n, N.EXECUTED, role, (N.TRAJECTORIES, N.EVALS)),

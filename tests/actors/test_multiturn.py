@@ -1,0 +1,384 @@
+"""Multi-turn episodes through the real actors, on a real Redis, in the real process sandbox.
+
+The model is replaced by a scripted :class:`~inference.engine.Engine` (fixed shell commands
+per turn, tokenised with the real tokenizer) because these tests are about the episode
+machinery, not the model: turns, observations, the loss mask, crash safety across replicas,
+and that every sandbox session is released on every exit path. The tiny real model runs the
+same domain end to end in ``test_multiturn_model.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+from actors.config import DomainConfig
+from actors.episodes import EpisodeSessions
+from actors.executor import Executor, Sandboxes
+from actors.generator import Generator
+from actors.policies import Policies, RetryPolicy
+from actors.replay import Found, render_episode
+from actors.runtime import Actor, ActorRuntime, RuntimeSettings
+from actors.scheduler import make_task
+from actors.verifier import Verifier
+from domains.registry import get_domain
+from domains.terminal import TerminalItem
+from inference.engine import Completion
+from learner.batch import build_batch
+from learner.model import load_tokenizer, resolve_model
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import (
+    DeadLetter,
+    Sampling,
+    Trajectory,
+    bytes_to_floats,
+    bytes_to_ids,
+    decode,
+    encode,
+)
+from queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
+from tests.domains.test_terminal import fence, item_of, solution
+
+TERMINAL = get_domain("terminal")
+LOGPROB = -0.5  # what the scripted engine reports for each of its tokens
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(resolve_model("tiny"))
+
+
+Script = Callable[[int, int], str]  # (turn, position in the call) -> reply
+
+
+class ScriptedEngine:
+    """An Engine whose replies are fixed per turn (the turn is read off the prompt: the number
+    of assistant headers in it). ``hold_turn``: calls for that turn wait for ``release``."""
+
+    def __init__(self, tokenizer: Any, script: Script, hold_turn: int = 0) -> None:
+        self.tokenizer = tokenizer
+        self.script = script
+        self.hold_turn = hold_turn
+        self.release = trio.Event()
+        self.calls: list[tuple[int, list[list[int]]]] = []
+
+    @property
+    def weight_version(self) -> int:
+        return 0
+
+    def reply_ids(self, text: str) -> list[int]:
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return [int(i) for i in ids] + [int(self.tokenizer.eos_token_id)]
+
+    async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
+        turn = self.tokenizer.decode(prompts[0]).count("<|im_start|>assistant")
+        self.calls.append((turn, prompts))
+        if turn == self.hold_turn:
+            await self.release.wait()
+        out = []
+        for pos in range(len(prompts)):
+            text = self.script(turn, pos)
+            ids = np.array(self.reply_ids(text), dtype=np.int32)
+            out.append(Completion(tokens=ids, logprobs=np.full(len(ids), LOGPROB, np.float32),
+                                  text=text, finish_reason="stop", weight_version=0))
+        return out
+
+    async def update_weights(self, path: Any, version: int) -> None:
+        pass
+
+
+@dataclass
+class Replica:
+    """One actor on its input stream as a named consumer, killable (its cancel scope)."""
+
+    actor: Actor[Any]
+    name: str
+    time_limit_s: float = 60.0
+    max_retries: int = 2
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    runtime: ActorRuntime | None = None
+
+    async def serve(self, client: RedisClient, names: N.Names, *,
+                    task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        settings = ConsumerSettings(block_ms=100, reclaim_min_idle_ms=600, trim_interval_s=0)
+        policies = Policies(retry=RetryPolicy(self.max_retries, 0.05, 0.1),
+                            time_limit_s=self.time_limit_s)
+        with self.scope:
+            async with open_stream_consumer(client, names, self.actor.input_stream,
+                                            stage=self.actor.stage, consumer=self.name,
+                                            settings=settings) as consumer:
+                self.runtime = ActorRuntime(consumer, self.actor, policies, RuntimeSettings(
+                    concurrency=2, heartbeat_interval_s=0.2, reclaim_interval_s=0.2))
+                await self.runtime.serve(task_status=task_status)
+
+    def handled(self) -> int:
+        return self.runtime.statistics().handled if self.runtime else 0
+
+
+def executor(turns: int = 6, idle_s: float = 600.0) -> Executor:
+    sandboxes = Sandboxes("process")
+    return Executor(sandboxes, EpisodeSessions(sandboxes, idle_s=idle_s),
+                    {"terminal": DomainConfig(max_turns=turns)})
+
+
+async def publish_task(client: RedisClient, names: N.Names, item: TerminalItem,
+                       group: int) -> str:
+    task = make_task("terminal", item, split="train", group_size=group,
+                     sampling=Sampling(max_new_tokens=64), version=0)
+    await Producer(client, names).publish(N.TASKS, [encode(task)])
+    return task.id
+
+
+async def entries(client: RedisClient, names: N.Names, stream: str) -> list[bytes]:
+    raw = await client.call(client.sync.xrange, names.stream(stream))
+    return [f[FIELD] for _, f in raw]
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float = 60.0) -> None:
+    with trio.fail_after(timeout):
+        while not await predicate():
+            await trio.sleep(0.05)
+
+
+async def trajectory(client: RedisClient, names: N.Names) -> Trajectory:
+    async def one() -> bool:
+        return len(await entries(client, names, N.TRAJECTORIES)) >= 1
+
+    await wait_for(one)
+    [raw] = await entries(client, names, N.TRAJECTORIES)
+    return decode(raw, Trajectory)
+
+
+def sandbox_processes(commands_only: bool = False) -> list[str]:
+    """Live processes descended from this one that belong to a sandbox: what a released
+    session must not leave behind. ``commands_only``: leave out the sandboxes themselves
+    (bubblewrap and the resident runner a warm pool keeps), count only what commands
+    started."""
+    parents: dict[int, int] = {}
+    cmdlines: dict[int, str] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    stat = f.read()
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if ") Z " in stat:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            cmdlines[int(entry.name)] = cmd
+    me, found = os.getpid(), []
+    for pid, cmd in cmdlines.items():
+        p = pid
+        while p in parents and p not in (0, 1, me):
+            p = parents[p]
+        if p == me and pid != me and "redis" not in cmd and "valkey" not in cmd:
+            if commands_only and ("bwrap" in cmd or "sandbox" in cmd or (parents[pid] != me
+                                  and "bwrap" in cmdlines.get(parents[pid], ""))):
+                continue
+            found.append(f"{pid} {cmd[:120]}")
+    return found
+
+
+# --------------------------------------------------------------------------- tests
+
+
+async def test_episode_runs_turn_by_turn_with_a_correct_loss_mask(
+    client: RedisClient, names: N.Names, tokenizer: Any
+) -> None:
+    item = item_of("count_matching")
+    count = fence("echo step >> log.txt; wc -l < log.txt")
+
+    def script(turn: int, pos: int) -> str:
+        # member 0 solves it at once; member 1 takes three turns; member 2 never ends it
+        if turn == 1:
+            return fence(solution(item)) + "\n<done>" if pos == 0 else count
+        if turn == 2:
+            return count
+        return fence(solution(item)) + "\n<done>" if pos == 0 else fence("cat log.txt")
+
+    engine = ScriptedEngine(tokenizer, script)
+    ex = executor(turns=3)
+    replicas = [Replica(Generator(engine, tokenizer), "g1"), Replica(ex, "e1"),
+                Replica(Verifier(), "v1")]
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for r in replicas:
+            await nursery.start(r.serve, client, names)
+        episode = await publish_task(client, names, item, group=3)
+        traj = await trajectory(client, names)
+        nursery.cancel_scope.cancel()
+    elapsed = trio.current_time() - started
+    # every member ended, so every session was released already (the cache is empty)
+    assert len(ex.sessions) == 0 and sandbox_processes(commands_only=True) == []
+    await ex.sandboxes.aclose()
+
+    # Then one trajectory for the whole episode, with the episode's id
+    assert traj.episode_id == episode and traj.rollout.task.episode is not None
+    assert traj.rollout.task.episode.ended == ["done", "done", "max_turns"]
+    assert traj.rewards == [1.0, 1.0, 0.0]
+    assert [len(s.turns) for s in traj.rollout.samples] == [1, 3, 3]
+    # the session persisted across turns: the second `wc -l` saw two lines
+    member1 = traj.rollout.samples[1]
+    assert member1.turns[1].observation == "exit code 0\nstdout:\n2"
+    # the last turn's command ran too (then <done>); member 2's last turn hit max_turns
+    assert member1.turns[2].observation == "exit code 0" and member1.text == member1.turns[2].text
+    assert traj.rollout.samples[2].turns[2].observation == "exit code 0\nstdout:\nstep\nstep"
+    # the engine saw the prompt, the first reply and the observation, in the chat template
+    turn2_prompts = [p for t, ps in engine.calls if t == 2 for p in ps]
+    prompt = bytes_to_ids(traj.rollout.prompt_ids).tolist()
+    first = engine.reply_ids(count)
+    assert turn2_prompts[0][: len(prompt) + len(first)] == prompt + first
+    seen = tokenizer.decode(turn2_prompts[0][len(prompt) + len(first):])
+    assert seen.startswith("\n<|im_start|>user\nexit code 0\nstdout:\n1<|im_end|>")
+    assert seen.endswith("<|im_start|>assistant\n")
+
+    # And the loss mask is 1 exactly on the model's tokens, which alone carry logprobs
+    tokens = bytes_to_ids(member1.tokens)
+    mask = np.frombuffer(member1.mask, dtype=np.uint8)
+    logprobs = bytes_to_floats(member1.logprobs)
+    replies = [engine.reply_ids(t.text) for t in member1.turns]
+    assert tokens[mask == 1].tolist() == [i for r in replies for i in r]
+    assert (logprobs[mask == 1] == LOGPROB).all() and (logprobs[mask == 0] == 0).all()
+    assert 0 < int((mask == 0).sum()) < len(mask)
+    assert (member1.token_versions() == 0).all() and len(member1.token_versions()) == len(mask)
+    assert traj.rollout.samples[0].mask == b"\x01" * len(engine.reply_ids(script(1, 0)))
+    batch = build_batch([traj], pad_id=0)
+    p = len(prompt)
+    assert batch.loss_mask[1, p - 1 : p - 1 + len(mask)].tolist() == mask.tolist()
+    assert int(batch.loss_mask.sum()) == sum(int(np.frombuffer(s.mask, np.uint8).sum())
+                                             for s in traj.rollout.samples)
+    assert (batch.old_logprobs[batch.loss_mask == 0] == 0).all()
+
+    # And with the backend closed nothing of any sandbox is left running
+    assert sandbox_processes() == []
+    # And replay shows every turn of every member
+    shown = render_episode(Found(N.TRAJECTORIES, "0-1", "live", traj, b""))
+    for s in traj.rollout.samples:
+        for k, turn in enumerate(s.turns, 1):
+            assert f"--- model turn {k}/{len(s.turns)}\n{turn.text}" in shown
+            assert turn.observation in shown
+    assert "--- episode ended: max_turns" in shown
+    print(f"episode of 3 members, 7 model turns: {elapsed:.2f}s, "
+          f"{7 / elapsed:.1f} member-turns/s")
+
+
+async def test_replicas_killed_between_and_during_turns_lose_nothing(
+    client: RedisClient, names: N.Names, tokenizer: Any
+) -> None:
+    item = item_of("count_matching")
+
+    def script(turn: int, pos: int) -> str:
+        return {1: fence("echo a >> log.txt"), 2: fence("echo b >> log.txt; sleep 2"),
+                3: fence("cat log.txt")}.get(turn, fence(solution(item)) + "\n<done>")
+
+    # Given generator A, which will hang on turn 3, and executor A
+    engine_a = ScriptedEngine(tokenizer, script, hold_turn=3)
+    engine_b = ScriptedEngine(tokenizer, script)
+    ex_a, ex_b = executor(), executor()
+    gen_a, gen_b = Replica(Generator(engine_a, tokenizer), "gA"), Replica(
+        Generator(engine_b, tokenizer), "gB")
+    exec_a, exec_b = Replica(ex_a, "eA"), Replica(ex_b, "eB")
+    async with trio.open_nursery() as nursery:
+        for r in (gen_a, exec_a, Replica(Verifier(), "v")):
+            await nursery.start(r.serve, client, names)
+        await publish_task(client, names, item, group=2)
+
+        # When executor A is killed while turn 2's command runs (after turn 1 went through)
+        async def turn2_running() -> bool:
+            return exec_a.handled() == 1 and exec_a.runtime is not None and \
+                exec_a.runtime.statistics().in_flight == 1
+
+        await wait_for(turn2_running)
+        await trio.sleep(0.5)
+        exec_a.scope.cancel()
+        await nursery.start(exec_b.serve, client, names)
+
+        # And generator A is killed while it holds turn 3, and B takes over
+        async def holding() -> bool:
+            return any(t == 3 for t, _ in engine_a.calls)
+
+        await wait_for(holding)
+        gen_a.scope.cancel()
+        await nursery.start(gen_b.serve, client, names)
+        traj = await trajectory(client, names)
+        nursery.cancel_scope.cancel()
+    # (A released its sessions when its turn was cut; B when the members ended)
+    assert len(ex_a.sessions) == len(ex_b.sessions) == 0
+    for ex in (ex_a, ex_b):
+        await ex.sandboxes.aclose()
+
+    # Then the episode finished on the other replicas, from the state in the messages:
+    # executor B restored both members' sessions from turn 1's snapshots and redid turn 2
+    # once (log.txt holds a, b: no effect of the killed turn survived, none was doubled)
+    assert traj.rewards == [1.0, 1.0]
+    assert ex_b.sessions.restored == 2 and exec_b.handled() >= 2
+    assert any(t == 3 for t, _ in engine_b.calls)
+    for s in traj.rollout.samples:
+        assert [t.observation for t in s.turns[:3]] == [
+            "exit code 0", "exit code 0", "exit code 0\nstdout:\na\nb"]
+    assert sandbox_processes() == []
+
+
+async def test_sessions_are_released_on_every_exit_path(
+    client: RedisClient, names: N.Names, tokenizer: Any
+) -> None:
+    item = item_of("count_matching")
+    slow = fence("sleep 4")
+    engine = ScriptedEngine(tokenizer, lambda turn, pos: slow)
+    # Given an executor whose time limit cuts the first turn's command (cancel), every time
+    ex = executor()
+    gen, exe = Replica(Generator(engine, tokenizer), "g"), Replica(ex, "e", time_limit_s=1.0,
+                                                                    max_retries=1)
+    async with trio.open_nursery() as nursery:
+        for r in (gen, exe):
+            await nursery.start(r.serve, client, names)
+        await publish_task(client, names, item, group=2)
+
+        async def dead() -> bool:
+            return len(await entries(client, names, N.DEAD)) == 1
+
+        await wait_for(dead)
+        # Then after every cancelled attempt and the dead letter, no session is held and
+        # nothing a command started runs (the backend's warm sandboxes may wait, reset)
+        assert len(ex.sessions) == 0 and sandbox_processes(commands_only=True) == []
+        nursery.cancel_scope.cancel()
+    letter = decode((await entries(client, names, N.DEAD))[0], DeadLetter)
+    assert "time limit" in letter.error
+
+    # Given episodes that ran a turn here and then moved elsewhere (or died)
+    quick = ScriptedEngine(tokenizer, lambda turn, pos: fence("echo hi > f.txt"))
+    idle = executor(idle_s=0.3)
+    generator = Generator(quick, tokenizer)
+    for _ in range(2):
+        [rollout] = await generator.handle(
+            make_task("terminal", item, split="train", group_size=2, sampling=Sampling(),
+                      version=0))
+        [cont] = await idle.handle(rollout.message)  # type: ignore[arg-type]
+        assert cont.stream == N.TASKS
+    assert len(idle.sessions) == 4 and len(idle.sessions.episodes()) == 2
+    # When they stay idle past session_idle_s, Then the idle release closes them
+    async with trio.open_nursery() as nursery:
+        await nursery.start(idle.sessions.serve_idle_release)
+        with trio.fail_after(5):
+            while len(idle.sessions):
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    # And closing the executor closes what is still cached
+    [rollout] = await generator.handle(make_task("terminal", item, split="train", group_size=2,
+                                                 sampling=Sampling(), version=0))
+    await idle.handle(rollout.message)  # type: ignore[arg-type]
+    assert len(idle.sessions) == 2
+    await idle.sessions.aclose()
+    await idle.sandboxes.aclose()
+    await ex.sandboxes.aclose()
+    assert len(idle.sessions) == 0 and sandbox_processes() == []
