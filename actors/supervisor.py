@@ -7,6 +7,10 @@ Streams. A child that dies is restarted (its unacknowledged work is redelivered)
 terminal shows one progress line every few seconds; every actor logs JSON to
 ``<run dir>/logs/<actor>-<n>.log``.
 
+With ``up.serve_models = N`` it also starts N ``streamrl serve-model`` processes on loopback
+ports (before any actor, once each answers ``/health``) and points every generator at them
+(``generator.engine = "sglang"``): generation over the SGLang protocol, as on GPUs.
+
 With ``--max-minutes`` the run winds down by itself: admission stops, the learner stops,
 and a final held-out evaluation runs on the last policy version before everything is shut
 down. Ctrl-C (or SIGTERM) shuts down at once, without the final evaluation.
@@ -50,6 +54,7 @@ class Child:
     process: trio.Process | None = None
     restarts: int = 0
     stopping: bool = False
+    health_url: str = ""  # started only once this answers 200 (serve-model)
 
     @property
     def name(self) -> str:
@@ -70,6 +75,8 @@ class Child:
                 )
             if not started:
                 started = True
+                if self.health_url:
+                    await _wait_healthy(self.health_url, self.process)
                 task_status.started()
             code = await self.process.wait()
             if self.stopping:
@@ -95,6 +102,50 @@ class Child:
             return
         proc.kill()
         await proc.wait()
+
+
+async def _wait_healthy(url: str, process: trio.Process, timeout_s: float = 600.0) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=2.0) as client:
+        with trio.fail_after(timeout_s):
+            while process.returncode is None:
+                try:
+                    if (await client.get(url)).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await trio.sleep(0.5)
+    raise RuntimeError(f"{url}: the process exited before it was healthy")
+
+
+def _with_serve_models(config: Config, children: list[Child]) -> list[Child]:
+    """``up.serve_models`` serve-model children first, and every generator pointed at them."""
+    from inference.server import free_port
+
+    n = config.up.serve_models
+    if not n:
+        return children
+    run_dir = config.run.path
+    ports = [free_port() for _ in range(n)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    env = child_environment(config, os.environ, "serve-model", "", {})
+    env["OMP_NUM_THREADS"] = str(config.generator.threads or os.cpu_count() or 1)
+    servers = [
+        Child("serve-model", i,
+              [sys.executable, "-m", "actors.cli", "serve-model", "--model", config.model.spec,
+               "--host", "127.0.0.1", "--port", str(port),
+               "--max-batch", str(config.generator.max_batch),
+               "--threads", str(config.generator.threads)],
+              env, run_dir / "logs" / f"serve-model-{i}.log", health_url=url + "/health")
+        for i, (port, url) in enumerate(zip(ports, urls, strict=True))
+    ]
+    engine = ["--set", 'generator.engine="sglang"',
+              "--set", "generator.server_urls=[" + ",".join(f'"{u}"' for u in urls) + "]"]
+    for child in children:
+        if child.actor == "generator":
+            child.argv += engine
+    return servers + children
 
 
 def _archiving(config: Config) -> bool:
@@ -163,7 +214,8 @@ async def _up(
         config = msgspec.structs.replace(
             config, run=msgspec.structs.replace(config.run, redis_url=url)
         )
-        children = _children(config, config_path, overrides, credentials)
+        children = _with_serve_models(config, _children(config, config_path, overrides,
+                                                        credentials))
         own = credentials.get("monitor")  # this process: progress, evaluation rounds
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
             monitor = Monitor(ctx, run_dir, eval_round_size(config))

@@ -1,0 +1,52 @@
+"""``streamrl up`` with ``up.serve_models``: the supervisor starts a serve-model process and
+the generator samples through it over the SGLang protocol (the real CLI, real Redis, tiny
+model); the policy advances and every rollout names the weights of each of its tokens."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from queues import names as N
+from queues.messages import Trajectory, decode
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_up_starts_serve_model_and_the_generator_uses_it(redis_url: str, tmp_path: Path) -> None:
+    run = f"srv{tmp_path.name[-6:]}".replace("-", "")
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+         "--set", f"run.name={run}", "--set", f"run.work_dir={tmp_path / 'run'}",
+         "--set", "up.serve_models=1", "--set", "learner.max_steps=2",
+         "--max-minutes", "5", "--summary-json", str(summary_path)],
+        cwd=REPO,
+        env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
+        capture_output=True, text=True, timeout=540,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["steps"] >= 2 and summary["dead_letters"] == 0
+    assert summary["eval_reward_after"] is not None
+    logs = tmp_path / "run" / "logs"
+    # The serve-model process served the generator and loaded the published weights
+    served = (logs / "serve-model-0.log").read_text()
+    assert '"weights updated"' in served or "weights updated" in served
+    generator = (logs / "generator-0.log").read_text()
+    assert "server weights updated" in generator
+    # Every trained group carries per-token versions that agree with its samples
+    r = redis.Redis.from_url(redis_url)
+    groups = [decode(f[b"d"], Trajectory) for _, f in r.xrange(N.Names(run).stream(N.TRAJECTORIES))]
+    assert groups
+    for g in groups:
+        for s in g.rollout.samples:
+            versions = s.token_versions()
+            assert len(versions) == len(s.tokens) // 4
+            assert len(versions) == 0 or int(versions.min()) == s.weight_version
