@@ -2,9 +2,9 @@
 that proves nothing a test started outlives it.
 
 ``backend`` yields the process backend always (its strongest isolation mode here, resident
-bwrap sandboxes where they work, or ``$STREAMRL_TEST_ISOLATION``), and the Docker backend when ``open_sandbox("docker")`` works;
-without an engine the Docker cases skip with the reason, except under CI (``$CI`` set), where
-they fail.
+bwrap sandboxes where they work, or ``$STREAMRL_TEST_ISOLATION``), and the Docker backend
+when ``open_sandbox("docker")`` works; without an engine the Docker cases skip with the
+reason, except under CI (``$CI`` set), where they fail.
 """
 
 from __future__ import annotations

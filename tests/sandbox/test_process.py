@@ -3,24 +3,33 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import textwrap
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 
 from sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
+from sandbox.resident import ResidentSession
+
+from .conftest import processes_with
 
 REPO = Path(__file__).resolve().parents[2]
 ALL_MODES = ("bwrap", "bwrap-per-command", "unshare", "none")
 NAMESPACED = ("bwrap", "bwrap-per-command", "unshare")
 
 
-def _open(mode: str) -> ProcessSandbox:
+def _open(mode: str, **options: Any) -> ProcessSandbox:
     """``bwrap`` is the resident sandbox, ``bwrap-per-command`` one bwrap sandbox per command."""
     isolation, _, per_command = mode.partition("-")
     try:
-        box = ProcessSandbox(isolation=isolation, resident=not per_command)  # type: ignore[arg-type]
+        box = ProcessSandbox(isolation=isolation, resident=not per_command, **options)  # type: ignore[arg-type]
     except SandboxUnavailable as exc:
         pytest.skip(f"isolation {mode!r} unavailable here: {exc}")
     assert box.resident == (mode == "bwrap"), f"{mode}: resident={box.resident}"
@@ -237,7 +246,7 @@ async def test_bad_file_paths_are_rejected(name: str) -> None:
 
 
 async def test_work_dir_is_removed(tmp_path: Path) -> None:
-    box = ProcessSandbox(tmp_dir=str(tmp_path))
+    box = ProcessSandbox(tmp_dir=str(tmp_path), resident=False)  # host work dirs
     result = await box.run(ExecRequest(["python3", "-c", "open('f', 'w').write('x')"]))
     assert result.ok and list(tmp_path.iterdir()) == []
 
@@ -246,3 +255,163 @@ def test_open_sandbox_factory() -> None:
     assert open_sandbox("process").name == "process"
     with pytest.raises(ValueError, match="unknown sandbox backend"):
         open_sandbox("docker-in-a-teapot")
+
+
+# -- resident bwrap sandboxes -------------------------------------------------------------
+
+
+@pytest.fixture
+async def resident() -> AsyncIterator[ProcessSandbox]:
+    box = _open("bwrap")
+    try:
+        yield box
+    finally:
+        await box.aclose()
+
+
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    with trio.fail_after(timeout_s):
+        while not predicate():
+            await trio.sleep(0.02)
+
+
+async def test_process_limit_counts_the_command_tree(resident: ProcessSandbox, marker: str) -> None:
+    # Given a command that forks sleeping children until fork fails
+    code = """
+    import os, time
+    n = 0
+    while True:
+        try:
+            if os.fork() == 0:
+                time.sleep(30)
+                os._exit(0)
+        except OSError:
+            break
+        n += 1
+    print(n)
+    """
+    # When it runs with a limit of 8 processes
+    result = await resident.run(py(code, marker, max_processes=8))
+    # Then it got 7 children (8 with itself), not one more
+    assert result.ok and result.stdout == b"7\n", result
+
+
+async def test_runs_and_episodes_share_nothing(resident: ProcessSandbox, marker: str) -> None:
+    # Given an episode that leaves files in every writable place and a System V segment
+    code = """
+    import ctypes
+    for d in ('.', '/tmp', '/dev/shm'):
+        open(f'{d}/left-behind', 'w').write('secret')
+    assert ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600) >= 0  # IPC_PRIVATE, IPC_CREAT
+    print(open('/proc/sysvipc/shm').read().count('\\n') - 1)
+    """
+    async with resident.session(Limits(), label=marker) as first:
+        assert isinstance(first, ResidentSession)
+        assert (await first.run(py(code, marker))).stdout == b"1\n"
+        pid = first.pid
+    # When the same sandbox serves the next episode (held sessions until it comes back)
+    look = """
+    import os
+    print([p for d in ('.', '/tmp', '/dev/shm') for p in os.listdir(d)],
+          open('/proc/sysvipc/shm').read().count('\\n') - 1)
+    """
+    async with AsyncExitStack() as stack:
+        await wait_for(lambda: resident.statistics().busy == 0)  # reset and back
+        for _ in range(resident.statistics().ready):
+            session = await stack.enter_async_context(resident.session(Limits(), label=marker))
+            assert isinstance(session, ResidentSession)
+            if session.pid == pid:
+                break
+        assert isinstance(session, ResidentSession) and session.pid == pid, "not reused"
+        # Then it finds nothing of the first episode
+        result = await session.run(py(look, marker))
+    assert result.ok and result.stdout == b"[] 0\n", result
+
+
+async def test_sysv_ipc_does_not_outlive_its_command(resident: ProcessSandbox, marker: str) -> None:
+    create = "import ctypes; print(ctypes.CDLL(None).shmget(0, 1 << 20, 0o1600) >= 0)"
+    count = "print(open('/proc/sysvipc/shm').read().count('\\n') - 1)"
+    async with resident.session(Limits(), label=marker) as session:
+        assert (await session.run(py(create, marker))).stdout == b"True\n"
+        assert (await session.run(py(count, marker))).stdout == b"0\n"
+
+
+async def test_writable_places_are_capped_and_the_rest_read_only(marker: str) -> None:
+    box = _open("bwrap", work_mb=4, tmpfs_mb=2, shm_mb=1)
+    code = """
+    import errno
+    for target in ('big', '/tmp/big', '/dev/shm/big', '/big', '/dev/big', '/usr/big'):
+        try:
+            with open(target, 'wb') as f:
+                for _ in range(8):
+                    f.write(b'x' * (1 << 20))
+                    f.flush()
+            print(target, 'WROTE 8 MiB')
+        except OSError as exc:
+            print(target, errno.errorcode[exc.errno])
+    """
+    try:
+        result = await box.run(py(code, marker, max_file_mb=16))
+    finally:
+        await box.aclose()
+    assert result.ok, result
+    assert result.stdout.decode().split("\n")[:-1] == [
+        "big ENOSPC", "/tmp/big ENOSPC", "/dev/shm/big ENOSPC",
+        "/big EROFS", "/dev/big EROFS", "/usr/big EROFS",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        "resource.prlimit(1, resource.RLIMIT_NOFILE, (64, 64))",
+        "os.setpriority(os.PRIO_PROCESS, 1, 19)",
+        "os.sched_setaffinity(1, {min(os.sched_getaffinity(1))})",
+    ],
+)
+async def test_runner_tampered_with_is_not_reused(tamper: str, marker: str) -> None:
+    # Given a pool of one, and a run that changes its runner (pid 1) from outside
+    if "affinity" in tamper and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: the affinity cannot be narrowed")
+    box = _open("bwrap", pool_size=1)
+    try:
+        code = f"import os, resource; {tamper}; print('done')"
+        result = await box.run(py(code, marker))
+        assert result.ok and result.stdout == b"done\n", result
+        # When the runner is reset for the next episode, Then it refuses and is killed
+        await wait_for(lambda: box.statistics().killed == 1)
+        # And the next run gets a clean runner
+        check = "import os, resource; print(resource.getrlimit(resource.RLIMIT_NOFILE)[1] > 64,"
+        check += " os.getpriority(os.PRIO_PROCESS, 0), len(os.sched_getaffinity(0)))"
+        after = await box.run(py(check, marker))
+        assert after.stdout == f"True 0 {len(os.sched_getaffinity(0))}\n".encode(), after
+    finally:
+        await box.aclose()
+
+
+async def test_sandboxes_die_with_their_executor(marker: str) -> None:
+    # Given an "executor" process holding a session whose command sleeps
+    script = f"""
+    import sys, trio
+    sys.path.insert(0, {str(REPO)!r})
+    from sandbox import ExecRequest, Limits, ProcessSandbox
+    async def main():
+        box = ProcessSandbox()
+        async with box.session(Limits(timeout_s=60)) as s:
+            print(s.pid, flush=True)
+            await s.run(ExecRequest(['python3', '-c', 'import time; time.sleep(60)', {marker!r}]))
+    trio.run(main)
+    """
+    executor = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)],
+                                stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert executor.stdout is not None
+        monitor = int(executor.stdout.readline())
+        await wait_for(lambda: bool(processes_with(marker)))
+    finally:
+        # When it is SIGKILLed (no cleanup code runs)
+        executor.send_signal(signal.SIGKILL)
+        executor.wait()
+        executor.stdout.close()  # type: ignore[union-attr]
+    # Then its sandbox and the command go too (marker fixture), the monitor first
+    await wait_for(lambda: not os.path.exists(f"/proc/{monitor}"), timeout_s=5)
