@@ -15,7 +15,9 @@ and at the end :meth:`Pipeline.stop` stops every process gracefully (SIGTERM) an
 metrics, pending counts of every group, dead letters.
 
 Only the Redis URL ties a scenario to a server, so the same harness runs against one Redis
-server or a Redis Cluster (``redis+cluster://`` URL).
+server or a Redis Cluster (``redis+cluster://`` URL). ``Scenario.shards`` > 1 runs the
+pipeline split into shards (``queues.shards``): poison is planted in every shard, and the
+recorder and the checks read every shard (entry ids qualified by the shard, ``<k>:<id>``).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from queues.messages import (
     decode,
     encode,
 )
-from queues.stats import group_state
+from queues.shards import qualify
+from queues.stats import group_state, stream_length
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = ("scheduler", "generator", "executor", "verifier", "learner")
@@ -75,6 +78,8 @@ class Scenario:
     )
     overrides: list[str] = field(default_factory=list)
     """Extra ``section.key=value`` settings, applied after the scenario's own."""
+    shards: int = 1
+    """``queues.shards`` of the run (1: the default layout)."""
 
     def __post_init__(self) -> None:
         if self.items % self.groups_per_step:
@@ -101,12 +106,13 @@ class Scenario:
             "queues.heartbeat_interval_s=0.5",
             "retry.backoff_s=0.1",
             "retry.max_backoff_s=1.0",
+            *([f"queues.shards={self.shards}"] if self.shards > 1 else []),
             *self.overrides,
         ]
 
     @property
     def names(self) -> N.Names:
-        return N.Names(self.run)
+        return N.Names(self.run, shards=self.shards)
 
     @property
     def weights_root(self) -> Path:
@@ -376,13 +382,20 @@ def poison_payloads(rng: random.Random, stream: str) -> list[tuple[str, dict[byt
 async def plant_poison(
     client: RedisClient, names: N.Names, rng: random.Random
 ) -> list[tuple[str, str]]:
-    """XADD malformed entries into every pipeline stream; returns their (stream, entry id)."""
+    """XADD malformed entries into every pipeline stream (of every shard); returns their
+    (stream, entry id), the id qualified by the shard on a sharded run."""
     planted = []
-    for stream in PIPELINE_STREAMS:
-        for _, fields in poison_payloads(rng, stream):
-            entry_id = await client.call(client.sync.xadd, names.stream(stream), fields)
-            planted.append((stream, entry_id.decode()))
+    for layout in names.layouts():
+        for stream in PIPELINE_STREAMS:
+            for _, fields in poison_payloads(rng, stream):
+                entry_id = await client.call(client.sync.xadd, layout.stream(stream), fields)
+                planted.append((stream, _qualified(layout, entry_id.decode())))
     return planted
+
+
+def _qualified(layout: N.Names, entry_id: str) -> str:
+    """An entry id as a sharded run shows it (``<shard>:<id>``); unchanged with one shard."""
+    return entry_id if layout.shard is None else qualify(layout.shard, entry_id)
 
 
 # --------------------------------------------------------------------------- recording
@@ -409,19 +422,20 @@ class Recorder:
             (N.TRAJECTORIES, Trajectory, self.trajectories),
             (N.EVALS, Trajectory, self.evals),
         ):
-            key = self.names.stream(stream)
-            while True:
-                start = f"({self._last[stream]}" if stream in self._last else "-"
-                rows = await self.client.call(
-                    self.client.sync.xrange, key, min=start, max="+", count=1000
-                )
-                for entry_id, fields in rows:
-                    eid = entry_id.decode()
-                    self._last[stream] = eid
-                    with contextlib.suppress(MessageError):  # poison: see the dead letters
-                        into[eid] = decode(fields.get(b"d", b""), kind)
-                if len(rows) < 1000:
-                    break
+            for layout in self.names.layouts():
+                key = layout.stream(stream)
+                while True:
+                    start = f"({self._last[key]}" if key in self._last else "-"
+                    rows = await self.client.call(
+                        self.client.sync.xrange, key, min=start, max="+", count=1000
+                    )
+                    for entry_id, fields in rows:
+                        eid = entry_id.decode()
+                        self._last[key] = eid
+                        with contextlib.suppress(MessageError):  # poison: see the dead letters
+                            into[_qualified(layout, eid)] = decode(fields.get(b"d", b""), kind)
+                    if len(rows) < 1000:
+                        break
 
     async def serve(self, interval_s: float = 0.25) -> None:
         while True:
@@ -501,7 +515,7 @@ async def progress(client: RedisClient, scenario: Scenario) -> str:
     for s in PIPELINE_STREAMS:
         st = await group_state(client, names, s, N.GROUP_OF_STREAM[s])
         parts.append(f"{s}={st.lag}+{st.pending}")
-    dead = await client.call(client.sync.xlen, names.stream(N.DEAD))
+    dead = await stream_length(client, names, N.DEAD)
     return f"admitted {admitted} trained {trained} dead {dead} | " + " ".join(parts)
 
 
@@ -521,10 +535,15 @@ class RunReport:
     """XPENDING summary count of every group of every work stream that has one."""
     dead: list[DeadLetter]
     counters: dict[str, int]
+    dead_ids: list[str] = field(default_factory=list)
+    """The original entry id of each dead letter, qualified by its shard on a sharded run."""
+    admissions_left: int = 0
+    """Sharded admissions counted but not finished (queues.shards.finish_admissions)."""
 
     @property
     def dead_keys(self) -> Counter[tuple[str, str]]:
-        return Counter((d.stream, d.entry_id) for d in self.dead)
+        ids = self.dead_ids or [d.entry_id for d in self.dead]
+        return Counter((d.stream, i) for d, i in zip(self.dead, ids, strict=True))
 
 
 async def inspect_run(client: RedisClient, scenario: Scenario, recorder: Recorder) -> RunReport:
@@ -535,15 +554,22 @@ async def inspect_run(client: RedisClient, scenario: Scenario, recorder: Recorde
         rows = await client.call(client.sync.xrange, names.stream(stream))
         return [f[b"d"] for _, f in rows]
 
-    pending = {}
-    for stream in N.WORK_STREAMS:
-        key = names.stream(stream)
-        if not await client.call(client.sync.exists, key):
-            continue
-        for g in await client.call(client.sync.xinfo_groups, key):
-            group = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-            summary = await client.call(client.sync.xpending, key, group)
-            pending[f"{stream}/{group}"] = int(summary["pending"])
+    pending: dict[str, int] = {}
+    dead: list[tuple[str, DeadLetter]] = []
+    for layout in names.layouts():
+        shard = "" if layout.shard is None else f"@{layout.shard}"
+        for stream in N.WORK_STREAMS:
+            key = layout.stream(stream)
+            if not await client.call(client.sync.exists, key):
+                continue
+            for g in await client.call(client.sync.xinfo_groups, key):
+                group = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+                summary = await client.call(client.sync.xpending, key, group)
+                pending[f"{stream}/{group}{shard}"] = int(summary["pending"])
+        rows = await client.call(client.sync.xrange, layout.stream(N.DEAD))
+        for _, fields in rows:
+            letter = decode(fields[b"d"], DeadLetter)
+            dead.append((_qualified(layout, letter.entry_id), letter))
     counters = {}
     for name in ("dropped_stale", "duplicates_skipped"):
         counters[name] = int(await client.call(client.sync.get, names.counter(name)) or 0)
@@ -556,8 +582,10 @@ async def inspect_run(client: RedisClient, scenario: Scenario, recorder: Recorde
         ledger=LedgerView.read(scenario.weights_root),
         metrics=[decode(x, StepMetrics) for x in await entries(N.METRICS)],
         pending=pending,
-        dead=[decode(x, DeadLetter) for x in await entries(N.DEAD)],
+        dead=[letter for _, letter in dead],
         counters=counters,
+        dead_ids=[entry_id for entry_id, _ in dead],
+        admissions_left=int(await client.call(client.sync.hlen, names.admissions)),
     )
 
 
@@ -585,7 +613,9 @@ def check_run(
     stopped = {a.name: a.stop_code for a in pipeline.actors if a.stop_code != 0}
     assert stopped == {}, f"exit codes of the graceful stop: {stopped}"
 
-    # Exactly the configured number of training groups was admitted
+    # Exactly the configured number of training groups was admitted (and, sharded, every
+    # counted admission was published)
+    assert report.admissions_left == 0
     train = report.train_task_ids
     counts = (report.admitted, scenario.items, len(train), len(set(train)))
     assert len(set(counts)) == 1, f"admitted, limit, recorded, distinct: {counts}"

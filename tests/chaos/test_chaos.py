@@ -44,10 +44,13 @@ async def run_chaos(
     min_kills: int,
     timeout_s: float,
     interval_s: tuple[float, float] = (1.0, 3.0),
+    shards: int = 1,
 ) -> tuple[Scenario, Pipeline, RunReport, list[tuple[str, str]], ChaosLog, float]:
     """Run ``items`` groups while killing a random process every ``interval_s`` until the
     work is done and at least ``min_kills`` kills happened; then stop gracefully."""
-    scenario = Scenario(redis_url, f"chaos{uuid.uuid4().hex[:8]}", work_dir, items=items)
+    scenario = Scenario(
+        redis_url, f"chaos{uuid.uuid4().hex[:8]}", work_dir, items=items, shards=shards
+    )
     rng = random.Random(SEED)
     client = RedisClient(redis_url)
     recorder = Recorder(client, scenario.names)
