@@ -364,7 +364,8 @@ class ProcessSandbox:
         args += ["--proc", "/proc", "--dev", "/dev"]
         args += ["--perms", "1777", "--size", str(shm_mb << 20), "--tmpfs", "/dev/shm"]
         args += ["--perms", "1777", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp"]
-        args += [*work, "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/work"]
+        args += ["--mqueue", "/dev/mqueue", *work]
+        args += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/work"]
         return args
 
     # -- processes, uids, work dirs ----------------------------------------------------

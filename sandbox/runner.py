@@ -27,7 +27,9 @@ Protocol, both directions: a frame is a 4-byte big-endian header length, a JSON 
 untrusted code runs as the same uid and could write into the container's stdout (through
 /proc/1/fd/1), but it never sees the id, so a forged reply is detected by the host. The runner
 makes itself non-dumpable so the code cannot read its memory or fds. Ops: ``run``, ``put``
-(files), ``get`` (files), ``reset`` (kill everything, empty the writable mounts).
+(files), ``get`` (files), ``reset`` (kill everything, remove System V IPC, empty the writable
+mounts, POSIX message queues included where /dev/mqueue is mounted, and the user's kernel
+keyrings).
 
 The code shares the runner's uid, so it can change some of the runner's own state from outside
 (lower its rlimits with ``prlimit``, renice it, change its scheduling policy or CPU affinity),
@@ -235,6 +237,21 @@ def remove_ipc() -> None:
                 ctl(ipc_id, *extra, 0, None)  # IPC_RMID
 
 
+_KEYCTL = {"x86_64": 250, "aarch64": 219}  # the keyctl syscall (no libc wrapper)
+
+
+def clear_keyrings() -> None:
+    """Empty the kernel keyrings of the sandbox's user (they outlive every process)."""
+    nr = _KEYCTL.get(os.uname().machine)
+    if nr is None:
+        return
+    import ctypes
+
+    syscall = ctypes.CDLL(None).syscall
+    for keyring in (-4, -5):  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+        syscall(nr, 7, keyring)  # KEYCTL_CLEAR (refused under Docker's seccomp: nothing to do)
+
+
 def own_state() -> tuple:
     """What the code could change in the runner from outside and later commands inherit."""
     limits = tuple(resource.getrlimit(getattr(resource, name)) for name in dir(resource)
@@ -414,6 +431,7 @@ def run(req: dict, payload: bytes, wake_r: int) -> tuple[dict, bytes]:
 def reset(baseline: tuple) -> None:
     kill_all()
     remove_ipc()
+    clear_keyrings()
     os.chmod(WORK, 0o700)
     for top in WIPE:
         if os.path.isdir(top) and os.access(top, os.W_OK):
