@@ -42,6 +42,7 @@ goes on.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
@@ -244,7 +245,10 @@ class EpisodeSessions:
         key = (episode_id, member)
         held = self._held.get(key)
         if held is None:
-            cm = self.source.session(domain, label=episode_id[:16])
+            # the episode names what the backend creates; the suffix keeps two replicas'
+            # sessions of one episode apart (the old one may still be cached elsewhere)
+            label = f"{episode_id[:16]}-{member}-{secrets.token_hex(3)}"
+            cm = self.source.session(domain, label=label)
             session = await cm.__aenter__()
             held = self._held[key] = Held(cm, session, -1, True, trio.current_time())
         held.used = trio.current_time()

@@ -21,7 +21,7 @@ import trio
 
 from actors.config import DomainConfig
 from actors.episodes import EpisodeSessions
-from actors.executor import Executor, Sandboxes
+from actors.executor import Executor, Sandboxes, from_outcome
 from actors.generator import Generator
 from actors.policies import Policies, RetryPolicy
 from actors.replay import Found, render_episode
@@ -45,6 +45,7 @@ from queues.messages import (
     encode,
 )
 from queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
+from sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
 from tests.domains.test_terminal import fence, item_of, solution
 
 TERMINAL = get_domain("terminal")
@@ -390,3 +391,57 @@ async def test_sessions_are_released_on_every_exit_path(
     await idle.sandboxes.aclose()
     await ex.sandboxes.aclose()
     assert len(idle.sessions) == 0 and sandbox_processes() == []
+
+
+async def docker_unavailable() -> str | None:
+    try:
+        box = open_sandbox("docker", pool_size=0)
+        try:
+            await box.run(ExecRequest(["true"], limits=Limits(timeout_s=60)))
+        finally:
+            await box.aclose()
+    except (ValueError, ImportError, SandboxUnavailable) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+async def test_an_episode_moves_between_executors_on_docker(tokenizer: Any) -> None:
+    reason = await docker_unavailable()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the Docker backend: {reason}")
+        pytest.skip(f"docker backend unavailable here: {reason}")
+    item = item_of("count_matching")
+
+    def script(turn: int, pos: int) -> str:
+        return fence("echo a >> log.txt") if turn == 1 else \
+            fence(f"cat log.txt && {solution(item)}") + "\n<done>"
+
+    generator = Generator(ScriptedEngine(tokenizer, script), tokenizer)
+
+    def on_docker() -> Executor:
+        sandboxes = Sandboxes("docker", pool_size=2)
+        return Executor(sandboxes, EpisodeSessions(sandboxes),
+                        {"terminal": DomainConfig(max_turns=4)})
+
+    ex_a, ex_b = on_docker(), on_docker()
+    try:
+        # Given turn 1 run by executor A in Docker sessions
+        [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=2,
+                                                sampling=Sampling(), version=0))
+        [c1] = await ex_a.handle(r1.message)  # type: ignore[arg-type]
+        assert c1.stream == N.TASKS and len(ex_a.sessions) == 2
+        # When executor B takes turn 2 (A still holds its cached sessions)
+        [r2] = await generator.handle(c1.message)  # type: ignore[arg-type]
+        [done] = await ex_b.handle(r2.message)  # type: ignore[arg-type]
+        # Then B restored both members from the snapshots, saw turn 1's file, and solved it
+        assert done.stream == N.EXECUTED and ex_b.sessions.restored == 2
+        executed = done.message
+        for sample, outcome in zip(executed.rollout.samples, executed.outcomes, strict=True):  # type: ignore[attr-defined]
+            assert sample.turns[1].observation.startswith("exit code 0\nstdout:\na")
+            assert TERMINAL.score(item, sample.text, from_outcome(outcome)) == 1.0
+        assert len(ex_b.sessions) == 0
+    finally:
+        for ex in (ex_a, ex_b):
+            await ex.sessions.aclose()
+            await ex.sandboxes.aclose()
