@@ -3,16 +3,20 @@
 In one run, ``python3 -c "print(1)"`` through each subject at concurrency 1, 2 and 8:
 
 - ``bare``: a plain trio subprocess (the floor);
-- ``process``: ``ProcessSandbox.run`` (one-shot: uid lease, fresh work dir, isolation mode
-  probed here, rlimits, kill of the process group, work dir removed);
+- ``process``: ``ProcessSandbox.run`` (one-shot: a resident bubblewrap sandbox from the warm
+  pool, the command fork/exec'd in it by its runner with the request's rlimits, every process
+  killed after it, the sandbox reset in the background and put back);
 - ``process-session``: ``SandboxSession.run`` on a session each worker holds (what a
-  multi-turn episode pays per turn: no work dir / uid lease per call).
+  multi-turn episode pays per turn);
+- ``process-per-command``: ``ProcessSandbox(resident=False).run``, a fresh bubblewrap sandbox
+  and host work dir per command (what the process backend cost before resident sandboxes).
 
 Subjects are measured interleaved, in blocks, so the load of a shared machine falls on all of
 them alike. Reported per subject and concurrency: p50 and p99 latency (ms, wall time per call
 as the caller sees it) and executions per second. ``breakdown`` times the parts of one
 process-backend call at concurrency 1, to show where the time goes.
-Simplification: 3 warm-up calls per subject; no CPU pinning.
+Simplification: 3 warm-up calls per subject; no CPU pinning; the pool keeps idle sandboxes for
+30 s, so every concurrency level runs warm after its warm-up.
 
     .venv/bin/python benchmarks/sandbox_latency.py [--runs 120] [--json] [--docker [IMAGE]]
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -35,7 +40,7 @@ from typing import Any
 import trio
 
 from sandbox import ExecRequest, Limits, ProcessSandbox
-from sandbox.process import _child_setup
+from sandbox.process import RUNNER_SOURCE, _child_setup
 
 ARGV = ["/usr/bin/python3", "-c", "print(1)"]
 CONCURRENCY = (1, 2, 8)
@@ -51,21 +56,24 @@ async def bare() -> object:
 @asynccontextmanager
 async def open_subjects(concurrency: int) -> AsyncIterator[dict[str, list[Call]]]:
     """Per subject, one call function per worker (a session is held per worker)."""
-    box = ProcessSandbox()
+    box, per_command = ProcessSandbox(), ProcessSandbox(resident=False)
+    assert box.resident, "no resident bubblewrap sandbox here: nothing to measure"
     async with AsyncExitStack() as stack:
+        stack.push_async_callback(box.aclose)
         sessions = [await stack.enter_async_context(box.session(Limits())) for _ in
                     range(concurrency)]  # fmt: skip
 
-        async def one_shot() -> object:
-            return await box.run(ExecRequest(ARGV))
+        def one_shot(sandbox: ProcessSandbox) -> Call:
+            return lambda: sandbox.run(ExecRequest(ARGV))
 
         def in_session(session: Any) -> Call:
             return lambda: session.run(ExecRequest(ARGV))
 
         yield {
             "bare": [bare] * concurrency,
-            "process": [one_shot] * concurrency,
+            "process": [one_shot(box)] * concurrency,
             "process-session": [in_session(s) for s in sessions],
+            "process-per-command": [one_shot(per_command)] * concurrency,
         }
 
 
@@ -103,7 +111,8 @@ async def measure(subjects: dict[str, list[Call]], runs: int) -> dict[str, dict[
 
 async def breakdown(runs: int) -> dict[str, Any]:
     """Median ms of the parts of one process-backend call (concurrency 1)."""
-    box = ProcessSandbox()
+    box = ProcessSandbox(resident=False)
+    resident = ProcessSandbox()
     workdir = box._make_workdir(None)
     bwrap_true = box._wrap(box.isolation, ["/bin/true"], workdir)[0]
     wrapped = box._wrap(box.isolation, ARGV, workdir)[0]
@@ -120,6 +129,15 @@ async def breakdown(runs: int) -> dict[str, Any]:
     async def workdir_cycle() -> None:
         shutil.rmtree(box._make_workdir(None))
 
+    async def resident_start_kill() -> None:
+        runner = await resident._start_runner()
+        await runner.kill()
+
+    async def resident_reset() -> None:
+        await runner.control({"op": "reset"})
+
+    runner = await resident._start_runner()
+
     parts = {
         "isolation": box.isolation,
         "bare_ms": await median(bare),
@@ -133,14 +151,22 @@ async def breakdown(runs: int) -> dict[str, Any]:
             lambda: trio.run_process(wrapped, capture_stdout=True, cwd="/", preexec_fn=setup)
         ),
         "workdir_create_remove_ms": await median(workdir_cycle),
-        "full_run_ms": await median(lambda: box.run(ExecRequest(ARGV))),
+        "per_command_full_run_ms": await median(lambda: box.run(ExecRequest(ARGV))),
+        "resident_start_and_kill_ms": await median(resident_start_kill),
+        "resident_command_ms": await median(lambda: runner.run(ExecRequest(ARGV), Limits(), 2)),
+        "resident_reset_ms": await median(resident_reset),
+        "full_run_ms": await median(lambda: resident.run(ExecRequest(ARGV))),
+        "runner_source_bytes": len(RUNNER_SOURCE),
     }
+    await runner.kill()
+    await resident.aclose()
     shutil.rmtree(workdir)
     return parts
 
 
 async def main(runs: int, as_json: bool, docker_image: str | None = None) -> None:
-    report: dict[str, Any] = {"argv": ARGV, "concurrency": {}}
+    report: dict[str, Any] = {"argv": ARGV, "cpus": os.cpu_count(), "concurrency": {}}
+    report["load_before"] = [round(x, 2) for x in os.getloadavg()]
     for c in CONCURRENCY:
         async with open_subjects(c) as subjects:
             report["concurrency"][str(c)] = await measure(subjects, runs)
@@ -149,6 +175,7 @@ async def main(runs: int, as_json: bool, docker_image: str | None = None) -> Non
         from sandbox_latency_docker import docker_report
 
         report["docker"] = await docker_report(runs, max(8, runs // 5), docker_image)
+    report["load_after"] = [round(x, 2) for x in os.getloadavg()]
     one = report["concurrency"]["1"]
     ratio = one["process"]["p50_ms"] / one["bare"]["p50_ms"]
     report["process_over_bare_p50"] = round(ratio, 2)
@@ -156,14 +183,15 @@ async def main(runs: int, as_json: bool, docker_image: str | None = None) -> Non
     if as_json:
         print(json.dumps(report, indent=2))
         return
-    print(f"{'subject':<18}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'exec/s':>9}")
+    print(f"{'subject':<20}{'conc':>5}{'p50 ms':>9}{'p99 ms':>9}{'exec/s':>9}")
     for c, rows in report["concurrency"].items():
         for name, row in rows.items():
-            print(f"{name:<18}{c:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}{row['exec_per_s']:>9}")
+            print(f"{name:<20}{c:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}{row['exec_per_s']:>9}")
     print("breakdown:", json.dumps(report["breakdown"]))
     for c, rows in report.get("docker", {}).get("concurrency", {}).items():
         for name, row in rows.items():
-            print(f"{name:<18}{c:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}{row['exec_per_s']:>9}")
+            print(f"{name:<20}{c:>5}{row['p50_ms']:>9}{row['p99_ms']:>9}{row['exec_per_s']:>9}")
+    print(f"load average before/after: {report['load_before']} / {report['load_after']}")
     print(f"process / bare p50 at concurrency 1: {ratio:.2f} (target <= 1.5)", file=sys.stderr)
 
 
