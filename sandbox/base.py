@@ -6,7 +6,8 @@ Guarantees every backend keeps:
 - a failure of the infrastructure itself (cannot create the sandbox, engine down) raises
   :class:`SandboxUnavailable`, which is retryable: the caller's message is retried later
   with a fresh sandbox;
-- nothing the backend started outlives the call (single runs) or the session (sessions).
+- nothing the backend started for the code outlives the call (single runs) or the session
+  (sessions); a backend with a warm pool keeps clean, reset sandboxes between calls.
 """
 
 from __future__ import annotations
