@@ -3,7 +3,9 @@
     python -m domains.math.generate [--seed 7] [--train 1000] [--eval 64]
 
 Kinds: fraction sums, linear equations, percentages, polynomial products (symbolic answer),
-derivatives (symbolic), square-root simplification (symbolic). No prompt appears twice.
+derivatives (symbolic), square-root simplification (symbolic), and three easy ones (a sum,
+a half, a one-step equation) that give a small model some reward to start from (see
+``calibration.json``). No prompt appears twice.
 """
 
 from __future__ import annotations
@@ -65,9 +67,26 @@ def sqrt_simplify(rng: random.Random) -> tuple[str, str]:
     return f"Simplify sqrt({n}) to the form a*sqrt(b).", f"{s}*sqrt({r})"
 
 
+def add(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(2, 60), rng.randint(2, 40)
+    return f"Compute {a} + {b}.", str(a + b)
+
+
+def half(rng: random.Random) -> tuple[str, str]:
+    n = 2 * rng.randint(2, 50)
+    return f"What is half of {n}?", str(n // 2)
+
+
+def one_step(rng: random.Random) -> tuple[str, str]:
+    x, b = rng.randint(1, 20), rng.randint(1, 20)
+    return f"Solve for x: x + {b} = {x + b}.", str(x)
+
+
 KINDS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "fraction_sum": fraction_sum, "linear": linear, "percent": percent, "expand": expand,
     "derivative": derivative, "sqrt": sqrt_simplify,
+    # easy kinds (calibration.json): SmolLM2-135M scores 0 on every kind above
+    "add": add, "half": half, "one_step": one_step,
 }
 
 

@@ -45,10 +45,33 @@ def test_numeric_equivalents_score_one(domain: Math, text: str) -> None:
     assert domain.score(FRAC, text, None) == 1.0
 
 
-@pytest.mark.parametrize("text", ["Answer: (x-2)*(x-6)", "Answer: x^2 - 8x + 12",
-                                  r"\boxed{(x-6)(x-2)}", "Answer: 12 - 8*x + x**2"])
+@pytest.mark.parametrize("text", ["Answer: x^2 - 8x + 12", r"\boxed{x**2 - 8*x + 12}",
+                                  "Answer: 12 - 8*x + x**2", "(x - 2)(x - 6) = x^2 - 8x + 12"])
 def test_symbolic_equivalents_score_one(domain: Math, text: str) -> None:
     assert domain.score(POLY, text, None) == 1.0
+
+
+@pytest.mark.parametrize(("item", "text"), [
+    (POLY, "Answer: (x-2)*(x-6)"), (POLY, r"\boxed{(x-6)(x-2)}"),  # the question, restated
+    (FRAC, "Answer: 1/5 + 1/3"), (FRAC, "1/5 + 1/3 = 1/5 + 1/3"),
+    (MathItem(id="m3", prompt="Compute 22 + 11.", answer="33", kind="add"), "Answer: 22 + 11"),
+    (MathItem(id="m4", prompt="Simplify sqrt(128) to the form a*sqrt(b).", answer="8*sqrt(2)",
+              kind="sqrt"), "Answer: sqrt(128)"),
+    (MathItem(id="m5", prompt="Simplify sqrt(128) to the form a*sqrt(b).", answer="8*sqrt(2)",
+              kind="sqrt"), "Answer: 4*sqrt(8)"),
+])
+def test_equivalent_answers_not_in_final_form_score_zero(
+    domain: Math, item: MathItem, text: str
+) -> None:
+    assert domain.score(item, text, None) == 0.0
+
+
+def test_a_last_line_ending_in_a_value_counts_as_the_answer(domain: Math) -> None:
+    add = MathItem(id="m6", prompt="Compute 22 + 11.", answer="33", kind="add")
+    assert domain.score(add, "22 + 11 = 33", None) == 1.0
+    assert domain.score(add, "Let me think.\nThe sum of 22 and 11 is 33.", None) == 1.0
+    assert domain.score(add, "22 + 11 = 33\nThis is because we add.", None) == 0.0
+    assert extract_answer("To solve for x, we need") is None
 
 
 @pytest.mark.parametrize("text", ["Answer: 8/16", "Answer: 0.53", "nothing", "Answer: nan",
