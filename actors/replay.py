@@ -331,7 +331,16 @@ def to_json(t: Trajectory) -> dict[str, Any]:
         s["logprobs"] = bytes_to_floats(raw.logprobs).tolist()
         if isinstance(s.get("mask"), bytes):  # multi-turn: uint8 per token
             s["mask"] = list(s["mask"])
+        if isinstance(s.get("versions"), bytes):  # int32 per token
+            s["versions"] = bytes_to_ids(s["versions"]).tolist()
     return data
+
+
+def _jsonable(value: Any) -> Any:
+    """Any other raw bytes field (added to the wire format later): its bytes as numbers."""
+    if isinstance(value, bytes):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
 def export(found: list[Found], jsonl: Path | None, parquet: Path | None) -> None:
@@ -339,7 +348,7 @@ def export(found: list[Found], jsonl: Path | None, parquet: Path | None) -> None
         jsonl.parent.mkdir(parents=True, exist_ok=True)
         with open(jsonl, "w") as f:
             for item in found:
-                f.write(json.dumps(to_json(item.trajectory)) + "\n")
+                f.write(json.dumps(to_json(item.trajectory), default=_jsonable) + "\n")
     if parquet is not None:
         write_parquet(parquet, [row(i.stream, i.entry_id, i.payload) for i in found])
 
