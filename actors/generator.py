@@ -20,7 +20,7 @@ import trio
 from actors.config import GeneratorConfig
 from actors.context import ActorContext, domain_item
 from actors.episodes import generate_turn
-from actors.policies import Unavailable
+from actors.policies import Reject, Unavailable
 from actors.runtime import Output
 from domains.base import is_multi_turn
 from inference.engine import Completion, Engine
@@ -133,6 +133,10 @@ class Generator:
 
     async def handle_turn(self, task: Task, domain: Any, item: Any) -> list[Output]:
         """The next turn of a multi-turn episode (actors/episodes.py)."""
+        ep, g = task.episode, task.group_size
+        if ep is not None and not len(ep.samples) == len(ep.ended) == g:
+            raise Reject(f"episode state of {len(ep.samples)} contexts and {len(ep.ended)} "
+                         f"members for a group of {g}")
         budget = domain.episode.max_total_tokens
         state, prompt_ids, samples = await generate_turn(
             task, domain, item, self.tokenizer, self.generate, budget

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import trio
@@ -23,7 +24,7 @@ from actors.config import DomainConfig
 from actors.episodes import EpisodeSessions
 from actors.executor import Executor, Sandboxes, from_outcome
 from actors.generator import Generator
-from actors.policies import Policies, RetryPolicy
+from actors.policies import Policies, Reject, RetryPolicy
 from actors.replay import Found, render_episode
 from actors.runtime import Actor, ActorRuntime, RuntimeSettings
 from actors.scheduler import make_task
@@ -445,3 +446,29 @@ async def test_an_episode_moves_between_executors_on_docker(tokenizer: Any) -> N
         for ex in (ex_a, ex_b):
             await ex.sessions.aclose()
             await ex.sandboxes.aclose()
+
+
+async def test_episode_state_that_does_not_fit_its_group_is_rejected(tokenizer: Any) -> None:
+    item = item_of("count_matching")
+    generator = Generator(ScriptedEngine(tokenizer, lambda t, p: fence("ls")), tokenizer)
+    task = make_task("terminal", item, split="train", group_size=2, sampling=Sampling(),
+                     version=0)
+    [first] = await generator.handle(task)
+    rollout = first.message
+    ex = executor()
+    try:
+        # a continuation claiming one member for a group of two: dead-lettered, not guessed at
+        [cont] = await ex.handle(rollout)  # type: ignore[arg-type]
+        state = cont.message.episode  # type: ignore[attr-defined]
+        bad = msgspec.structs.replace(cont.message, episode=msgspec.structs.replace(
+            state, samples=state.samples[:1], ended=state.ended[:1]))
+        with pytest.raises(Reject, match="group of 2"):
+            await generator.handle(bad)
+        # a multi-turn rollout without its episode state
+        no_state = msgspec.structs.replace(rollout, task=msgspec.structs.replace(
+            rollout.task, episode=None))  # type: ignore[attr-defined]
+        with pytest.raises(Reject, match="without episode state"):
+            await ex.handle(no_state)
+    finally:
+        await ex.sessions.aclose()
+        await ex.sandboxes.aclose()
