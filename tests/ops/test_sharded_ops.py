@@ -1,7 +1,8 @@
 """Operations on a sharded run (``queues.shards = 3``) on the real 3-node Redis Cluster: the
 real verifier actor consumes every shard and hands off (or dead-letters) within the shard of
 each input; ``streamrl status`` and ``streamrl dlq`` (the real CLI) sum and list over the
-shards; a letter is requeued into its own shard and completes there."""
+shards; a letter is requeued into its own shard and completes there; the real archiver
+consumes every shard and ``streamrl replay`` finds every shard's groups, live and archived."""
 
 from __future__ import annotations
 
@@ -11,19 +12,22 @@ import sys
 import uuid
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import trio
 
 import domains.arith.domain  # noqa: F401  (registers the arith domain)
+from actors import archiver
 from actors.context import ActorContext
 from actors.dlq import Selection, list_dead, run_dlq
-from actors.verifier import serve
+from actors.replay import Query, select
+from actors.verifier import Verifier, serve
 from queues import names as N
 from queues.client import RedisClient
 from queues.messages import Trajectory, decode, encode
 from queues.payloads import PayloadLimits, resolve
 from queues.server import ClusterProcess
-from queues.stats import stream_length
+from queues.stats import group_state, stream_length
 from queues.streams import Producer, StreamConsumer, ensure_group
 from tests.ops.helpers import config, executed
 
@@ -147,3 +151,52 @@ async def test_status_and_dlq_cover_every_shard(
     assert await run_dlq(client, names, "purge", Selection(all=True), yes=True) == 0
     assert await list_dead(client, names) == []
     assert await stream_length(client, names, N.DEAD) == 0
+
+
+async def test_archiver_and_replay_cover_every_shard(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given one verified group in the trajectories of every shard
+    groups = {k: executed(str(k), [str(k), "x"]) for k in range(SHARDS)}
+    for k, layout in enumerate(names.layouts()):
+        [out] = await Verifier().handle(groups[k])
+        await Producer(client, layout).publish(N.TRAJECTORIES, [encode(out.message)])
+    cfg = config(tmp_path, redis_url, names.run, f"queues.shards={SHARDS}")
+    ctx = ActorContext(cfg, client, names)
+
+    # When replay selects live: every shard's group, its entry id qualified by its shard
+    live = await select(client, names, Query(), None)
+    assert sorted(f.entry_id.split(":")[0] for f in live) == ["0", "1", "2"]
+    for f in live:
+        assert f.trajectory.rollout.task.id == groups[int(f.entry_id.split(":")[0])].rollout.task.id
+
+    # When the real archiver runs on the run (its own group in every shard)
+    root = archiver.archive_dir(cfg)
+
+    async def archived() -> bool:
+        rows = sum(pq.read_metadata(p).num_rows for p in root.rglob("*.parquet"))
+        state = await group_state(client, names, N.TRAJECTORIES, archiver.GROUP)
+        return rows == SHARDS and state.backlog == 0
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(archiver.serve, ctx)
+        with trio.fail_after(30):
+            while not await archived():
+                await trio.sleep(0.05)
+        nursery.cancel_scope.cancel()
+    # and the live streams are gone (trimmed, or Redis lost)
+    for layout in names.layouts():
+        await client.call(client.sync.delete, layout.stream(N.TRAJECTORIES))
+
+    # Then `streamrl replay list` finds every group in the archive, under the same ids
+    done = _cli(redis_url, names.run, "replay", "list", "--source", "both",
+                "--archive", str(root))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)
+    assert sorted((r["entry_id"], r["source"]) for r in rows) == sorted(
+        (f.entry_id, "archive") for f in live
+    )
+    # and an id range bounds the entry id within each shard
+    first = min(f.entry_id.split(":")[1] for f in live)
+    ranged = await select(None, names, Query(from_id=first, to_id=first), root)
+    assert [f.entry_id.split(":")[1] for f in ranged] == [first] * len(ranged) != []
