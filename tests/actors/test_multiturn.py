@@ -10,9 +10,12 @@ same domain end to end in ``test_multiturn_model.py``.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -50,6 +53,7 @@ from sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
 from tests.domains.test_terminal import fence, item_of, solution
 
 TERMINAL = get_domain("terminal")
+REPO = Path(__file__).resolve().parents[2]
 LOGPROB = -0.5  # what the scripted engine reports for each of its tokens
 
 
@@ -472,3 +476,80 @@ async def test_episode_state_that_does_not_fit_its_group_is_rejected(tokenizer: 
     finally:
         await ex.sessions.aclose()
         await ex.sandboxes.aclose()
+
+
+def processes_with(marker: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"{entry.path}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow
+async def test_an_executor_process_killed_mid_turn(
+    client: RedisClient, names: N.Names, redis_url: str, tokenizer: Any
+) -> None:
+    item = item_of("count_matching")
+    marker = "2.9137"  # a command line to look for: the sleep of turn 2
+
+    def script(turn: int, pos: int) -> str:
+        return {1: fence("echo a >> log.txt"), 2: fence(f"echo b >> log.txt; sleep {marker}"),
+                3: fence("cat log.txt")}.get(turn, fence(solution(item)) + "\n<done>")
+
+    settings = {"run.name": names.run, "auth.enabled": "false",
+                "scheduler.domains": '["terminal"]', "queues.block_ms": "100",
+                "queues.reclaim_min_idle_ms": "1000", "queues.reclaim_interval_s": "0.3",
+                "queues.heartbeat_interval_s": "0.3"}
+    argv = [sys.executable, "-m", "actors.cli", "run", "executor", "--config",
+            "configs/tiny.toml", *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")]]
+    env = {"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+
+    async def start_executor() -> trio.Process:
+        return await trio.lowlevel.open_process(argv, env=env, cwd=REPO,
+                                                stdout=subprocess.DEVNULL,
+                                                stderr=subprocess.DEVNULL)
+
+    async def pending_rollouts() -> int:
+        info = await client.call(client.sync.xpending, names.stream(N.ROLLOUTS), "executor")
+        return int(info["pending"])
+
+    first = await start_executor()
+    second: trio.Process | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            for r in (Replica(Generator(ScriptedEngine(tokenizer, script), tokenizer), "g"),
+                      Replica(Verifier(), "v")):
+                await nursery.start(r.serve, client, names)
+            await publish_task(client, names, item, group=2)
+
+            # When the executor process is SIGKILLed while turn 2's command runs
+            async def turn2_running() -> bool:
+                return bool(processes_with(marker)) and await pending_rollouts() == 1
+
+            await wait_for(turn2_running, timeout=90)
+            first.kill()
+            await first.wait()
+            # Then its sandboxes die with it (nothing of turn 2 keeps running)
+            with trio.fail_after(5):
+                while processes_with(marker):
+                    await trio.sleep(0.05)
+            # And another executor process finishes the episode from the messages
+            second = await start_executor()
+            traj = await trajectory(client, names)
+            nursery.cancel_scope.cancel()
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.returncode is None:
+                proc.terminate()
+                with trio.move_on_after(30):
+                    await proc.wait()
+                proc.kill()
+    assert traj.rewards == [1.0, 1.0]
+    for s in traj.rollout.samples:  # turn 2 redone once, from turn 1's snapshot
+        assert s.turns[2].observation == "exit code 0\nstdout:\na\nb"
