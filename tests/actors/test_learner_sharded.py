@@ -1,0 +1,101 @@
+"""The learner of a sharded run on the real 3-node Redis Cluster: it trains groups of several
+shards in one step, and its announcement crosses slots (``weights``/``metrics`` in the run's
+slot, the acknowledgements in each shard). A learner that dies between the two steps (the
+events published, the groups still pending) is restarted: nothing is announced twice,
+nothing is trained twice, and the groups of every shard are acknowledged."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+import trio
+
+from actors.config import load_config
+from actors.context import ActorContext
+from actors.learner import serve
+from learner.batch import make_trajectory
+from learner.checkpoint import Ledger
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import StepMetrics, WeightsPublished, decode, encode
+from queues.server import ClusterProcess
+from queues.shards import ShardedConsumer
+from queues.streams import Producer
+
+SHARDS = 3
+
+
+class Died(Exception):
+    pass
+
+
+def _died(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_died(e) for e in exc.exceptions)
+    return isinstance(exc, Died)
+
+
+@pytest.fixture
+def redis_url(redis_cluster: ClusterProcess) -> str:
+    return redis_cluster.url
+
+
+@pytest.mark.slow
+async def test_learner_dies_between_announcing_and_acknowledging(
+    client: RedisClient, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names = N.Names(f"t{uuid.uuid4().hex[:10]}", shards=SHARDS)
+    config = load_config(
+        None,
+        [
+            f"run.name={names.run}",
+            f"run.redis_url={redis_url}",
+            f"run.work_dir={tmp_path}",
+            "model.spec=tiny",
+            "learner.groups_per_step=2",
+            "learner.max_steps=1",
+            "queues.block_ms=200",
+            f"queues.shards={SHARDS}",
+        ],
+    )
+    ctx = ActorContext(config, client, names)
+    # Given one group in shard 0 and one in shard 2
+    groups = [
+        make_trajectory([1, 2, 3], [[5, 6]] * 2, [[-1.0, -1.0]] * 2, rewards)
+        for rewards in ([0.0, 1.0], [1.0, 0.0])
+    ]
+    for shard, group in zip((0, 2), groups, strict=True):
+        await Producer(client, names.in_shard(shard)).publish(N.TRAJECTORIES, [encode(group)])
+
+    # and a learner that dies after publishing step 1's events, before acknowledging
+    async def die(self: ShardedConsumer, entry_ids: list[str]) -> None:
+        raise Died
+
+    monkeypatch.setattr(ShardedConsumer, "ack", die)
+    with trio.fail_after(120), pytest.raises(BaseException) as died:
+        await serve(ctx)
+    assert _died(died.value)
+    monkeypatch.undo()
+    assert await client.call(client.sync.xlen, names.stream(N.WEIGHTS)) == 1
+    for shard in (0, 2):
+        key = names.in_shard(shard).stream(N.TRAJECTORIES)
+        assert (await client.call(client.sync.xpending, key, "learner"))["pending"] == 1
+
+    # When it is restarted
+    with trio.fail_after(120):
+        await serve(ctx)
+
+    # Then step 1 was announced once, both groups are acknowledged, each trained once
+    rows = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
+    assert [decode(f[b"d"], WeightsPublished).version for _, f in rows] == [1]
+    rows = await client.call(client.sync.xrange, names.stream(N.METRICS))
+    [metrics] = [decode(f[b"d"], StepMetrics) for _, f in rows]
+    assert (metrics.step, metrics.groups) == (1, 2)
+    for shard in (0, 2):
+        key = names.in_shard(shard).stream(N.TRAJECTORIES)
+        assert (await client.call(client.sync.xpending, key, "learner"))["pending"] == 0
+    [record] = Ledger.open(tmp_path / "weights", 1).records
+    assert sorted(record.episode_ids) == sorted(g.episode_id for g in groups)
+    assert sorted(e.split(":")[0] for e in record.entry_ids) == ["0", "2"]
