@@ -30,3 +30,11 @@ typecheck: venv
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache
+
+# The compose cluster (docs/compose.md): images built offline, then the compose test
+.PHONY: images compose-test
+images: venv
+	docker/build_offline.sh
+
+compose-test: images
+	$(BIN)/pytest -q -s tests/compose

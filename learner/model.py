@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,8 @@ def _atomic_dir(target: Path, build: Any, marker: str = "config.json") -> Path:
     """Build a directory next to ``target`` and rename it into place (safe under races)."""
     if (target / marker).exists():
         return target
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # unique per process and host: containers sharing a cache volume may all be pid 7
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     build(tmp)
