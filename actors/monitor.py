@@ -2,7 +2,9 @@
 
 The monitor consumes the ``evals`` stream with its own consumer group (each result is
 recorded, appended to ``evals.jsonl`` in the run directory, then acknowledged) and follows
-the ``metrics`` event stream. It only reads; it never changes the pipeline.
+the ``metrics`` event stream. It only reads; it never changes the pipeline. On a sharded
+run (``queues.shards``) it consumes the ``evals`` of every shard and its queue depths and
+dead-letter count are sums over the shards (:mod:`queues.stats`).
 """
 
 from __future__ import annotations

@@ -197,6 +197,8 @@ async def _up(
     server = None
     url = config.run.redis_url
     print(f"streamrl: run {config.run.name!r} in {run_dir}", flush=True)
+    if config.queues.shards > 1:
+        print(f"streamrl: work streams split into {config.queues.shards} shards", flush=True)
     print(f"streamrl: preparing model {config.model.spec!r} ...", flush=True)
     await trio.to_thread.run_sync(resolve_model, config.model.spec)
     if not url:
