@@ -15,8 +15,8 @@ from domains.finance.domain import DATA_DIR, FinanceItem, Row
 
 SEED = 11
 SEGMENTS = ("Retail", "Cloud", "Ads", "Devices", "Services", "Licensing", "Payments", "Games")
-FORMAT = ('Answer with one JSON object: {"parts": {"<segment>": number, ...}, "total": number, '
-          '"ratio": number} (ratio as a decimal, 3 places).')
+FORMAT = ('Answer with one JSON object of this form, with numbers in place of ...: '
+          '{{"parts": {{{parts}}}, "total": ..., "ratio": ...}} (ratio as a decimal, 3 places).')
 
 
 def table(rows: list[Row]) -> str:
@@ -39,7 +39,9 @@ def make_item(rng: random.Random, split: str, index: int) -> FinanceItem:
     else:
         question = ("List each segment's profit = revenue - cost (parts), the total profit "
                     "(total), and the profit margin = total profit / total revenue (ratio).")
-    prompt = f"Figures in USD thousands.\n{table(rows)}\n\n{question}\n{FORMAT}"
+    parts = ", ".join(f'"{name}": ...' for name in names)
+    prompt = f"Figures in USD thousands.\n{table(rows)}\n\n{question}\n" + FORMAT.format(
+        parts=parts)
     return FinanceItem(id=f"finance-{split}-{index:05d}", prompt=prompt, rows=rows, kind=kind,
                        target=target)
 

@@ -51,18 +51,38 @@ def test_consistent_but_wrong_scores_partly(domain: Finance) -> None:
     assert domain.score(SHARE, reply(doubled), None) == pytest.approx(1 / 3)
 
 
-@pytest.mark.parametrize("answer", [
-    {"parts": {"Retail": 1200, "Cloud": 600, "Ads": 200}, "total": 2100, "ratio": 0.3},
-    {"parts": {"Retail": 1200, "Cloud": 600, "Ads": 200}, "total": 2000, "ratio": 0.35},
-    {"parts": {"Retail": 1200, "Cloud": 600, "Ads": 200}, "total": 2000, "ratio": 30},
+@pytest.mark.parametrize(("answer", "right"), [
+    ({"parts": {"Retail": 1200, "Cloud": 600, "Ads": 200}, "total": 2100, "ratio": 0.3}, 2),
+    ({"parts": {"Retail": 1200, "Cloud": 600, "Ads": 200}, "total": 2000, "ratio": 0.35}, 2),
+    ({"parts": {"Retail": 1200, "Cloud": 600, "Ads": 200}, "total": 2000, "ratio": 30}, 2),
+    ({"parts": {"Retail": 1200, "Cloud": 600}, "total": 1800, "ratio": 0.333}, 2 / 3),  # missing
 ])
-def test_inconsistent_answers_score_zero(domain: Finance, answer: dict[str, object]) -> None:
-    assert domain.score(SHARE, reply(answer), None) == 0.0
+def test_inconsistent_answers_get_half_of_what_they_got_right(
+    domain: Finance, answer: dict[str, object], right: float
+) -> None:
+    assert domain.score(SHARE, reply(answer), None) == pytest.approx(right / 3 * 0.5)
+
+
+def test_padding_parts_with_extra_keys_costs(domain: Finance) -> None:
+    # the table's revenues copied, plus the total and a ratio inside "parts" (as SmolLM2 does)
+    padded = {"parts": {"Retail": 1200, "Cloud": 600, "Ads": 200, "Total": 2000, "ratio": 1},
+              "total": 2000, "ratio": 0.3}
+    assert domain.score(SHARE, reply(padded), None) == pytest.approx((3 / 5 + 1 + 1) / 3 * 0.5)
+
+
+def test_the_primed_opening_is_part_of_the_answer(domain: Finance) -> None:
+    # the prompt ends with '```json\n{"parts": {"Retail": ' (render_prompt); the model goes on
+    from domains.finance.domain import answer_prefix
+
+    assert answer_prefix(SHARE) == '```json\n{"parts": {"Retail": '
+    rest = '1200, "Cloud": 600, "Ads": 200}, "total": 2000, "ratio": 0.3}\n```'
+    assert domain.score(SHARE, rest, None) == 1.0
+    assert domain.score(SHARE, '1200, "Cloud": 600}, "total": 1800, "ratio": 0.333}', None
+                        ) == pytest.approx(2 / 3 / 3 * 0.5)
 
 
 @pytest.mark.parametrize("text", [
     "I cannot answer.",
-    reply({"parts": {"Retail": 1200, "Cloud": 600}, "total": 1800, "ratio": 0.333}),  # missing
     reply({"parts": {"Retail": "1200", "Cloud": 600, "Ads": 200}, "total": 2000, "ratio": 0.3}),
     reply({"parts": {"Retail": True, "Cloud": True, "Ads": True}, "total": 3, "ratio": 0.333}),
     '```json\n{"parts": {"Retail": NaN, "Cloud": 600, "Ads": 200}, "total": NaN, "ratio": NaN}```',
