@@ -16,6 +16,10 @@ carries the same hash tag, so each hand-off runs in one slot, on one node.
   whatever the shard. A hand-off within a shard is one script; one whose outputs are
   run-global (the learner's step announcement) crosses slots: see :mod:`queues.shards`.
 
+- A run of n shards (``Names(run, shards=n)``, ``queues.shards``): the view with
+  ``shard=None`` names the run-global keys, :meth:`Names.layouts` the views of its shards;
+  a run of one shard is the default layout, unchanged.
+
 :func:`shard_for` picks a shard from a routing key (a domain name, an episode id).
 """
 

@@ -1,7 +1,8 @@
 """Read-only views of stream state: backlog for backpressure, snapshots for monitoring.
 
 For a sharded run (``Names(run, shards=n)``, n > 1) the run-wide view (``shard=None``) of a
-work stream is the sum over its shards: length, lag, pending and consumers added up, so the
+work stream is the sum over its shards: length, lag and pending added up (consumers: the
+most of any shard, since a process consumes every shard under one name), so the
 scheduler's backlog bound, the stages' backpressure and ``streamrl status`` see the whole
 run. A per-shard view (``names.in_shard(k)``) reads that shard alone.
 """
@@ -47,7 +48,7 @@ async def group_state(client: RedisClient, names: N.Names, stream: str, group: s
             sum(p.length for p in parts),
             sum(p.lag for p in parts),
             sum(p.pending for p in parts),
-            sum(p.consumers for p in parts),
+            max(p.consumers for p in parts),
         )
     return await _group_state(client, names, stream, group)
 
