@@ -253,6 +253,7 @@ class Executor:
         except SandboxUnavailable as exc:
             st.unavailable.append(str(exc))
             return
+        request = None
         try:
             async with held.lock:
                 if not st.ended[i]:
@@ -270,8 +271,9 @@ class Executor:
                 if st.ended[i]:
                     check = domain.final_request(item)
                     st.outcomes[i] = to_outcome(await held.session.run(check) if check else None)
-                else:
+                elif request is not None or ep.turn <= 1:
                     st.snapshots[i] = await self.sessions.snapshot(held)
+                # else: nothing ran this turn, the previous turn's snapshot still holds
         except SandboxUnavailable as exc:
             st.unavailable.append(str(exc))
             return

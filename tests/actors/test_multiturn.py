@@ -553,3 +553,31 @@ async def test_an_executor_process_killed_mid_turn(
     assert traj.rewards == [1.0, 1.0]
     for s in traj.rollout.samples:  # turn 2 redone once, from turn 1's snapshot
         assert s.turns[2].observation == "exit code 0\nstdout:\na\nb"
+
+
+async def test_a_turn_without_a_command_keeps_the_previous_snapshot(tokenizer: Any) -> None:
+    item = item_of("count_matching")
+    replies = {1: fence("echo a >> log.txt"), 2: "Let me think about it first.",
+               3: fence("cat log.txt") + "\n<done>"}
+    generator = Generator(ScriptedEngine(tokenizer, lambda t, p: replies[t]), tokenizer)
+    ex_a, ex_b = executor(), executor()
+    try:
+        [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=1,
+                                                sampling=Sampling(), version=0))
+        [c1] = await ex_a.handle(r1.message)  # type: ignore[arg-type]
+        [r2] = await generator.handle(c1.message)  # type: ignore[arg-type]
+        [c2] = await ex_a.handle(r2.message)  # type: ignore[arg-type]
+        # the reply without a command ran nothing and carried turn 1's snapshot over
+        snaps = (c1.message.episode.snapshots, c2.message.episode.snapshots)  # type: ignore[attr-defined]
+        assert snaps[0] == snaps[1] and snaps[0][0]
+        assert c2.message.episode.samples[0].turns[1].observation.startswith("No command")  # type: ignore[attr-defined]
+        # and another executor restores from it
+        [r3] = await generator.handle(c2.message)  # type: ignore[arg-type]
+        [done] = await ex_b.handle(r3.message)  # type: ignore[arg-type]
+        assert ex_b.sessions.restored == 1
+        last = done.message.rollout.samples[0].turns[2]  # type: ignore[attr-defined]
+        assert last.observation == "exit code 0\nstdout:\na"
+    finally:
+        for ex in (ex_a, ex_b):
+            await ex.sessions.aclose()
+            await ex.sandboxes.aclose()
