@@ -32,8 +32,10 @@ comes back to the same replica. After each turn it also snapshots the session's 
 (``tar -cz``, bounded by the session's output limit) into the message, which the claim
 check (queues/payloads.py) moves out of band when large: the slow path, when another replica
 takes the next turn, or a turn is redone. A cached session is used only if it holds exactly
-the previous turn's effects; otherwise it is reset and restored from the snapshot, so a
-turn redone after a crash never sees its own half-applied effects. A member whose state
+the previous turn's effects as published (its last snapshot's digest matches the message's);
+otherwise it is reset and restored from the snapshot, so a turn redone after a crash never
+sees its own half-applied effects, and a turn redone after its hand-off went through never
+replaces the published state. A turn that ran no command carries the previous snapshot over. A member whose state
 cannot be restored (no snapshot: the work dir did not fit, or ``executor.episode_snapshots``
 is off) ends as ``"lost"`` with an empty check result (reward 0); the rest of its group
 goes on.
@@ -41,6 +43,7 @@ goes on.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import secrets
 from collections.abc import Sequence
@@ -220,6 +223,7 @@ class Held:
     fresh: bool
     used: float
     lock: trio.Lock = field(default_factory=trio.Lock)
+    digest: bytes = b""  # of the snapshot this session's state was last published as
 
 
 class EpisodeSessions:
@@ -252,8 +256,12 @@ class EpisodeSessions:
             session = await cm.__aenter__()
             held = self._held[key] = Held(cm, session, -1, True, trio.current_time())
         held.used = trio.current_time()
-        if held.turn == turn - 1 and not held.fresh:
-            return held  # the fast path
+        # The fast path: the session holds the previous turn's effects, and they are the ones
+        # the message carries (a turn redone here after its hand-off had gone through, e.g.
+        # a redelivery, may have left other effects than the published ones).
+        if held.turn == turn - 1 and not held.fresh and (
+                not snapshot or held.digest == _digest(snapshot)):
+            return held
         if not held.fresh:
             await held.session.reset()
         held.fresh = False
@@ -269,7 +277,7 @@ class EpisodeSessions:
                 raise LostSession(f"member {member}: restore failed: {result.stderr[-300:]!r}")
             self.restored += 1
             log.info("session restored", member=member, turn=turn - 1, bytes=len(snapshot))
-        held.turn = turn - 1
+        held.turn, held.digest = turn - 1, _digest(snapshot)
         return held
 
     async def snapshot(self, held: Held) -> bytes:
@@ -280,7 +288,9 @@ class EpisodeSessions:
         if not r.ok or r.stdout_dropped:
             log.warning("session snapshot failed", exit_code=r.exit_code,
                         dropped=r.stdout_dropped, stderr=r.stderr[-200:].decode("utf-8", "replace"))
+            held.digest = b""
             return b""
+        held.digest = _digest(r.stdout)
         return r.stdout
 
     async def release(self, episode_id: str, member: int | None = None) -> None:
@@ -313,6 +323,10 @@ class EpisodeSessions:
                         await held.cm.__aexit__(None, None, None)
                     except Exception as exc:  # a session that fails to close is logged
                         log.warning("session close failed", error=repr(exc))
+
+
+def _digest(snapshot: bytes) -> bytes:
+    return hashlib.blake2b(snapshot, digest_size=16).digest() if snapshot else b""
 
 
 @dataclass

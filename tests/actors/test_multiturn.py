@@ -581,3 +581,31 @@ async def test_a_turn_without_a_command_keeps_the_previous_snapshot(tokenizer: A
         for ex in (ex_a, ex_b):
             await ex.sessions.aclose()
             await ex.sandboxes.aclose()
+
+
+async def test_a_redone_turn_never_replaces_the_published_state(tokenizer: Any) -> None:
+    item = item_of("count_matching")
+    replies = {1: fence("head -c 6 /dev/urandom | od -An -tx1 | tr -d ' \\n' | tee f.txt"),
+               2: fence("cat f.txt") + "\n<done>"}
+    generator = Generator(ScriptedEngine(tokenizer, lambda t, p: replies[t]), tokenizer)
+    ex = executor()
+    try:
+        [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=1,
+                                                sampling=Sampling(), version=0))
+        # Given turn 1 handled, published, then delivered again here and redone (its second
+        # hand-off would be dropped by the dedup key): the cached session now holds the redo
+        [published] = await ex.handle(r1.message)  # type: ignore[arg-type]
+        [redone] = await ex.handle(r1.message)  # type: ignore[arg-type]
+        first = published.message.episode.samples[0].turns[0].observation  # type: ignore[attr-defined]
+        again = redone.message.episode.samples[0].turns[0].observation  # type: ignore[attr-defined]
+        assert first != again and ex.sessions.restored == 0  # turn 1: fresh from the files
+        # When turn 2 comes from the published continuation
+        [r2] = await generator.handle(published.message)  # type: ignore[arg-type]
+        [done] = await ex.handle(r2.message)  # type: ignore[arg-type]
+        # Then the session was restored from the published snapshot, not the redo's state
+        assert ex.sessions.restored == 1
+        seen = done.message.rollout.samples[0].turns[1].observation  # type: ignore[attr-defined]
+        assert seen.split("stdout:\n")[1] == first.split("stdout:\n")[1]
+    finally:
+        await ex.sessions.aclose()
+        await ex.sandboxes.aclose()
