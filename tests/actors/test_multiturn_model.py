@@ -71,6 +71,23 @@ def test_terminal_domain_trains_with_the_tiny_model(redis_url: str, tmp_path: Pa
             assert len(mask) * 4 == len(s.tokens) and mask.sum() > 0
             assert (mask == 0).any() == (len(s.turns) == 2)
     assert any(len(s.turns) == 2 for t in trajectories for s in t.rollout.samples)
+    # `streamrl replay show` prints every turn of an episode: each reply and observation
+    t = next(t for t in trajectories if any(len(s.turns) == 2 for s in t.rollout.samples))
+    shown = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "replay", "show", "--episode", t.episode_id,
+         "--config", "configs/tiny.toml", "--set", f"run.name={run}",
+         "--set", f"run.work_dir={tmp_path / 'run'}", "--set", "auth.enabled=false",
+         "--source", "live"],
+        cwd=REPO, env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin",
+                       "HOME": str(Path.home())},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for s in t.rollout.samples:
+        for k, turn in enumerate(s.turns, 1):
+            assert f"--- model turn {k}/{len(s.turns)}" in shown.stdout
+            assert turn.text.strip()[:40] in shown.stdout
+            assert turn.observation.splitlines()[0] in shown.stdout
     # the learner trained a step on them; every role's ACL sufficed (the executor writes the
     # next turn into tasks)
     metrics = [decode(f[b"d"], StepMetrics) for _, f in r.xrange(names.stream(N.METRICS))]
