@@ -32,8 +32,10 @@ from actors.replay import Found, render_episode
 from actors.runtime import Actor, ActorRuntime, RuntimeSettings
 from actors.scheduler import make_task
 from actors.verifier import Verifier
-from domains.registry import get_domain
-from domains.terminal import TerminalItem
+from domains import registry
+from domains.base import EpisodePolicy, chat_observation_ids
+from domains.registry import get_domain, register
+from domains.terminal import Terminal, TerminalItem
 from inference.engine import Completion
 from learner.batch import build_batch
 from learner.model import load_tokenizer, resolve_model
@@ -609,3 +611,49 @@ async def test_a_redone_turn_never_replaces_the_published_state(tokenizer: Any) 
     finally:
         await ex.sessions.aclose()
         await ex.sandboxes.aclose()
+
+
+async def test_the_token_budget_ends_members_and_bounds_the_context(tokenizer: Any) -> None:
+    item = item_of("count_matching")
+    prompt_len = len(TERMINAL.render_prompt(item, tokenizer))
+    step = fence("echo step >> log.txt; wc -l < log.txt")
+    engine = ScriptedEngine(tokenizer, lambda t, p: step)
+    reply = len(engine.reply_ids(step))
+    observation = len(chat_observation_ids(tokenizer, "exit code 0\nstdout:\n1", closed=True))
+    # room for one reply, its observation and half of the second reply
+    budget = prompt_len + reply + observation + reply // 2
+
+    class Budgeted(Terminal):
+        name = "terminal_budget_test"
+        episode = EpisodePolicy(multi_turn=True, max_turns=20, max_total_tokens=budget)
+
+    register("terminal_budget_test")(Budgeted)
+    generator, ex = Generator(engine, tokenizer), executor(turns=20)
+    task = make_task("terminal_budget_test", item, split="train", group_size=2,
+                     sampling=Sampling(max_new_tokens=64), version=0)
+    out = None
+    try:
+        for _ in range(20):  # the loop the streams run, turn by turn
+            [rollout] = await generator.handle(task)
+            [out] = await ex.handle(rollout.message)  # type: ignore[arg-type]
+            if out.stream == N.EXECUTED:
+                break
+            task = out.message  # type: ignore[assignment]
+        assert out is not None and out.stream == N.EXECUTED
+        executed = out.message
+        ep = executed.rollout.task.episode  # type: ignore[attr-defined]
+        # Then every member ended on the budget, its context never over it, and the reply
+        # that did not fit was cut to the room left (finish "length"), still masked as the
+        # model's
+        assert ep.ended == ["budget", "budget"] and len(ex.sessions) == 0
+        for s in executed.rollout.samples:  # type: ignore[attr-defined]
+            assert prompt_len + len(bytes_to_ids(s.tokens)) == budget
+            assert len(s.turns) == 2 and s.finish_reason == "length"
+            assert int(np.frombuffer(s.mask, np.uint8).sum()) == reply + reply // 2
+            assert s.turns[1].text == tokenizer.decode(engine.reply_ids(step)[: reply // 2],
+                                                       skip_special_tokens=True)
+    finally:
+        await ex.sessions.aclose()
+        await ex.sandboxes.aclose()
+        registry._factories.pop("terminal_budget_test", None)  # other tests list domains
+        registry._instances.pop("terminal_budget_test", None)
