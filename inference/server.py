@@ -63,6 +63,7 @@ from queues.messages import Sampling
 
 log = structlog.get_logger()
 PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose HTTP shapes this server answers
+BATCH_WAIT_S = 0.05  # an idle engine waits this long for concurrent requests to batch them
 
 
 class BadRequest(ValueError):
@@ -542,7 +543,8 @@ async def serve_model(
     from hypercorn.trio import serve
 
     engine = await trio.to_thread.run_sync(partial(
-        TransformersEngine, model_dir, max_batch=max_batch, threads=threads or None))
+        TransformersEngine, model_dir, max_batch=max_batch, threads=threads or None,
+        batch_wait_s=BATCH_WAIT_S))
     state = ServerState(engine, str(model_dir), host, port, weight_version=weight_version)
     config = HypercornConfig()
     config.bind = [f"{host}:{port}"]

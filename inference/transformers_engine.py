@@ -5,6 +5,9 @@ Guarantees (on top of those in :mod:`inference.engine`):
   takes every row queued so far (up to ``max_batch``) and decodes them as one static batch in
   a worker thread; requests with different sampling settings share a batch;
 - a call with more prompts than ``max_batch`` is split across batches and reassembled;
+- with ``batch_wait_s`` > 0 an idle batcher that gets a request waits that long for more
+  before it starts decoding (requests arriving over HTTP a few ms apart share a batch
+  instead of the first one running alone for a whole completion);
 - ``update_weights`` does not wait for a running batch: the batcher applies it between two
   decoding steps (the batch goes on under the new weights, see :mod:`inference.decode`) or
   before the next batch; every token records the version that produced it
@@ -121,6 +124,7 @@ class TransformersEngine:
         threads: int | None = None,
         stop_token_ids: Iterable[int] | None = None,
         weight_version: int = 0,
+        batch_wait_s: float = 0.0,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -128,6 +132,7 @@ class TransformersEngine:
             torch.set_num_threads(threads)
         self.model_dir = Path(model_dir)
         self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_s
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(model_dir).eval()
         self.stop_ids = frozenset(stop_token_ids if stop_token_ids is not None else self._stops())
@@ -215,6 +220,9 @@ class TransformersEngine:
             while True:
                 if not self._backlog:
                     self._take(await self._receive.receive())
+                    with trio.move_on_after(self.batch_wait_s):
+                        while self.batch_wait_s and len(self._backlog) < self.max_batch:
+                            self._take(await self._receive.receive())
                 await trio.lowlevel.checkpoint()  # let callers woken with us enqueue too
                 while True:
                     try:
@@ -363,11 +371,12 @@ async def open_transformers_engine(
     threads: int | None = None,
     stop_token_ids: Iterable[int] | None = None,
     weight_version: int = 0,
+    batch_wait_s: float = 0.0,
 ) -> AsyncIterator[TransformersEngine]:
     """Load the model (in a thread), start the batcher, hand out the engine; stop on exit."""
     engine = await trio.to_thread.run_sync(partial(
         TransformersEngine, model_dir, max_batch=max_batch, threads=threads,
-        stop_token_ids=stop_token_ids, weight_version=weight_version,
+        stop_token_ids=stop_token_ids, weight_version=weight_version, batch_wait_s=batch_wait_s,
     ))
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.serve_batches)

@@ -265,3 +265,15 @@ async def test_bad_requests_raise(engine: TransformersEngine) -> None:
     with pytest.raises(ValueError):
         await engine.generate([PROMPTS[0]], Sampling(top_p=0.0))
     assert await engine.generate([], Sampling()) == []
+
+
+async def test_batch_wait_merges_requests_arriving_apart(tiny: Path) -> None:
+    # Given an engine that waits 0.5 s for more requests once it gets one
+    async with open_transformers_engine(tiny, batch_wait_s=0.5) as engine:
+        async with trio.open_nursery() as nursery:
+            # When two calls arrive 50 ms apart (as over HTTP)
+            nursery.start_soon(engine.generate, [PROMPTS[0]], Sampling(max_new_tokens=4))
+            await trio.sleep(0.05)
+            nursery.start_soon(engine.generate, [PROMPTS[1]], Sampling(max_new_tokens=4))
+        # Then they were decoded as one batch
+        assert engine.statistics().batches == 1 and engine.statistics().rows == 2
