@@ -35,10 +35,10 @@ takes the next turn, or a turn is redone. A cached session is used only if it ho
 the previous turn's effects as published (its last snapshot's digest matches the message's);
 otherwise it is reset and restored from the snapshot, so a turn redone after a crash never
 sees its own half-applied effects, and a turn redone after its hand-off went through never
-replaces the published state. A turn that ran no command carries the previous snapshot over. A member whose state
-cannot be restored (no snapshot: the work dir did not fit, or ``executor.episode_snapshots``
-is off) ends as ``"lost"`` with an empty check result (reward 0); the rest of its group
-goes on.
+replaces the published state. A turn that ran no command carries the previous snapshot
+over. A member whose state cannot be restored (no snapshot: the work dir did not fit, or
+``executor.episode_snapshots`` is off) ends as ``"lost"`` with an empty check result
+(reward 0); the rest of its group goes on.
 """
 
 from __future__ import annotations
