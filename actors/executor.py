@@ -1,4 +1,5 @@
-"""Executor: runs what the model wrote in a sandbox (``rollouts`` -> ``executed``).
+"""Executor: runs what the model wrote in a sandbox (``rollouts`` -> ``executed``, or
+``tasks`` for the next turn of a multi-turn episode).
 
 The completions of one group run concurrently. What the untrusted code did comes back as
 data (exit code, output, timed out, OOM); a sandbox that cannot be provided
@@ -13,6 +14,11 @@ Where each domain's code runs (:class:`Sandboxes`): the backend and image come f
 ``memory_mb`` of ``[domain.<name>]`` on top; the spec's files are staged under the
 request's own.
 One backend instance per (backend, image), opened on first use, closed with the executor.
+
+A multi-turn domain's rollout is one turn of an episode (:meth:`Executor.handle_turn`,
+:mod:`actors.episodes`): each live member's command runs in its own sandbox session, its
+observation is recorded, members that end get their hidden check as their outcome; out goes
+the next turn (``tasks``) or, once every member ended, the whole episode (``executed``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,11 @@ two decoding steps, so a completion may span versions: ``Sample.versions`` has t
 of every token (interruptible rollouts, see ``inference/``). With ``learner.max_staleness
 = 0`` (synchronous mode) a task waits for the version it was admitted for
 (:class:`VersionGate`).
+
+For a multi-turn domain a task is the next turn of an episode (:meth:`Generator.handle_turn`,
+:mod:`actors.episodes`): each live member's last observation goes into its context with the
+chat template (not trained), then its next reply is sampled, under the episode id as the
+inference session (one server per episode).
 """
 
 from __future__ import annotations
