@@ -34,7 +34,15 @@ import pytest
 import redis
 
 from queues import names as N
-from queues.messages import DeadLetter, Executed, Rollout, StepMetrics, Task, decode
+from queues.messages import (
+    DeadLetter,
+    Executed,
+    Rollout,
+    StepMetrics,
+    Task,
+    WeightsPublished,
+    decode,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +105,9 @@ class Cluster:
     # -- what Redis says -------------------------------------------------------------------
 
     def version(self) -> int:
-        return int(self.redis.get(self.names.policy_version) or 0)
+        """The learner's latest published policy version (its step count)."""
+        latest = self.redis.xrevrange(self.names.stream(N.WEIGHTS), count=1)
+        return max((decode(f[b"d"], WeightsPublished).version for _, f in latest), default=0)
 
     def consumers(self, stream: str) -> dict[str, int]:
         key = self.names.stream(stream)
@@ -263,6 +273,8 @@ def test_cluster_trains_scales_and_survives_killed_replicas(cluster: Cluster) ->
                   lambda: min((t for c in new if (t := _first_event(c, "executed"))),
                               default=None), 120)  # fmt: skip
     cluster.figures["scale_to_first_handled_s"] = round(first - t_scale, 1)
+    ready = min(t for c in new if (t := _first_event(c, "actor ready")))
+    cluster.figures["scale_to_actor_ready_s"] = round(ready - t_scale, 1)
 
     # and a generator and a verifier are killed
     steps_at_kill = cluster.version()
