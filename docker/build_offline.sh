@@ -71,5 +71,9 @@ build_isolation=()  # the venv's setuptools when it has one: no isolated build e
 SOURCE_DATE_EPOCH=315532800 quiet $pip wheel -q --no-deps "${build_isolation[@]}" --wheel-dir "$work/app" .  # same source, same bytes
 cp "$(ls "$wheels"/pip-*.whl | sort -V | tail -1)" "$work/app/"
 cp docker/Dockerfile.offline "$work/app/Dockerfile"
+previous=$(docker image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)
 docker build -q --build-arg "DEPS=$deps_tag" -t "$tag" "$work/app" >/dev/null
+if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' "$tag")" ]; then
+    docker rmi "$previous" >/dev/null 2>&1 || true  # the untagged image this one replaces
+fi
 echo "built $tag ($(docker image inspect -f '{{.Size}}' "$tag") bytes) on $deps_tag"
