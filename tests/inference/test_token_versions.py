@@ -35,3 +35,28 @@ def test_staleness_counts_from_the_oldest_token() -> None:
     assert group_staleness(mixed, 7) == 4
     fresh, stale = split_stale([mixed], 7, max_staleness=2)
     assert fresh == [] and stale == [mixed]
+
+
+def test_client_reads_version_ranges_and_refuses_bad_ones() -> None:
+    import pytest
+
+    from inference.sglang_client import ProtocolError, _completion
+
+    def answer(ranges: list[dict] | None) -> dict:
+        meta = {"finish_reason": {"type": "length"}, "weight_version": "2",
+                "output_token_logprobs": [[-1.0, t, None] for t in (5, 6, 7)]}
+        if ranges is not None:
+            meta["weight_versions"] = ranges
+        return {"text": "x", "output_ids": [5, 6, 7], "meta_info": meta}
+
+    # No ranges: every token is the answer's weight_version
+    assert _completion(answer(None)).token_versions().tolist() == [2, 2, 2]
+    # Ranges: per token, and the completion's weight_version is the oldest
+    c = _completion(answer([{"version": "default", "start": 0, "end": 1},
+                            {"version": "2", "start": 1, "end": 3}]))
+    assert c.token_versions().tolist() == [0, 2, 2] and c.weight_version == 0
+    # Ranges that leave a gap or overrun are a protocol error (server data is untrusted)
+    with pytest.raises(ProtocolError):
+        _completion(answer([{"version": "1", "start": 0, "end": 2}]))
+    with pytest.raises(ProtocolError):
+        _completion(answer([{"version": "1", "start": 0, "end": 4}]))
