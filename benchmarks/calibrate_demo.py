@@ -1,7 +1,10 @@
 """Calibrate the arith demo: starting reward of the real model, generation speed, budget.
 
     .venv/bin/python benchmarks/calibrate_demo.py [--samples 4] [--max-new-tokens 96] \
-        [--out runs/calibrate_demo.json]
+        [--out runs/calibrate_demo.json] [--domain arith] [--items 0]
+
+``--domain`` calibrates another domain the same way (math, finance, cad: any domain whose
+items have a ``kind``), on its first ``--items`` eval items.
 
 With SmolLM2-135M-Instruct (``resolve_model("smollm2-135m")``) and the in-process
 TransformersEngine, on the held-out eval split:
@@ -109,6 +112,8 @@ def teacher_forced_gap(engine: TransformersEngine, prompts: list[list[int]],
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--domain", default="arith", help="any registered domain with a `kind`")
+    ap.add_argument("--items", type=int, default=0, help="first N eval items (0: all)")
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--budgets", default="32,48,64,80,96")
@@ -122,9 +127,10 @@ async def main() -> None:
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",") if int(b) <= args.max_new_tokens]
 
-    domain = get_domain("arith")
-    items = domain.load_items("eval")
-    report: dict[str, Any] = {"model": args.model, "eval_items": len(items),
+    domain = get_domain(args.domain)
+    items = domain.load_items("eval")[: args.items or None]
+    report: dict[str, Any] = {"model": args.model, "domain": args.domain,
+                              "eval_items": len(items),
                               "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
     box = ProcessSandbox()
     t0 = time.perf_counter()
@@ -135,7 +141,7 @@ async def main() -> None:
 
         runs = {} if args.no_greedy else {
             "greedy": (Sampling(max_new_tokens=args.max_new_tokens, temperature=0.0), 1)}
-        for setting in args.sampled.split(","):
+        for setting in filter(None, args.sampled.split(",")):  # "": greedy only
             temperature, top_p = (float(x) for x in setting.split(":"))
             runs[f"t{temperature:g}_p{top_p:g}"] = (Sampling(
                 max_new_tokens=args.max_new_tokens, temperature=temperature, top_p=top_p,

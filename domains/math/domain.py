@@ -26,7 +26,7 @@ from domains.math.equiv import equivalent
 from sandbox.base import ExecRequest, ExecResult
 
 DATA_DIR = Path(__file__).parent / "data"
-MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = 48  # calibration.json: greedy reward is the same at 32, 48 and 64
 INSTRUCTION = "Solve the problem. End your reply with a line 'Answer: <final answer>'."
 
 _ANSWER = re.compile(r"answer(?:\s+is)?\s*[:=]?\s*(.+)", re.IGNORECASE)

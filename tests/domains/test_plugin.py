@@ -60,9 +60,9 @@ def test_episode_policy_and_sandbox_overrides() -> None:
 def test_domain_tables_in_toml() -> None:
     config = load_config("configs/multi.toml")
     by_name = {s.name: s for s in shares(config)}
-    assert set(by_name) == {"arith", "math", "finance"}
+    assert set(by_name) == {"arith", "math", "finance", "cad"}  # general: eval only
     assert by_name["arith"].weight == 2.0
-    assert domain_sampling(config, "finance", 0.7).max_new_tokens == 128
+    assert domain_sampling(config, "finance", 0.7).max_new_tokens == 64
     with pytest.raises(ConfigError, match=r"not in scheduler\.domains"):
         load_config("configs/multi.toml", ["domain.code.weight=1"])
     with pytest.raises(ConfigError):
