@@ -236,7 +236,7 @@ class DomainSandboxConfig(Section, frozen=True, kw_only=True, forbid_unknown_fie
     """Container image for this domain (container backends; empty: the domain's spec).
     Its limits come from ``[domain.<name>]`` (timeout_s, memory_mb)."""
     pool_size: int = msgspec.field(default=0)
-    """Warm containers kept ready for this domain's image (0: executor.pool_size)."""
+    """Warm sandboxes kept ready for this domain (0: executor.pool_size)."""
 
 
 class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -247,7 +247,8 @@ class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     time_limit_s: PosFloat = 120.0
     """Longest an executor may work on one message (host-side bound over all its runs)."""
     pool_size: PosInt = 4
-    """Warm containers kept ready per image (container backends), one per concurrent run:
+    """Warm sandboxes kept ready per backend and image (docker containers, resident bwrap
+    sandboxes of the process backend), one per concurrent run:
     set it to ``concurrency`` times the group size to never create on the hot path."""
     domains: dict[str, DomainSandboxConfig] = msgspec.field(default_factory=dict)
     """Per-domain sandbox choice, e.g. ``[executor.domains.code]`` ``backend = "docker"``."""

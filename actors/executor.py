@@ -80,8 +80,8 @@ def from_outcome(outcome: ExecOutcome) -> ExecResult | None:
     )
 
 
-POOLED = frozenset({"docker"})
-"""Backends that keep a warm pool (``pool_size``)."""
+POOLED = frozenset({"docker", "process"})
+"""Backends that keep a warm pool (``pool_size``): ready containers, resident bwrap sandboxes."""
 
 
 class Sandboxes:

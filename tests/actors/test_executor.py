@@ -84,7 +84,7 @@ async def test_backend_and_limits_are_chosen_per_domain() -> None:
     await sandboxes.run(arith, request)
     await sandboxes.aclose()
     # Then the config wins over executor.backend, and one backend serves both runs
-    assert (backend, image) == ("process", "img:1") and opened == [("process", {"image": "img:1"})]
+    assert (backend, image) == ("process", "img:1") and opened == [("process", {"image": "img:1", "pool_size": 4})]
     assert routed.limits.timeout_s == 0.25 and routed.limits.memory_mb == 64
     assert routed.limits.cpu_s == 1 and routed.files == request.files
     assert result.ok and result.stdout == b"1\n"
@@ -115,6 +115,12 @@ async def test_pool_size_reaches_pooled_backends_per_domain() -> None:
     await sandboxes.run(arith, request)
     await sandboxes.aclose()
     assert opened == [("docker", {"image": "img:2", "pool_size": 3})]
+    # And the process backend's resident sandboxes are pooled the same way
+    opened.clear()
+    sandboxes = Sandboxes("process", {}, opener=opener, pool_size=5)
+    await sandboxes.run(arith, request)
+    await sandboxes.aclose()
+    assert opened == [("process", {"pool_size": 5})]
 
 
 def test_unknown_backend_is_a_config_error() -> None:
