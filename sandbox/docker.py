@@ -567,7 +567,9 @@ class _Box:
                 raise SandboxUnavailable(f"cannot update container limits: {exc}") from exc
             self.cgroup = wanted
         if label:
-            await self.rename(f"streamrl-{_safe_name(label)}-{next(self.sandbox._seq)}")
+            # the backend instance keeps names unique across executors on one engine
+            seq = f"{self.sandbox.instance}-{next(self.sandbox._seq)}"
+            await self.rename(f"streamrl-{_safe_name(label)}-{seq}")
 
     async def rename(self, name: str) -> None:
         if name == self.name:

@@ -189,6 +189,25 @@ async def test_session_files_persist_across_runs_and_vanish_after_reset(
             await trio.sleep(0.05)
 
 
+async def test_two_executors_name_sessions_of_one_label_apart(
+    box: DockerSandbox, docker_image: str
+) -> None:
+    """Two executors on one engine (replicas on one host) may hold sessions with the same
+    label (an episode member moved between them): their container names must not collide."""
+    other = DockerSandbox(docker_image, pool_size=1, host_grace_s=1.0)
+    try:
+        async with (
+            box.session(Limits(), label="ep-1/0") as one,
+            other.session(Limits(), label="ep-1/0") as two,
+        ):
+            assert one.container_name and two.container_name
+            assert one.container_name != two.container_name
+            assert (await one.run(sh("echo one"))).stdout == b"one\n"
+            assert (await two.run(sh("echo two"))).stdout == b"two\n"
+    finally:
+        await other.aclose()
+
+
 async def test_nothing_survives_a_command_and_the_pool_reuses_containers(
     box: DockerSandbox,
 ) -> None:
