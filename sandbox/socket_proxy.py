@@ -57,7 +57,7 @@ LABEL = "streamrl.sandbox"
 MAX_HEAD = 64 * 1024
 MAX_BODY = 1 << 20
 _VERSION = re.compile(r"^/v\d+(\.\d+)?(?=/)")
-_NAME = re.compile(r"^/?streamrl-[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_NAME = re.compile(r"^/?streamrl-[A-Za-z0-9_.-]+$")
 _CONTAINER_OP = re.compile(r"^/containers/([A-Za-z0-9_.-]+)(?:/([a-z]+))?$")
 _CONTAINER_OPS = {
     ("POST", "start"),
