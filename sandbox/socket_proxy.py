@@ -134,7 +134,7 @@ class Policy:
             self._check_create(req)
             return None
         m = _CONTAINER_OP.match(path)
-        if m and (method, m.group(2)) in _CONTAINER_OPS:
+        if m and m.group(1) not in (".", "..") and (method, m.group(2)) in _CONTAINER_OPS:
             if m.group(2) == "rename" and not _NAME.match(req.query.get("name", [""])[0]):
                 raise Refused("rename: the new name must start with streamrl-")
             if m.group(2) == "update":
