@@ -175,7 +175,10 @@ def _wait(
         if value:
             return value
         time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}\n{cluster.logs()}")
+    state = f"ledger {cluster.ledger()}, (lag, pending) {cluster.groups()}"
+    raise AssertionError(
+        f"timed out after {timeout_s} s waiting for {what}: {state}\n{cluster.logs()}"
+    )
 
 
 def _first_event(container: str, event: str) -> float | None:
