@@ -1,14 +1,18 @@
 """The ``cad`` domain: write a script that builds a 3D solid; geometry decides, in the sandbox.
 
-The model writes a Python script (the first fenced block of its reply) that builds the shape
-the task describes with manifold3d (CSG: cubes, cylinders, spheres, boolean operations) and
-saves the mesh to ``out.npz`` (or ``out.stl``). The sandbox runs ``python3 -I -S
-cad_driver.py`` (:mod:`domains.cad.driver`): the script runs in a child, everything it
-started is killed, and only then is the checker (:mod:`domains.cad.checker`) staged and run
-on a copy of the mesh. The checker only measures (it never sees the task); the driver prints
-``<nonce> <json measurements>``; :meth:`Cad.score` validates that line (nonce, exit code,
-exact fields and types, internal consistency: V - E + F equals the Euler number, a closed
-triangle mesh has 2E = 3F, the volume fits in the bounding box) and compares it with the
+The model writes a Python script that builds the shape the task describes with manifold3d
+(CSG: cubes, cylinders, spheres, boolean operations) into a global ``shape`` (saved for it),
+or saves a mesh to ``out.npz`` / ``out.stl`` itself. The assistant turn is primed with
+``ANSWER_PREFIX`` (an opened ```python block, the import and ``shape = ``): ``render_prompt``
+appends it, and the program is the first fenced block of prefix + completion, unless the
+completion opens its own block first (its first fence carries a language tag), then that.
+The sandbox runs ``python3 -I -S cad_driver.py`` (:mod:`domains.cad.driver`): the script
+runs in a child, everything it started is killed, and only then is the checker
+(:mod:`domains.cad.checker`) staged and run on a copy of the mesh. The checker only measures
+(it never sees the task); the driver prints ``<nonce> <json measurements>``;
+:meth:`Cad.score` validates that line (nonce, exit code, exact fields and types, internal
+consistency: V - E + F equals the Euler number, a closed triangle mesh has 2E = 3F, the
+volume fits in the bounding box) and compares it with the
 task here, on the host.
 
 Reward: 0 when the shape does not build (no fenced script, the script fails or times out, no
@@ -33,6 +37,7 @@ import hmac
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +66,8 @@ VOLUME_TOL = 0.05
 EXTENT_REL = 0.03
 EXTENT_ABS = 0.1
 CONSTRAINTS = ("watertight", "volume", "extents", "genus", "bodies")
+ANSWER_PREFIX = "```python\nfrom manifold3d import Manifold\n\nshape = "
+_OWN_BLOCK = re.compile(r"```[ \t]*[A-Za-z]")
 
 _INTS = ("vertices", "edges", "faces", "euler", "bodies", "exit_code")
 _BOOLS = ("built", "watertight", "winding_consistent")
@@ -83,6 +90,16 @@ def nonce(item: CadItem, completion_text: str) -> str:
     key = (os.environ.get(KEY_ENV) or item.salt).encode()
     msg = item.id.encode() + b"\0" + completion_text.encode("utf-8", "replace")
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def program(completion_text: str) -> str:
+    """The script: the primed block continued, or a block the completion opened itself."""
+    if not completion_text.strip():
+        return ""
+    fence = completion_text.find("```")
+    if fence >= 0 and _OWN_BLOCK.match(completion_text, fence):
+        return extract_program(completion_text)
+    return extract_program(ANSWER_PREFIX + completion_text)
 
 
 def read_verdict(item: CadItem, completion_text: str, result: ExecResult | None
@@ -159,10 +176,11 @@ class Cad(SplitFiles):
                         runtime=str(self.runtime), fix="python -m domains.cad.runtime")
 
     def render_prompt(self, item: CadItem, tokenizer: Any) -> list[int]:
-        return chat_prompt_ids(tokenizer, item.prompt)
+        primed = tokenizer.encode(ANSWER_PREFIX, add_special_tokens=False)
+        return chat_prompt_ids(tokenizer, item.prompt) + [int(i) for i in primed]
 
     def exec_request(self, item: CadItem, completion_text: str) -> ExecRequest | None:
-        source = extract_program(completion_text)
+        source = program(completion_text)
         if not source:
             return None
         spec = {

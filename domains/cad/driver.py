@@ -5,8 +5,11 @@ Its input (stdin, read whole before anything else runs): ``{"nonce", "source", "
 
 1. The model's script runs as a child (``python3 -I -S``, its own session, cwd ``model/``,
    stdin /dev/null, stdout and stderr kept to their last 2 KB for diagnostics only), with
-   the CAD runtime (``runtime``: numpy, manifold3d, trimesh) on its path. It must leave ``out.npz``
-   (``vertices`` (n, 3) floats, ``faces`` (m, 3) ints) or ``out.stl`` in ``model/``.
+   the CAD runtime (``runtime``: numpy, manifold3d, trimesh) on its path. It must leave
+   ``out.npz`` (``vertices`` (n, 3) floats, ``faces`` (m, 3) ints) or ``out.stl`` in
+   ``model/``, or a manifold3d object in a global ``shape``, which is then saved to
+   ``out.npz`` in the same child (what the script left is data either way: only the
+   checker measures it).
 2. When it exits (or its deadline passes) its process group is SIGKILLed, and then every
    process it left behind: this process is a child subreaper, so a daemonised grandchild is
    re-parented here and killed too. From then on nothing the model started is alive.
@@ -38,10 +41,15 @@ PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 STDERR_KEEP = 2048
 RUN_MODEL = (
-    "import runpy, sys\n"
+    "import os, runpy, sys\n"
     "sys.path.insert(0, sys.argv[1])\n"
     "sys.argv = ['main.py']\n"
-    "runpy.run_path('main.py', run_name='__main__')\n"
+    "g = runpy.run_path('main.py', run_name='__main__')\n"
+    "shape = g.get('shape')\n"
+    "if not os.path.exists('out.npz') and not os.path.exists('out.stl') and shape is not None:\n"
+    "    import numpy as np\n"
+    "    m = shape.to_mesh()\n"
+    "    np.savez('out.npz', vertices=m.vert_properties[:, :3], faces=m.tri_verts)\n"
 )
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "OPENBLAS_NUM_THREADS": "1",
        "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0"}

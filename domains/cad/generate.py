@@ -24,17 +24,11 @@ from domains.cad.domain import DATA_DIR, CadItem
 
 SEED = 11
 
-EXAMPLE = (
-    "from manifold3d import Manifold\n"
-    "import numpy as np\n"
-    "shape = Manifold.cube([10, 10, 10])\n"
-    "mesh = shape.to_mesh()\n"
-    'np.savez("out.npz", vertices=mesh.vert_properties[:, :3], faces=mesh.tri_verts)\n'
-)
+EXAMPLE = "from manifold3d import Manifold\n\nshape = Manifold.cube([10, 10, 10])\n"
 PROMPT = (
     "Write a Python script that uses the manifold3d library to build this 3D solid: {desc} "
-    "Sizes are in mm. The script must save the mesh to out.npz, like this script, which "
-    "builds a 10 x 10 x 10 cube:\n```python\n" + EXAMPLE + "```\n"
+    "Sizes are in mm. Put the solid in a variable named shape (it is saved for you), like "
+    "this script, which builds a 10 x 10 x 10 cube:\n```python\n" + EXAMPLE + "```\n"
     "Other parts: Manifold.cylinder(height, radius) (axis along z from z=0), "
     "Manifold.sphere(radius), shape.translate([x, y, z]), a + b (union), a - b "
     "(difference). Reply with the whole script in one ```python block."
