@@ -7,9 +7,10 @@ mistake). Items: capitals, opposites, upper-casing, reversing and repeating a wo
 words, the next weekday, small sums, the larger of two numbers, counting words.
 
 Scoring is exact after normalisation: the reply's text after its last ``Answer:`` (else its
-first non-empty line), lower-cased, surrounding quotes, asterisks, backticks and a final
-period removed, whitespace collapsed, spaces around commas dropped, must equal the expected
-answer normalised the same way: 1.0 or 0.0. Nothing runs in the sandbox.
+first non-empty line), or what follows the last " is " in it ("The capital of Italy is
+Rome.", the way small models answer), lower-cased, surrounding quotes, asterisks, backticks
+and a final period removed, whitespace collapsed, spaces around commas dropped, must equal
+the expected answer normalised the same way: 1.0 or 0.0. Nothing runs in the sandbox.
 """
 
 from __future__ import annotations
@@ -83,4 +84,5 @@ class General(SplitFiles):
         reply = extract_reply(completion_text)
         if reply is None or len(reply) > MAX_REPLY_CHARS:
             return 0.0
-        return 1.0 if normalize(reply) == normalize(item.answer) else 0.0
+        candidates = {normalize(reply), normalize(reply.rpartition(" is ")[2])}
+        return 1.0 if normalize(item.answer) in candidates else 0.0

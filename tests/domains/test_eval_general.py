@@ -24,12 +24,13 @@ def test_registered_eval_only_and_data_committed() -> None:
 
 
 @pytest.mark.parametrize("text", ["Rome", "Rome.", "**Rome**", "rome", "'Rome'",
-                                  "Answer: Rome", "Rome\nRome is the capital since 1871."])
+                                  "Answer: Rome", "Rome\nRome is the capital since 1871.",
+                                  "The capital of Italy is Rome.", 'It is "Rome."'])
 def test_right_answers_score_one(text: str) -> None:
     assert General().score(CAPITAL, text, None) == 1.0
 
 
-@pytest.mark.parametrize("text", ["", "Paris", "The capital of Italy is Rome.", "Rome or Milan",
+@pytest.mark.parametrize("text", ["", "Paris", "The capital is Rome or Milan", "Rome or Milan",
                                   "Answer: Milan\nAnswer: Rome\nAnswer: Paris", "R" * 300])
 def test_other_answers_score_zero(text: str) -> None:
     assert General().score(CAPITAL, text, None) == 0.0
