@@ -3,7 +3,7 @@
 The model writes a Python script that builds the shape the task describes with manifold3d
 (CSG: cubes, cylinders, spheres, boolean operations) into a global ``shape`` (saved for it),
 or saves a mesh to ``out.npz`` / ``out.stl`` itself. The assistant turn is primed with
-``ANSWER_PREFIX`` (an opened ```python block, the import and ``shape = ``): ``render_prompt``
+``ANSWER_PREFIX`` (an opened ```python block, the import, ``shape = Manifold.``): ``render_prompt``
 appends it, and the program is the first fenced block of prefix + completion, unless the
 completion opens its own block first (its first fence carries a language tag), then that.
 The sandbox runs ``python3 -I -S cad_driver.py`` (:mod:`domains.cad.driver`): the script
@@ -66,7 +66,7 @@ VOLUME_TOL = 0.05
 EXTENT_REL = 0.03
 EXTENT_ABS = 0.1
 CONSTRAINTS = ("watertight", "volume", "extents", "genus", "bodies")
-ANSWER_PREFIX = "```python\nfrom manifold3d import Manifold\n\nshape = "
+ANSWER_PREFIX = "```python\nfrom manifold3d import Manifold\n\nshape = Manifold."
 _OWN_BLOCK = re.compile(r"```[ \t]*[A-Za-z]")
 
 _INTS = ("vertices", "edges", "faces", "euler", "bodies", "exit_code")

@@ -287,12 +287,12 @@ def test_forged_or_inconsistent_verdicts_are_refused() -> None:
 
 
 async def test_a_primed_completion_needs_only_the_shape(cad: Cad, box: ProcessSandbox) -> None:
-    # the prompt ends with ANSWER_PREFIX ("```python ... shape = "): the model writes the rest,
+    # the prompt ends with ANSWER_PREFIX ("```python ... shape = Manifold."): the model goes on,
     # and the driver saves the global `shape` for it
     from domains.cad.domain import ANSWER_PREFIX
 
-    assert ANSWER_PREFIX.endswith("shape = ")
-    score, _ = await run(cad, box, BOX, "Manifold.cube([10, 20, 30])\n```\nThis is a box.")
+    assert ANSWER_PREFIX.endswith("shape = Manifold.")
+    score, _ = await run(cad, box, BOX, "cube([10, 20, 30])\n```\nThis is a box.")
     assert score == 1.0
-    score, _ = await run(cad, box, BOX, "Manifold.cube([10, 20])\n```")  # a TypeError
+    score, _ = await run(cad, box, BOX, "cube([10, 20])\n```")  # a TypeError
     assert score == 0.0
