@@ -65,6 +65,7 @@ from queues.messages import (
     now,
 )
 from queues.shards import Consumer
+from queues.stats import group_state
 from queues.streams import Delivery, Handoff
 
 log = structlog.get_logger()
@@ -173,13 +174,41 @@ class Learner:
             await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
 
     async def _collect(self, n: int) -> list[tuple[Delivery, Trajectory]]:
+        """``n`` trainable groups; fewer only for the last step of a run with
+        ``scheduler.max_train_groups``, once no further group can arrive (see
+        :meth:`_run_drained`): groups dropped upstream (zero variance, dead letters, stale)
+        would otherwise leave a part-filled last batch waiting forever."""
         batch: list[tuple[Delivery, Trajectory]] = []
         while len(batch) < n:
-            for d in await self.consumer.read(n - len(batch)):
+            deliveries = await self.consumer.read(n - len(batch))
+            for d in deliveries:
                 traj = await self._accept(d, {t.episode_id for _, t in batch})
                 if traj is not None:
                     batch.append((d, traj))
+            if not deliveries and batch and len(batch) < n and await self._run_drained():
+                log.info("final partial step", groups=len(batch), groups_per_step=n)
+                break
         return batch
+
+    async def _run_drained(self) -> bool:
+        """Whether no training group can reach the learner any more: admission is closed
+        (``max_train_groups`` admitted, no admission half-published across shards) and no
+        stage upstream holds work (nothing waiting or in progress in ``tasks``, ``rollouts``,
+        ``executed``; nothing undelivered in ``trajectories``). Each stage hands off and
+        acknowledges in one script, so work is always visible in one of these counts."""
+        limit = self.ctx.config.scheduler.max_train_groups
+        if not limit:
+            return False
+        c, names = self.ctx.client, self.ctx.names
+        admitted = int(await c.call(c.sync.get, names.admitted) or 0)
+        if admitted < limit or int(await c.call(c.sync.hlen, names.admissions)):
+            return False
+        for stream in (N.TASKS, N.ROLLOUTS, N.EXECUTED):
+            state = await group_state(c, names, stream, N.GROUP_OF_STREAM[stream])
+            if state.backlog:
+                return False
+        own = await group_state(c, names, N.TRAJECTORIES, N.GROUP_OF_STREAM[N.TRAJECTORIES])
+        return own.lag == 0
 
     async def _accept(self, d: Delivery, in_batch: set[str]) -> Trajectory | None:
         """Decode, skip groups already trained, check staleness; anything not trainable is

@@ -206,6 +206,11 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
         return [
             *_consume(n, N.TRAJECTORIES, role, (N.WEIGHTS, N.METRICS)),
             Grant(("get", "incrby"), rw=(_glob(n.counter("")) + "*",)),  # dropped_stale, ...
+            # the last, part-filled step of a run with max_train_groups (actors/learner.py):
+            # admission closed and nothing left upstream
+            Grant(("get",), read=(_glob(n.admitted),)),
+            Grant(("hlen",), read=(_glob(n.admissions),)),
+            Grant(OBSERVE, read=tuple(_stream(n, s) for s in (N.TASKS, N.ROLLOUTS, N.EXECUTED))),
             Grant(("xtrim",), write=(_stream(n, N.WEIGHTS), _stream(n, N.METRICS))),
         ]
     if role == "monitor":

@@ -120,3 +120,50 @@ async def test_restarted_learner_trains_each_group_exactly_once(
     # and the optimiser state moved on with the newest version only
     assert (weights / "v000002" / TRAINER_STATE_FILE).exists()
     assert not (weights / "v000001" / TRAINER_STATE_FILE).exists()
+
+
+async def test_last_part_filled_step_is_trained_once_nothing_more_can_come(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a run that admitted all of its 3 training groups (max_train_groups) and a learner
+    # taking 2 groups per step, and 3 groups reaching it
+    config = _config(
+        tmp_path, redis_url, names.run, ("scheduler.max_train_groups=3", "learner.max_steps=2")
+    )
+    await client.call(client.sync.set, names.admitted, 3)
+    groups = [_group(0, [0.0, 1.0]), _group(1, [1.0, 0.0]), _group(1, [0.0, 1.0])]
+    # and one more sample still on its way upstream (in the executor's stream)
+    await Producer(client, names).publish(N.ROLLOUTS, [b"in flight"])
+    await client.call(
+        client.sync.xgroup_create, names.stream(N.ROLLOUTS), N.GROUP_OF_STREAM[N.ROLLOUTS], "0"
+    )
+    await Producer(client, names).publish(N.TRAJECTORIES, groups)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve, ActorContext(config, client, names))
+        # When step 1 took two groups: the third waits while upstream still holds work
+        metrics_key = names.stream(N.METRICS)
+        with trio.fail_after(120):
+            while not await client.call(client.sync.xlen, metrics_key):
+                await trio.sleep(0.1)
+        await trio.sleep(1.0)  # several empty reads (block_ms=200)
+        assert await client.call(client.sync.xlen, metrics_key) == 1
+        # and once upstream is drained (an executor took that sample and settled it)
+        key, group = names.stream(N.ROLLOUTS), N.GROUP_OF_STREAM[N.ROLLOUTS]
+        [(_, [(entry_id, _)])] = await client.call(
+            client.sync.xreadgroup, group, "executor-x", {key: ">"}, count=1
+        )
+        await trio.sleep(1.0)  # in progress: still not drained
+        assert await client.call(client.sync.xlen, metrics_key) == 1
+        await client.call(client.sync.xack, key, group, entry_id)
+        # Then the learner trains the last group alone, and stops (max_steps=2)
+        with trio.fail_after(60):
+            while await client.call(client.sync.xlen, metrics_key) < 2:
+                await trio.sleep(0.1)
+    metrics = [
+        decode(f[b"d"], StepMetrics)
+        for _, f in await client.call(client.sync.xrange, metrics_key)
+    ]
+    assert [(m.step, m.groups) for m in metrics] == [(1, 2), (2, 1)]
+    pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
+    assert pending["pending"] == 0
