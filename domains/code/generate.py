@@ -51,8 +51,8 @@ def problems(rng: random.Random) -> list[Problem]:
          lambda n: sum(i for i in range(n) if i % m == 0), lambda r: [r.randint(0, k * 5 - 1)]),
         ("is_palindrome", "returns True if the string `s` reads the same backwards, "
          "else False", lambda s: s == s[::-1], lambda r: [r.choice([_word(r), "abba", "ada"])]),
-        (f"pairs_summing_to_{k}", f"returns the number of pairs (i, j) with i < j such that "
-         f"xs[i] + xs[j] == {k}", lambda xs: sum(1 for i in range(len(xs))
+        (f"pairs_summing_to_{k}", f"returns the number of pairs (i, j) with i < j of indices of "
+         f"the list `xs` such that xs[i] + xs[j] == {k}", lambda xs: sum(1 for i in range(len(xs))
                                                 for j in range(i + 1, len(xs))
                                                 if xs[i] + xs[j] == k),
          lambda r: [[r.randint(-3, k + 3) for _ in range(r.randint(0, 7))]]),
@@ -64,7 +64,7 @@ def make_item(rng: random.Random, split: str, index: int) -> CodeItem:
     example = gen_args(rng)
     while not example or example == [[]] or example == [""]:
         example = gen_args(rng)
-    params = ", ".join(description.split("`")[1::2][:1]) or "x"
+    params = description.split("`")[1]  # the first quoted name is the argument
     prompt = (f"Write a Python function `{name}({params})` that {description}. "
               f"For example, {name}({', '.join(map(repr, example))}) == "
               f"{reference(*example)!r}. Reply with the code in one ```python block.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,15 @@ def test_registered_through_entry_point_and_data_committed(tmp_path: Path) -> No
         assert (tmp_path / f"{split}.jsonl").read_text() == (
             get_domain("code").data_dir / f"{split}.jsonl").read_text()  # type: ignore[attr-defined]
     assert not {i.prompt for i in splits["train"]} & {i.prompt for i in splits["eval"]}
+
+
+def test_prompts_name_the_argument_the_description_uses() -> None:
+    """``pairs_summing_to_k(x)`` once described ``xs``: the signature and the text agree."""
+    for items in make_splits(n_train=200, n_eval=20).values():
+        for item in items:
+            signature = re.match(r"Write a Python function `(\w+)\((\w+)\)`", item.prompt)
+            assert signature is not None, item.prompt
+            assert f"`{signature[2]}`" in item.prompt, item.prompt
 
 
 async def test_correct_solution_scores_one(domain: Code, box: ProcessSandbox) -> None:
