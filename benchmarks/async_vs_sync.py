@@ -37,11 +37,10 @@ the per-pair figures):
     .venv/bin/python benchmarks/async_vs_sync.py --json
     .venv/bin/python benchmarks/async_vs_sync.py --json --steps 6    # quicker
 
-In sync mode the generator stage waits until its engine serves the version a task was
-admitted at: without that, a task taken before the generator has followed the weights event
-is sampled by the previous version, the learner drops it as stale (staleness 1 > 0), and with
-the admission bound exhausted the run stalls. (The shipped generator follows weights events
-asynchronously; see docs/learner.md.)
+In sync mode the generator holds each task until its engine serves the version the task was
+admitted at (the shipped ``VersionGate``): without that, a task taken before the generator
+has followed the weights event is sampled by the previous version, the learner drops it as
+stale (staleness 1 > 0), and with the admission bound exhausted the run stalls.
 """
 
 from __future__ import annotations
@@ -65,7 +64,7 @@ from actors import learner as learner_actor
 from actors import scheduler as scheduler_actor
 from actors.config import load_config
 from actors.context import ActorContext
-from actors.generator import Generator, serve_weight_updates
+from actors.generator import Generator, VersionGate, serve_weight_updates
 from actors.logs import configure_logging
 from actors.runtime import Output
 from inference.engine import Completion
@@ -76,7 +75,6 @@ from queues.messages import (
     Rollout,
     Sampling,
     StepMetrics,
-    Task,
     Trajectory,
     decode,
     new_id,
@@ -94,7 +92,6 @@ class LongTailEngine:
         self.args = args
         self.rng = np.random.default_rng(args.seed)
         self._version = 0
-        self._changed = trio.Condition()
         self.busy_s = 0.0
 
     @property
@@ -102,14 +99,7 @@ class LongTailEngine:
         return self._version
 
     async def update_weights(self, path: str | Path, version: int) -> None:
-        async with self._changed:
-            self._version = max(self._version, version)
-            self._changed.notify_all()
-
-    async def wait_version(self, version: int) -> None:
-        async with self._changed:
-            while self._version < version:
-                await self._changed.wait()
+        self._version = max(self._version, version)
 
     async def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Completion]:
         a = self.args
@@ -132,20 +122,6 @@ class LongTailEngine:
             )
             for n in lengths
         ]
-
-
-class GatedGenerator(Generator):
-    """The generator actor; in sync mode a task waits for the version it was admitted at."""
-
-    def __init__(self, engine: LongTailEngine, tokenizer: Any, gate: bool) -> None:
-        super().__init__(engine, tokenizer)
-        self.gate = gate
-        self.sim = engine
-
-    async def handle(self, task: Task) -> list[Output]:
-        if self.gate:
-            await self.sim.wait_version(task.policy_version)
-        return await super().handle(task)
 
 
 class RandomReward:
@@ -206,10 +182,14 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, work: Path) ->
     started = time.monotonic()
     try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_weight_updates, ctx, engine)
+            # sync mode: the shipped generator's version gate (actors.generator.VersionGate)
+            gate = VersionGate() if mode == "sync" else None
+            await nursery.start(serve_weight_updates, ctx, engine, gate)
+            generator = Generator(engine, tokenizer)
+            generator.gate = gate
             nursery.start_soon(
                 lambda: ctx.serve(
-                    GatedGenerator(engine, tokenizer, gate=(mode == "sync")),
+                    generator,
                     concurrency=args.concurrency,
                     time_limit_s=120,
                 )
