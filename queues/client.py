@@ -277,7 +277,10 @@ class BlockingConnection:
     def _connect(self, url: RedisURL) -> redis.Redis:
         if self._client.cluster is not None:
             self._control = redis.Redis.from_url(url.url, max_connections=2)
-        return redis.Redis.from_url(url.url, single_connection_client=True)
+        # A pool of one connection rather than ``single_connection_client``, which connects in
+        # the constructor: an actor that makes its reader while Redis restarts must not fail.
+        # Calls here are sequential, so every command (CLIENT ID included) uses that one.
+        return redis.Redis.from_url(url.url, max_connections=1)
 
     async def call(
         self,

@@ -59,6 +59,9 @@ async def test_redis_restart_mid_run_loses_nothing(tmp_path: Path) -> None:
     print(f"{time.monotonic() - started:.0f}s, {len(report.metrics)} learner steps")
 
     # Then every actor rode the restart out in its first process
-    assert {a.name: a.pids for a in pipeline.actors if len(a.pids) != 1} == {}
+    restarted = [a for a in pipeline.actors if len(a.pids) != 1]
+    assert {a.name: a.pids for a in restarted} == {}, "\n".join(
+        f"--- {a.name} log tail:\n{a.log_tail(6000)}" for a in restarted
+    )
     # and every admitted group was trained exactly once, nothing pending, no dead letter
     check_run(scenario, pipeline, report, planted=[])

@@ -13,7 +13,13 @@ import trio
 from queues import names as N
 from queues.client import Reconnect, RedisClient
 from queues.server import ServerProcess
-from queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
+from queues.streams import (
+    ConsumerSettings,
+    EventReader,
+    Handoff,
+    Producer,
+    open_stream_consumer,
+)
 
 
 async def _restart_after(server: ServerProcess, delay_s: float) -> None:
@@ -66,6 +72,32 @@ async def test_a_blocked_consumer_reads_on_after_a_restart(tmp_path: Path, names
             await consumer.complete(Handoff(delivery.entry_id, names.dedup("g", "x")))
         pending = await client.call(client.sync.xpending, names.stream(N.TASKS), "generator")
         assert pending["pending"] == 0
+    finally:
+        client.close()
+        server.stop()
+
+
+async def test_an_event_reader_made_while_redis_is_down_reads_once_it_is_back(
+    tmp_path: Path, names: N.Names
+) -> None:
+    # Given a Redis that is down when an actor makes its blocking reader (an actor that was
+    # still starting when Redis restarted)
+    server = ServerProcess(data_dir=tmp_path / "redis").start()
+    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=30))
+    try:
+        server.stop()
+        reader = EventReader(client, names, N.WEIGHTS, block_ms=200)
+        # When it reads while Redis comes back a second later, and an event is published
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_restart_after, server, 1.0)
+            got = await reader.read()
+        await Producer(client, names).publish(N.WEIGHTS, [b"v1"])
+        with trio.fail_after(10):
+            while not got:
+                got = await reader.read()
+        # Then the reader was made without a connection and reads the event
+        assert [payload for _, payload in got] == [b"v1"]
+        reader.close()
     finally:
         client.close()
         server.stop()
