@@ -1,7 +1,8 @@
 """Learner: verified groups become policy updates (``trajectories`` -> ``weights``).
 
-Per step: read ``groups_per_step`` groups, drop (acknowledge and count) groups sampled more
-than ``max_staleness`` versions ago, take one GRPO/PPO-clipped step, write the new weights
+Per step: read ``groups_per_step`` groups (while the step before trains), drop (acknowledge
+and count) groups sampled more than ``max_staleness`` versions before the version they are
+trained at, take one GRPO/PPO-clipped step, write the new weights
 as ``weights/v{step}`` (Hugging Face safetensors), then publish the ``weights`` event and
 the step's metrics and acknowledge the groups, in one atomic hand-off.
 
@@ -138,7 +139,9 @@ class Learner:
         self.ledger = Ledger.open(self.root, self.version)
         self.dropped_stale = 0
         self.snapshot: Snapshot | None = None
-        self.publishing: set[str] = set()  # episodes of the step being checkpointed
+        self.claimed: set[str] = set()
+        """Episodes of the steps collected, training or being checkpointed (not yet in the
+        ledger)."""
         self.duplicates_skipped = 0
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -151,38 +154,57 @@ class Learner:
             resumed_optimizer=self.resumed_optimizer,
         )
         # Step N+1 runs while step N's checkpoint is written and announced (from a snapshot
-        # of the weights); at most one step is being published at a time, in order.
+        # of the weights); at most one step is being published at a time, in order. The
+        # groups of step N+1 are collected while step N trains (``_prefetch``).
         published = trio.Event()
         published.set()
+        batches, received = trio.open_memory_channel[list[tuple[Delivery, Trajectory]]](0)
         async with trio.open_nursery() as nursery:
-            while not self.cfg.max_steps or self.version < self.cfg.max_steps:
-                t0 = time.monotonic()
-                batch = await self._collect(self.cfg.groups_per_step)
-                waited = time.monotonic() - t0
-                stats = await trio.to_thread.run_sync(
-                    distributed_step, self.trainer, [t for _, t in batch], abandon_on_cancel=False
-                )
-                await published.wait()  # the shadow model is free again
-                state = await trio.to_thread.run_sync(self._snapshot)
-                self.version += 1
-                self.publishing = {t.episode_id for _, t in batch}
-                published = trio.Event()
-                nursery.start_soon(
-                    self._publish_step, batch, stats, waited, self.version, state, published
-                )
+            nursery.start_soon(self._prefetch, batches)
+            async with received:
+                while not self.cfg.max_steps or self.version < self.cfg.max_steps:
+                    t0 = time.monotonic()
+                    batch = await received.receive()
+                    waited = time.monotonic() - t0
+                    stats = await trio.to_thread.run_sync(
+                        distributed_step,
+                        self.trainer,
+                        [t for _, t in batch],
+                        abandon_on_cancel=False,
+                    )
+                    await published.wait()  # the shadow model is free again
+                    state = await trio.to_thread.run_sync(self._snapshot)
+                    self.version += 1
+                    published = trio.Event()
+                    nursery.start_soon(
+                        self._publish_step, batch, stats, waited, self.version, state, published
+                    )
         if dist_util.is_distributed():  # the end: release the other ranks
             await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
 
-    async def _collect(self, n: int) -> list[tuple[Delivery, Trajectory]]:
-        """``n`` trainable groups; fewer only for the last step of a run with
-        ``scheduler.max_train_groups``, once no further group can arrive (see
+    async def _prefetch(self, batches: trio.MemorySendChannel[Any]) -> None:
+        """Collect each step's groups while the step before it trains, so a learner whose
+        groups are ready does not wait for reading, decoding and checking them. The groups
+        are judged for staleness at the version they will be trained at (one more than now,
+        while a step runs); each batch is handed over only when the learner takes it."""
+        async with batches:
+            version = self.version
+            while not self.cfg.max_steps or version < self.cfg.max_steps:
+                batch = await self._collect(self.cfg.groups_per_step, version)
+                self.claimed |= {t.episode_id for _, t in batch}
+                await batches.send(batch)
+                version += 1
+
+    async def _collect(self, n: int, version: int) -> list[tuple[Delivery, Trajectory]]:
+        """``n`` trainable groups to train at ``version``; fewer only for the last step of a
+        run with ``scheduler.max_train_groups``, once no further group can arrive (see
         :meth:`_run_drained`): groups dropped upstream (zero variance, dead letters, stale)
         would otherwise leave a part-filled last batch waiting forever."""
         batch: list[tuple[Delivery, Trajectory]] = []
         while len(batch) < n:
             deliveries = await self.consumer.read(n - len(batch))
             for d in deliveries:
-                traj = await self._accept(d, {t.episode_id for _, t in batch})
+                traj = await self._accept(d, {t.episode_id for _, t in batch}, version)
                 if traj is not None:
                     batch.append((d, traj))
             if not deliveries and batch and len(batch) < n and await self._run_drained():
@@ -210,9 +232,10 @@ class Learner:
         own = await group_state(c, names, N.TRAJECTORIES, N.GROUP_OF_STREAM[N.TRAJECTORIES])
         return own.lag == 0
 
-    async def _accept(self, d: Delivery, in_batch: set[str]) -> Trajectory | None:
-        """Decode, skip groups already trained, check staleness; anything not trainable is
-        settled (acknowledged or dead-lettered) here."""
+    async def _accept(self, d: Delivery, in_batch: set[str], version: int) -> Trajectory | None:
+        """Decode, skip groups already trained (or taken for a step not yet checkpointed),
+        check staleness against ``version``; anything not trainable is settled (acknowledged
+        or dead-lettered) here."""
         if d.payload is None:
             await self.consumer.dead_letter(d, d.error or "entry has no payload")
             return None
@@ -226,7 +249,7 @@ class Learner:
         except ValueError as exc:
             await self.consumer.dead_letter(d, f"malformed group: {exc}")
             return None
-        seen = self.ledger.consumed, self.publishing, in_batch
+        seen = self.ledger.consumed, self.claimed, in_batch
         if any(traj.episode_id in ids for ids in seen):
             self.duplicates_skipped += 1
             await self.ctx.client.call(
@@ -237,7 +260,7 @@ class Learner:
             )
             log.warning("skipped group already trained", episode_id=traj.episode_id)
             return None
-        staleness = group_staleness(traj, self.version)
+        staleness = group_staleness(traj, version)
         if staleness > self.cfg.max_staleness:
             self.dropped_stale += 1
             await self.ctx.client.call(
@@ -290,7 +313,7 @@ class Learner:
         )
         path = await trio.to_thread.run_sync(self._checkpoint, record, metrics, state)
         await self._announce(version, str(path), record.entry_ids, metrics)
-        self.publishing = set()
+        self.claimed -= set(record.episode_ids)  # in the ledger now
         done.set()
         await self._trim_events()
         log.info(

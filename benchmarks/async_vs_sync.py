@@ -17,8 +17,8 @@ simulated, and only these:
   reward (seeded by the rollout), so groups carry signal; the arith domain's sandbox would
   score random tokens 0 everywhere and the learner would skip every step.
 
-Modes: ``async`` (``learner.max_staleness = --staleness``; the scheduler keeps up to
-``(V + s + 1) * groups_per_step`` groups admitted) and ``sync`` (``max_staleness = 0``: the
+Modes: ``async`` (``learner.max_staleness = --staleness``, default 4; the scheduler keeps
+up to ``(V + s + 1) * groups_per_step`` groups admitted) and ``sync`` (``max_staleness = 0``: the
 next batch is admitted only after the learner published the version trained on the
 previous one). Each mode trains ``--steps`` steps in a fresh run namespace.
 
@@ -33,6 +33,11 @@ the per-pair figures):
   time spent inside ``Trainer.step``; the rest is waiting for groups and writing the
   checkpoint + publishing (so 1.0 is out of reach by the checkpoint's share).
   ``learner_not_waiting_fraction`` counts the checkpoint as busy too.
+
+The staleness bound sets how deep the pipeline is: with ``s = 2`` only three batches are
+admitted ahead, a long-tailed group (up to ``--max-tokens``) still running holds its slot
+until it arrives and is dropped as stale, and the learner waits for its replacement now and
+then (busy about 0.86 here); with ``s = 4`` the learner almost never waits.
 
     .venv/bin/python benchmarks/async_vs_sync.py --json
     .venv/bin/python benchmarks/async_vs_sync.py --json --steps 6    # quicker
@@ -228,6 +233,8 @@ async def run_mode(url: str, mode: str, args: argparse.Namespace, work: Path) ->
         "samples_trained": sum(m.samples for m in metrics),
         "tokens_trained": sum(m.tokens for m in metrics),
         "total_s_including_start": round(total_s, 2),
+        "wait_s_per_step": [round(m.wait_seconds, 3) for m in metrics],
+        "step_s_per_step": [round(m.step_seconds, 3) for m in metrics],
     }
 
 
@@ -281,7 +288,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object (the default)")
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--groups-per-step", type=int, default=4)
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--median-tokens", type=float, default=12.0)
@@ -289,7 +296,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--seconds-per-token", type=float, default=0.01)
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--staleness", type=int, default=2)
+    p.add_argument("--staleness", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1, help="sync/async pairs, interleaved")
