@@ -44,18 +44,18 @@ import os
 import re
 import secrets
 import socket
-import struct
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
 import trio
 
 from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
 log = structlog.get_logger()
 
@@ -66,16 +66,6 @@ SANDBOX_UID = 65534
 RUNNER_MB = 32  # added to the memory limit: the runner and init live in the same cgroup
 RUNNER_PIDS = 2  # init and the runner, added to the pids limit
 LABEL = "streamrl.sandbox"
-_MAX_HEADER = 1 << 20
-_CONTROL_TIMEOUT_S = 10.0
-
-
-class _RunnerGone(Exception):
-    """The runner cannot be trusted any more (no reply, EOF, forged reply): remove the box."""
-
-    def __init__(self, reason: str, *, stuck: bool = False) -> None:
-        super().__init__(reason)
-        self.stuck = stuck
 
 
 @dataclass(frozen=True)
@@ -310,7 +300,7 @@ class DockerSandbox:
                 await box.rename(box.pool_name)  # no longer the episode's
                 pool.ready.append(box)
                 return
-            except (_RunnerGone, SandboxUnavailable) as exc:
+            except (RunnerGone, SandboxUnavailable) as exc:
                 log.warning("sandbox.reset_failed", container=box.name, error=str(exc))
             finally:
                 pool.resetting -= 1
@@ -358,10 +348,7 @@ class DockerSandbox:
             await self._aio(stream.__aenter__())
             await self._aio(created.start())
             box = _Box(self, created, stream, name, image, self.limits)
-            with trio.fail_after(self._start_timeout):
-                hello, _ = await box.read_frame()
-            if hello.get("op") != "ready":
-                raise _RunnerGone(f"unexpected first frame {hello!r}")
+            hello = await box.channel.wait_ready(self._start_timeout)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 if stream is not None:
@@ -372,7 +359,7 @@ class DockerSandbox:
                 with contextlib.suppress(Exception), trio.move_on_after(10):
                     await self._aio(container.delete(force=True, v=True))
             self._slots.release()
-            if isinstance(exc, (aiodocker.DockerError, _RunnerGone, trio.TooSlowError, OSError)):
+            if isinstance(exc, (aiodocker.DockerError, RunnerGone, trio.TooSlowError, OSError)):
                 raise SandboxUnavailable(f"cannot start a container of {image}: {exc}") from exc
             raise
         self._boxes[box.id] = box
@@ -482,23 +469,12 @@ class DockerSession:
             return await box.run(replace(request, limits=self._limits))
 
     async def put_files(self, files: dict[str, bytes]) -> None:
-        checked = [(str(_checked_path(name)), data) for name, data in files.items()]
         async with self._lock:
-            box = self._live_box()
-            header = {"op": "put", "files": [[name, len(data)] for name, data in checked]}
-            await box.control(header, b"".join(data for _, data in checked))
+            await self._live_box().channel.put_files(files)
 
     async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
-        names = [str(_checked_path(p)) for p in paths]
         async with self._lock:
-            header = {"op": "get", "paths": names, "cap": self._limits.max_file_mb << 20}
-            reply, payload = await self._live_box().control(header)
-        out: dict[str, bytes | None] = {}
-        offset = 0
-        for path, size in zip(paths, reply["sizes"], strict=True):
-            out[path] = None if size < 0 else payload[offset : offset + size]
-            offset += max(size, 0)
-        return out
+            return await self._live_box().channel.get_files(paths, self._limits.max_file_mb << 20)
 
     async def reset(self) -> None:
         """Back to a clean state: the same container reset, or a fresh one if that fails."""
@@ -508,7 +484,7 @@ class DockerSession:
                 try:
                     await box.reset()
                     return
-                except (_RunnerGone, SandboxUnavailable) as exc:
+                except (RunnerGone, SandboxUnavailable) as exc:
                     log.warning("sandbox.reset_failed", container=box.name, error=str(exc))
             if box is not None:
                 self._box = None
@@ -530,7 +506,7 @@ class DockerSession:
 
 
 class _Box:
-    """One started container and the framed conversation with its runner."""
+    """One started container; the conversation with its runner is ``channel``."""
 
     def __init__(
         self,
@@ -548,10 +524,13 @@ class _Box:
         self.name = self.pool_name = name
         self.image = image
         self.cgroup = (limits.memory_mb, limits.max_processes)
-        self.gone: str | None = None
-        self._buf = bytearray()
-        self._diag = bytearray()
         self._removed = False
+        self.channel = RunnerChannel(_Attached(sandbox, stream), discard=self.remove)
+
+    @property
+    def gone(self) -> str | None:
+        """Why the container cannot be used any more, or None while it can."""
+        return self.channel.gone
 
     async def prepare(self, limits: Limits, label: str) -> None:
         """Match the cgroup to ``limits`` and name the container after ``label``."""
@@ -581,128 +560,24 @@ class _Box:
         self.name = name
 
     async def run(self, request: ExecRequest) -> ExecResult:
-        if not request.argv:
-            raise ValueError("ExecRequest.argv is empty")
-        files = [(str(_checked_path(name)), data) for name, data in request.files.items()]
         limits = request.limits
-        header = {
-            "op": "run",
-            "argv": list(request.argv),
-            "files": [[name, len(data)] for name, data in files],
-            "timeout": limits.timeout_s,
-            "cpu_s": limits.cpu_s,
-            "fsize_mb": limits.max_file_mb,
-            "nofile": limits.max_open_files,
-            "cap": limits.output_bytes,
-        }
-        payload = b"".join(data for _, data in files) + request.stdin
         start = time.monotonic()
         try:
-            reply, out = await self.call(header, payload, limits.timeout_s + self.sandbox._grace)
-        except _RunnerGone as exc:
-            note = f"sandbox: {exc}; container removed\n".encode()
+            return await self.channel.run(request, limits, limits.timeout_s + self.sandbox._grace)
+        except RunnerGone as exc:
             oom = await self._oom_killed()
             await self.remove()
-            return ExecResult(
-                exit_code=None,
-                stdout=b"",
-                stderr=note,
-                timed_out=exc.stuck,
-                oom_killed=oom,
-                duration_s=time.monotonic() - start,
-            )
-        if "error" in reply:
-            raise SandboxUnavailable(f"sandbox runner: {reply['error']}")
-        out_n = reply["out_n"]
-        return ExecResult(
-            exit_code=reply["exit_code"],
-            stdout=out[:out_n],
-            stderr=out[out_n:],
-            timed_out=reply["timed_out"],
-            oom_killed=reply["oom"],
-            duration_s=reply["duration_s"],
-            stdout_dropped=reply["out_dropped"],
-            stderr_dropped=reply["err_dropped"],
-        )
+            return lost_result(exc, "container removed", oom, start)
 
     async def reset(self) -> None:
-        await self.control({"op": "reset"})
-
-    async def control(self, header: dict[str, Any], payload: bytes = b"") -> tuple[dict, bytes]:
-        """A put/get/reset call: any runner failure makes the box unusable (SandboxUnavailable)."""
-        try:
-            reply, out = await self.call(header, payload, _CONTROL_TIMEOUT_S)
-        except _RunnerGone as exc:
-            await self.remove()
-            raise SandboxUnavailable(f"sandbox runner lost: {exc}") from exc
-        if "error" in reply:
-            raise SandboxUnavailable(f"sandbox runner: {reply['error']}")
-        return reply, out
-
-    async def call(
-        self, header: dict[str, Any], payload: bytes, timeout: float
-    ) -> tuple[dict, bytes]:
-        """Send one request, wait for its reply; the reply must echo the request's nonce."""
-        if self.gone is not None:
-            raise _RunnerGone(self.gone)
-        nonce = secrets.token_hex(16)
-        header = {**header, "id": nonce, "n": len(payload)}
-        raw = json.dumps(header).encode()
-        try:
-            with trio.move_on_after(timeout) as deadline:
-                await self.sandbox._aio(
-                    self.stream.write_in(struct.pack(">I", len(raw)) + raw + payload)
-                )
-                reply, out = await self.read_frame()
-        except _RunnerGone as exc:
-            self.gone = str(exc)
-            raise
-        except BaseException:  # cancelled or broken mid-conversation: never reuse this box
-            self.gone = "interrupted mid-request"
-            raise
-        if deadline.cancelled_caught:
-            self.gone = "no reply from the runner by the host deadline"
-            raise _RunnerGone(self.gone, stuck=True)
-        if reply.get("id") != nonce:
-            self.gone = "the runner's reply was forged or out of order"
-            raise _RunnerGone(self.gone)
-        return reply, out
-
-    async def read_frame(self) -> tuple[dict, bytes]:
-        buf = self._buf
-        while True:
-            if len(buf) >= 4:
-                (size,) = struct.unpack(">I", buf[:4])
-                if size > _MAX_HEADER:
-                    raise _RunnerGone("malformed frame from the runner")
-                if len(buf) >= 4 + size:
-                    try:
-                        header = json.loads(buf[4 : 4 + size])
-                        end = 4 + size + int(header["n"])
-                    except (ValueError, KeyError, TypeError) as exc:
-                        raise _RunnerGone(f"malformed frame from the runner: {exc}") from exc
-                    if len(buf) >= end:
-                        payload = bytes(buf[4 + size : end])
-                        del buf[:end]
-                        return header, payload
-            try:
-                message = await self.sandbox._aio(self.stream.read_out())
-            except Exception as exc:
-                raise _RunnerGone(f"connection to the runner failed: {exc!r}") from exc
-            if message is None:
-                diag = bytes(self._diag[-500:]).decode(errors="replace")
-                raise _RunnerGone("the runner exited" + (f": {diag}" if diag else ""))
-            if message.stream == 1:
-                buf += message.data
-            elif len(self._diag) < 1 << 16:
-                self._diag += message.data
+        await self.channel.reset()
 
     async def remove(self) -> None:
         """Kill and remove the container (idempotent, shielded)."""
         if self._removed:
             return
         self._removed = True
-        self.gone = self.gone or "removed"
+        self.channel.gone = self.channel.gone or "removed"
         sandbox = self.sandbox
         with trio.CancelScope(shield=True):
             with contextlib.suppress(Exception):
@@ -720,11 +595,33 @@ class _Box:
         return False
 
 
-def _checked_path(name: str) -> PurePosixPath:
-    rel = PurePosixPath(name)
-    if not name or rel.is_absolute() or ".." in rel.parts or rel == PurePosixPath("."):
-        raise ValueError(f"sandbox file {name!r} must be a relative path without '..'")
-    return rel
+class _Attached:
+    """The container's attached stdin/stdout/stderr (aiodocker): a :class:`RunnerTransport`."""
+
+    def __init__(self, sandbox: DockerSandbox, stream: Any) -> None:
+        self._aio = sandbox._aio
+        self._stream = stream
+        self._diag = bytearray()
+
+    async def send(self, data: bytes) -> None:
+        await self._aio(self._stream.write_in(data))
+
+    async def receive(self) -> bytes:
+        while True:
+            try:
+                message = await self._aio(self._stream.read_out())
+            except Exception as exc:
+                raise RunnerGone(f"connection to the runner failed: {exc!r}") from exc
+            if message is None:
+                return b""
+            if message.stream == 1:
+                if message.data:
+                    return bytes(message.data)
+            elif len(self._diag) < 1 << 16:
+                self._diag += message.data
+
+    def diagnostics(self) -> str:
+        return bytes(self._diag[-500:]).decode(errors="replace")
 
 
 def _safe_name(label: str) -> str:

@@ -96,15 +96,8 @@ from typing import Literal
 import trio
 
 from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
-from sandbox.resident import (
-    PoolStatistics,
-    ResidentSession,
-    Runner,
-    RunnerPool,
-    _RunnerGone,
-    checked_path,
-    looks_oom,
-)
+from sandbox.resident import PoolStatistics, ResidentSession, Runner, RunnerPool, looks_oom
+from sandbox.runner_channel import RunnerGone, checked_path
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +245,7 @@ class ProcessSandbox:
             hello = await runner.wait_ready(self._start_timeout)
         except BaseException as exc:
             await runner.kill()
-            if isinstance(exc, _RunnerGone):
+            if isinstance(exc, RunnerGone):
                 raise SandboxUnavailable(f"resident sandbox did not start: {exc}") from exc
             raise
         if hello.get("dumpable", True):

@@ -2,8 +2,9 @@
 
 A :class:`Runner` is one long-lived sandbox process (the caller builds its command line: a
 bubblewrap sandbox whose pid 1 is :mod:`sandbox.runner`) and the framed conversation with it
-over two pipes. Each command is then a fork/exec inside the sandbox, not a new sandbox: the
-namespace setup (~20 ms) is paid once per runner, not once per command.
+over two pipes (:mod:`sandbox.runner_channel`, shared with the Docker backend). Each command
+is then a fork/exec inside the sandbox, not a new sandbox: the namespace setup (~20 ms) is
+paid once per runner, not once per command.
 
 Guarantees:
 - a reply counts only if it echoes the request's random nonce; a runner that sent anything else,
@@ -24,40 +25,27 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import secrets
 import signal
-import struct
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
-from pathlib import PurePosixPath
 
 import trio
 
 from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
 log = logging.getLogger(__name__)
 
-_MAX_HEADER = 1 << 20
-_CONTROL_TIMEOUT_S = 10.0
 _OOM_MARKERS = (b"MemoryError", b"std::bad_alloc", b"Cannot allocate memory", b"out of memory")
 
 
-class _RunnerGone(Exception):
-    """The runner cannot be trusted any more (no reply, EOF, forged reply): kill it."""
-
-    def __init__(self, reason: str, *, stuck: bool = False) -> None:
-        super().__init__(reason)
-        self.stuck = stuck
-
-
 class Runner:
-    """One resident sandbox process and the framed conversation with its runner."""
+    """One resident sandbox process; the conversation with its runner is ``channel``."""
 
     def __init__(
         self,
@@ -68,15 +56,17 @@ class Runner:
         release: AbstractAsyncContextManager[object],
     ) -> None:
         self.pid = popen.pid
-        self.gone: str | None = None
         self.idle_since = 0.0
         self._popen = popen
-        self._stdin = stdin
-        self._stdout = stdout
-        self._stderr_fd = stderr_fd
+        self._pipes = _Pipes(stdin, stdout, stderr_fd)
         self._release = release
-        self._buf = bytearray()
         self._killed = False
+        self.channel = RunnerChannel(self._pipes, discard=self.kill)
+
+    @property
+    def gone(self) -> str | None:
+        """Why the runner cannot be used any more, or None while it can."""
+        return self.channel.gone
 
     @classmethod
     def spawn(
@@ -108,143 +98,75 @@ class Runner:
         return cls(popen, stdin, stdout, err_r, release)
 
     async def wait_ready(self, timeout_s: float) -> dict:
-        with trio.move_on_after(timeout_s):
-            hello, _ = await self.read_frame()
-            if hello.get("op") != "ready":
-                raise _RunnerGone(f"unexpected first frame {hello!r}")
-            return hello
-        raise _RunnerGone(f"the runner was not ready after {timeout_s} s", stuck=True)
+        return await self.channel.wait_ready(timeout_s)
 
     async def run(self, request: ExecRequest, limits: Limits, grace_s: float) -> ExecResult:
         """Run ``request`` (files, argv, stdin) under ``limits``; the result is data."""
-        if not request.argv:
-            raise ValueError("ExecRequest.argv is empty")
-        files = [(str(checked_path(name)), data) for name, data in request.files.items()]
-        header = {
-            "op": "run",
-            "argv": list(request.argv),
-            "files": [[name, len(data)] for name, data in files],
-            "timeout": limits.timeout_s,
-            "cpu_s": limits.cpu_s,
-            "fsize_mb": limits.max_file_mb,
-            "nofile": limits.max_open_files,
+        extra = {
             "as_mb": limits.memory_mb,
             "nproc": limits.max_processes + 1,  # the runner counts too (same uid)
-            "cap": limits.output_bytes,
         }
-        payload = b"".join(data for _, data in files) + request.stdin
         start = time.monotonic()
         try:
-            reply, out = await self.call(header, payload, limits.timeout_s + grace_s)
-        except _RunnerGone as exc:
+            result = await self.channel.run(request, limits, limits.timeout_s + grace_s, extra)
+        except RunnerGone as exc:
             await self.kill()
-            return ExecResult(
-                exit_code=None,
-                stdout=b"",
-                stderr=f"sandbox: {exc}; runner killed\n".encode(),
-                timed_out=exc.stuck,
-                oom_killed=False,
-                duration_s=time.monotonic() - start,
-            )
-        if "error" in reply:
-            raise SandboxUnavailable(f"sandbox runner: {reply['error']}")
-        out_n, code = reply["out_n"], reply["exit_code"]
-        stderr = out[out_n:]
-        return ExecResult(
-            exit_code=code,
-            stdout=out[:out_n],
-            stderr=stderr,
-            timed_out=reply["timed_out"],
-            oom_killed=reply["oom"] or (code not in (None, 0) and looks_oom(stderr)),
-            duration_s=reply["duration_s"],
-            stdout_dropped=reply["out_dropped"],
-            stderr_dropped=reply["err_dropped"],
-        )
+            return lost_result(exc, "runner killed", False, start)
+        code = result.exit_code
+        if not result.oom_killed and code not in (None, 0) and looks_oom(result.stderr):
+            result = replace(result, oom_killed=True)
+        return result
 
     async def control(self, header: dict, payload: bytes = b"") -> tuple[dict, bytes]:
         """A put/get/reset call: any runner failure kills it (``SandboxUnavailable``)."""
-        try:
-            reply, out = await self.call(header, payload, _CONTROL_TIMEOUT_S)
-        except _RunnerGone as exc:
-            await self.kill()
-            raise SandboxUnavailable(f"sandbox runner lost: {exc}") from exc
-        if "error" in reply:
-            raise SandboxUnavailable(f"sandbox runner: {reply['error']}")
-        return reply, out
-
-    async def call(self, header: dict, payload: bytes, timeout_s: float) -> tuple[dict, bytes]:
-        """Send one request, wait for its reply; the reply must echo the request's nonce."""
-        if self.gone is not None:
-            raise _RunnerGone(self.gone)
-        nonce = secrets.token_hex(16)
-        raw = json.dumps({**header, "id": nonce, "n": len(payload)}).encode()
-        try:
-            with trio.move_on_after(timeout_s) as deadline:
-                try:
-                    await self._stdin.send_all(struct.pack(">I", len(raw)) + raw + payload)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise _RunnerGone(f"cannot write to the runner: {exc!r}") from exc
-                reply, out = await self.read_frame()
-        except _RunnerGone as exc:
-            self.gone = str(exc)
-            raise
-        except BaseException:  # cancelled or broken mid-conversation: never reuse this runner
-            self.gone = "interrupted mid-request"
-            raise
-        if deadline.cancelled_caught:
-            self.gone = "no reply from the runner by the host deadline"
-            raise _RunnerGone(self.gone, stuck=True)
-        if reply.get("id") != nonce:
-            self.gone = "the runner's reply was forged or out of order"
-            raise _RunnerGone(self.gone)
-        return reply, out
-
-    async def read_frame(self) -> tuple[dict, bytes]:
-        buf = self._buf
-        while True:
-            if len(buf) >= 4:
-                (size,) = struct.unpack(">I", buf[:4])
-                if size > _MAX_HEADER:
-                    raise _RunnerGone("malformed frame from the runner")
-                if len(buf) >= 4 + size:
-                    try:
-                        header = json.loads(buf[4 : 4 + size])
-                        end = 4 + size + int(header["n"])
-                    except (ValueError, KeyError, TypeError) as exc:
-                        raise _RunnerGone(f"malformed frame from the runner: {exc}") from exc
-                    if len(buf) >= end:
-                        payload = bytes(buf[4 + size : end])
-                        del buf[:end]
-                        return header, payload
-            try:
-                chunk = await self._stdout.receive_some(1 << 16)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                raise _RunnerGone(f"cannot read from the runner: {exc!r}") from exc
-            if not chunk:
-                diag = self._diagnostics()
-                raise _RunnerGone("the runner exited" + (f": {diag}" if diag else ""))
-            buf += chunk
+        return await self.channel.control(header, payload)
 
     async def kill(self) -> None:
         """SIGKILL the sandbox, reap it and give its uid back (idempotent, shielded)."""
         if self._killed:
             return
         self._killed = True
-        self.gone = self.gone or "killed"
+        self.channel.gone = self.channel.gone or "killed"
         with trio.CancelScope(shield=True):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.pid, signal.SIGKILL)  # the monitor's own session
-            for stream in (self._stdin, self._stdout):
-                await stream.aclose()
-            os.close(self._stderr_fd)
+            await self._pipes.aclose()
             await _reap(self._popen)
             await self._release.__aexit__(None, None, None)
 
-    def _diagnostics(self) -> str:
+
+class _Pipes:
+    """The runner's stdin, stdout and stderr: a :class:`RunnerTransport` over three pipes."""
+
+    def __init__(
+        self, stdin: trio.lowlevel.FdStream, stdout: trio.lowlevel.FdStream, stderr_fd: int
+    ) -> None:
+        self._stdin = stdin
+        self._stdout = stdout
+        self._stderr_fd = stderr_fd
+
+    async def send(self, data: bytes) -> None:
+        try:
+            await self._stdin.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise RunnerGone(f"cannot write to the runner: {exc!r}") from exc
+
+    async def receive(self) -> bytes:
+        try:
+            return await self._stdout.receive_some(1 << 16)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise RunnerGone(f"cannot read from the runner: {exc!r}") from exc
+
+    def diagnostics(self) -> str:
         try:
             return os.read(self._stderr_fd, 4096).decode(errors="replace").strip()[-500:]
         except OSError:
             return ""
+
+    async def aclose(self) -> None:
+        for stream in (self._stdin, self._stdout):
+            await stream.aclose()
+        os.close(self._stderr_fd)
 
 
 async def _reap(popen: subprocess.Popen[bytes]) -> None:
@@ -360,7 +282,7 @@ class RunnerPool:
 
     async def _recycle(self, runner: Runner) -> None:
         try:
-            await runner.control({"op": "reset"})
+            await runner.channel.reset()
         except SandboxUnavailable as exc:
             log.warning("sandbox runner not reused: %s", exc)
             await self._kill(runner)
@@ -458,22 +380,12 @@ class ResidentSession:
             return await runner.run(replace(request, limits=self.limits), self.limits, self._grace)
 
     async def put_files(self, files: dict[str, bytes]) -> None:
-        checked = [(str(checked_path(name)), data) for name, data in files.items()]
         async with self._lock:
-            header = {"op": "put", "files": [[name, len(data)] for name, data in checked]}
-            await self._live().control(header, b"".join(data for _, data in checked))
+            await self._live().channel.put_files(files)
 
     async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
-        names = [str(checked_path(p)) for p in paths]
         async with self._lock:
-            header = {"op": "get", "paths": names, "cap": self.limits.max_file_mb << 20}
-            reply, payload = await self._live().control(header)
-        out: dict[str, bytes | None] = {}
-        offset = 0
-        for path, size in zip(paths, reply["sizes"], strict=True):
-            out[path] = None if size < 0 else payload[offset : offset + size]
-            offset += max(size, 0)
-        return out
+            return await self._live().channel.get_files(paths, self.limits.max_file_mb << 20)
 
     async def reset(self) -> None:
         """Back to a clean state: the same runner reset, or a fresh one if that fails."""
@@ -481,7 +393,7 @@ class ResidentSession:
             runner = self._live(allow_gone=True)
             if runner.gone is None:
                 try:
-                    await runner.control({"op": "reset"})
+                    await runner.channel.reset()
                     return
                 except SandboxUnavailable as exc:
                     log.warning("sandbox session reset failed, replacing its runner: %s", exc)
@@ -502,13 +414,6 @@ class ResidentSession:
         if self._runner.gone is not None and not allow_gone:
             raise SandboxUnavailable(f"the session's sandbox is gone ({self._runner.gone})")
         return self._runner
-
-
-def checked_path(name: str) -> PurePosixPath:
-    rel = PurePosixPath(name)
-    if not name or rel.is_absolute() or ".." in rel.parts or rel == PurePosixPath("."):
-        raise ValueError(f"ExecRequest.files: {name!r} must be a relative path without '..'")
-    return rel
 
 
 def looks_oom(stderr: bytes | bytearray) -> bool:
