@@ -124,6 +124,13 @@ class ShardedConsumer:
             out[shard].append(eid)
         return out
 
+    def _localize(
+        self, shard: int, dedup_id: str, outputs: list[tuple[str, bytes]]
+    ) -> tuple[str, list[tuple[str, bytes]]]:
+        """A dedup key and outputs named by the unsharded layout, moved into ``shard``."""
+        local = self.names.in_shard(shard)
+        return local.localize(dedup_id), [(local.localize(k), p) for k, p in outputs]
+
     def _qualified(self, shard: int, deliveries: list[Delivery]) -> list[Delivery]:
         return [dataclasses.replace(d, entry_id=qualify(shard, d.entry_id)) for d in deliveries]
 
@@ -173,14 +180,8 @@ class ShardedConsumer:
     async def complete(self, handoff: Handoff) -> None:
         """The hand-off, in the entry's shard (dedup key and outputs moved there)."""
         shard, consumer, eid = self._split(handoff.entry_id)
-        local = self.names.in_shard(shard)
-        await consumer.complete(
-            Handoff(
-                eid,
-                local.localize(handoff.dedup_id),
-                [(local.localize(key), payload) for key, payload in handoff.outputs],
-            )
-        )
+        dedup, outs = self._localize(shard, handoff.dedup_id, handoff.outputs)
+        await consumer.complete(Handoff(eid, dedup, outs))
 
     async def dead_letter(self, delivery: Delivery, error: str) -> None:
         _, consumer, eid = self._split(delivery.entry_id)
@@ -205,9 +206,7 @@ class ShardedConsumer:
         by_shard = self._by_shard(entry_ids)
         if len(by_shard) == 1:
             [(shard, eids)] = by_shard.items()
-            local = self.names.in_shard(shard)
-            dedup = local.localize(dedup_id)
-            outs = [(local.localize(k), p) for k, p in outputs]
+            dedup, outs = self._localize(shard, dedup_id, outputs)
             consumer = self.consumers[shard]
             if N.one_slot([consumer.stream, dedup, *(k for k, _ in outs)]):
                 await consumer.ack_many(eids, dedup, outs)
