@@ -1,31 +1,38 @@
-"""Data-parallel training across processes launched by ``torchrun`` (gloo on CPU, NCCL on GPU).
+"""Data-parallel training across processes launched by ``torchrun`` (gloo on CPU, NCCL on
+GPU), on torch's :class:`~torch.nn.parallel.DistributedDataParallel`.
 
 Design (one reader, many trainers):
 - rank 0 is the only rank that talks to Redis: it reads the step's groups, applies the
   staleness and ledger policies, and sends the accepted groups to every rank as their
   MessagePack encoding (:func:`broadcast_payloads`: a length tensor, then one ``uint8``
   tensor; no pickle). Every rank builds the same :class:`~learner.batch.Batch` from them;
-- each rank trains on its contiguous slice of the samples (:func:`shard_rows`); every
-  micro-batch divides by the token count of the *whole* batch, so summing the gradients
-  over ranks (:func:`all_reduce_grads`, one flat ``all_reduce(SUM)`` per dtype) gives
-  exactly the gradient of one process on the whole batch. Clipping and the AdamW step then
-  run on identical gradients on every rank, which keeps the replicas identical;
+- the :class:`~learner.train.Trainer` wraps its policy in DDP (:func:`wrap_ddp`; the
+  constructor broadcasts rank 0's weights). Each rank trains on its contiguous slice of
+  the samples (:func:`shard_rows`), in micro-batches under ``no_sync()`` except the last,
+  whose backward runs DDP's bucketed all-reduce of the accumulated gradients;
+- uneven shards: DDP needs every rank to run the same backward passes. All ranks hold the
+  whole batch, so each computes every rank's shard and the largest micro-batch count
+  without communicating; a rank with fewer micro-batches (or an empty shard, when there
+  are fewer samples than ranks) runs padding micro-batches whose loss is multiplied by 0;
+- every micro-batch's loss divides by the token count of the *whole* batch, and DDP
+  *averages* gradients over ranks, so each rank scales its loss by the world size: the
+  all-reduced gradient is exactly the gradient of one process on the whole batch (up to
+  float summation order). Clipping and the AdamW step then run on identical gradients on
+  every rank, which keeps the replicas identical;
 - only rank 0 writes the ledger, the weights and the optimiser state, and publishes.
 
-This is what ``DistributedDataParallel`` does (its bucketed all-reduce averages instead of
-summing), written out so that ranks may run different numbers of micro-batches (a shard of
-a batch that does not divide evenly) without DDP's "every rank runs the same backward
-passes" rule. Everything here is a no-op in a single process without a process group.
+No FSDP: the model, its gradients and AdamW state must fit on one device. Everything here
+is a no-op in a single process without a process group (the Trainer then does not wrap).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 
 def is_distributed() -> bool:
@@ -53,46 +60,27 @@ def init_from_env() -> bool:
     return True
 
 
-def shard_rows(n: int) -> slice:
-    """This rank's contiguous slice of ``n`` samples (sizes differ by at most one)."""
-    world, r = world_size(), rank()
+def shard_rows(n: int, of_rank: int | None = None) -> slice:
+    """Rank ``of_rank``'s (default: this rank's) contiguous slice of ``n`` samples; the
+    sizes differ by at most one, and a rank gets an empty slice when ``n < world``. Every
+    rank can compute every rank's slice without communication."""
+    world, r = world_size(), rank() if of_rank is None else of_rank
     base, extra = divmod(n, world)
     start = r * base + min(r, extra)
     return slice(start, start + base + (1 if r < extra else 0))
 
 
-def _device_of(model: Any) -> torch.device:
-    return next(model.parameters()).device
-
-
-def broadcast_parameters(model: Any) -> None:
-    """Every rank starts from rank 0's weights (as DDP does at construction)."""
-    if not is_distributed():
-        return
-    with torch.no_grad():
-        for tensor in model.state_dict().values():
-            dist.broadcast(tensor, src=0)
-
-
-def all_reduce_grads(model: Any) -> None:
-    """Sum the gradients of every parameter over the ranks (a missing gradient counts as
-    zero: a rank with an empty shard still takes part)."""
-    if not is_distributed():
-        return
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in params:
-        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+def wrap_ddp(module: torch.nn.Module, device: torch.device) -> DistributedDataParallel:
+    """``module`` in :class:`~torch.nn.parallel.DistributedDataParallel` (call only when
+    :func:`is_distributed`). The constructor broadcasts rank 0's parameters and buffers, so
+    every replica starts identical. CPU/gloo: no ``device_ids``; CUDA: the module's device.
+    Buffers are not re-broadcast before each forward (``broadcast_buffers=False``): a causal
+    LM's buffers (rotary frequencies) are constants, and a per-forward broadcast would only
+    add a collective."""
+    device_ids = None
+    if device.type == "cuda":
+        device_ids = [device.index if device.index is not None else torch.cuda.current_device()]
+    return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,11 @@ Guarantees:
   untouched (non-finite gradient norm), or is skipped and says so (no group with signal).
 
 - with ``torch.distributed`` initialised (``torchrun``, see :mod:`learner.distributed`),
-  every rank builds the same batch, trains on its own contiguous slice of the samples and
-  the gradients are summed across ranks before clipping, so N ranks take the same step as
-  one process on the whole batch (up to float summation order);
+  the policy is wrapped in ``DistributedDataParallel``; every rank builds the same batch,
+  trains on its own contiguous slice of the samples (padding micro-batches with a zero
+  loss even out the backward passes) and scales its loss by the world size, so DDP's
+  averaged gradient is the whole batch's: N ranks take the same step as one process
+  (up to float summation order);
 - the trainer's RNG states (torch, CUDA, python ``random``, numpy) travel with the
   optimiser state (:meth:`Trainer.state_dict`), so a resumed run draws the same random
   numbers (dropout) as one that never stopped.
@@ -206,11 +208,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class _PolicyLogprobs(torch.nn.Module):
+    """:func:`token_logprobs` of ``policy`` as a module's ``forward``: DDP hooks its
+    wrapped module's forward (it arms the gradient all-reduce there), and the policy is
+    called through ``base_model`` and the output embeddings, not its own forward."""
+
+    def __init__(self, policy: Any) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, batch: Batch, temperature: float | None) -> Tensor:
+        return token_logprobs(self.policy, batch, temperature)
+
+
 class Trainer:
     """The policy in train mode, its AdamW optimiser, and :meth:`step`.
 
     ``ref_model`` is the frozen reference of the KL penalty; with ``kl_coef > 0`` and none
     given, a frozen copy of ``model`` as passed in is taken.
+
+    ``model`` is always the unwrapped Hugging Face model (state dicts keep its parameter
+    names); under a process group with more than one rank, ``ddp`` is the
+    ``DistributedDataParallel`` the gradients go through (None in one process).
     """
 
     def __init__(
@@ -229,7 +248,10 @@ class Trainer:
             self.ref_model = ref.to(config.device).eval().requires_grad_(False)
         if config.grad_checkpointing:
             _enable_checkpointing(self.model)
-        dist_util.broadcast_parameters(self.model)  # no-op in one process
+        # DDP's constructor broadcasts rank 0's weights: every replica starts identical.
+        self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
+        if dist_util.is_distributed():
+            self.ddp = dist_util.wrap_ddp(_PolicyLogprobs(self.model), torch.device(config.device))
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -297,20 +319,30 @@ class Trainer:
     ) -> StepStats:
         """One optimiser step on an already built batch (the whole batch on every rank)."""
         cfg = self.config
+        mbs = cfg.micro_batch_size
         started = time.perf_counter() if started is None else started
         total_tokens = full.loss_mask.sum().to(cfg.device)  # of the whole batch, every rank
-        shard = dist_util.shard_rows(full.size)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+        shard = dist_util.shard_rows(full.size)
+        mine = [] if shard.stop == shard.start else list(full.rows(shard).micro_batches(mbs))
+        # DDP needs the same backward passes on every rank: as many as the rank with the
+        # most micro-batches. All ranks hold the whole batch, so no communication is needed;
+        # the ranks with fewer pad with row 0 of the batch at loss weight 0.
+        shards = [dist_util.shard_rows(full.size, r) for r in range(dist_util.world_size())]
+        passes = max(math.ceil((s.stop - s.start) / mbs) for s in shards)
+        padding = [full.rows(slice(0, 1))] * (passes - len(mine))
 
         # Forward/backward per micro-batch of this rank's shard; each divides by the whole
-        # step's token count, so the summed gradient is the full batch's gradient.
+        # step's token count, so the summed gradient is the full batch's gradient. Under
+        # DDP only the last backward all-reduces (the others accumulate under no_sync).
         self.optimizer.zero_grad(set_to_none=True)
         sums = torch.zeros(5, dtype=torch.float64)  # loss, clip, ratio, approx_kl, kl_ref
-        if shard.stop > shard.start:
-            local = full.rows(shard).to(cfg.device)
-            for mb in local.micro_batches(cfg.micro_batch_size):
-                sums += self._micro_step(mb, total_tokens, clip_high)
-        dist_util.all_reduce_grads(self.model)
+        ddp = self.ddp
+        for i, mb in enumerate(mine + padding):
+            last = i == passes - 1
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                weight = 1.0 if i < len(mine) else 0.0
+                sums += self._micro_step(mb.to(cfg.device), total_tokens, clip_high, weight)
         sums = dist_util.all_reduce_sum(sums)
 
         # Clip, then step only with a finite gradient (the same decision on every rank).
@@ -342,8 +374,12 @@ class Trainer:
             seconds=time.perf_counter() - started,
         )
 
-    def _micro_step(self, mb: Batch, total_tokens: Tensor, clip_high: float) -> Tensor:
-        """Forward + backward of one micro-batch; returns its token-weighted statistic sums."""
+    def _micro_step(
+        self, mb: Batch, total_tokens: Tensor, clip_high: float, weight: float = 1.0
+    ) -> Tensor:
+        """Forward + backward of one micro-batch; returns its token-weighted statistic sums.
+        ``weight`` 0 is a padding micro-batch: it takes part in DDP's backward passes with a
+        zero gradient and adds nothing to the statistics."""
         cfg = self.config
         old, behaviour = mb.old_logprobs, None
         ref = None
@@ -353,7 +389,10 @@ class Trainer:
             if self.ref_model is not None:
                 ref = token_logprobs(self.ref_model, mb, cfg.temperature)
         with _autocast(cfg):
-            new_logprobs = token_logprobs(self.model, mb, cfg.temperature)
+            if self.ddp is not None:  # through DDP's forward: it arms the gradient all-reduce
+                new_logprobs = self.ddp(mb, cfg.temperature)
+            else:
+                new_logprobs = token_logprobs(self.model, mb, cfg.temperature)
         loss, stats = policy_loss(
             new_logprobs,
             old,
@@ -367,7 +406,11 @@ class Trainer:
             ref_logprobs=ref,
             kl_coef=cfg.kl_coef,
         )
-        loss.backward()
+        # DDP averages the gradients over ranks; the loss is already normalised by the whole
+        # batch's tokens, so scaling by the world size makes the average the batch's sum.
+        (loss * (weight * dist_util.world_size())).backward()
+        if weight == 0:
+            return torch.zeros(5, dtype=torch.float64)
         n = stats["tokens"]
         return torch.tensor(
             [loss.item(), stats["clip_frac"] * n, stats["ratio_mean"] * n,

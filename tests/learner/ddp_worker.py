@@ -1,30 +1,33 @@
-"""Run by ``torchrun`` from test_distributed.py: one Trainer step on a fixed batch that rank 0
-broadcasts (MessagePack, as the learner actor does); rank 0 saves the weights after it."""
+"""Run by ``torchrun`` from test_distributed.py: every case of ``CASES`` on a fixed batch
+that rank 0 broadcasts (MessagePack, as the learner actor does); each rank saves its
+weights and step statistics after each case."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 from learner import distributed as dist_util
 from learner.model import load_model, resolve_model
-from learner.train import TrainConfig, Trainer
 from queues.messages import Trajectory, decode, encode
-from tests.learner.test_distributed import fixed_groups
+from tests.learner.test_distributed import CASES, fixed_groups, run_case
 
 
-def main(out: str) -> None:
+def main(out: Path) -> None:
     assert dist_util.init_from_env()
     payloads = [encode(t) for t in fixed_groups()] if dist_util.rank() == 0 else None
     groups = [decode(p, Trajectory) for p in dist_util.broadcast_payloads(payloads)]
-    trainer = Trainer(load_model(resolve_model("tiny")), TrainConfig(lr=1e-3, micro_batch_size=2))
-    stats = trainer.step(groups)
-    if dist_util.rank() == 0:
+    for case in CASES:
+        trainer, stats = run_case(case, load_model(resolve_model("tiny")), groups)
+        assert trainer.ddp is not None
         torch.save({"state": trainer.model.state_dict(), "loss": stats.loss,
-                    "grad_norm": stats.grad_norm, "tokens": stats.tokens}, out)  # fmt: skip
+                    "grad_norm": stats.grad_norm, "tokens": stats.tokens,
+                    "kl_ref": stats.kl_ref},
+                   out / f"{case}-rank{dist_util.rank()}.pt")  # fmt: skip
     torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(Path(sys.argv[1]))
