@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 import trio
 
-from actors.config import Config, load_config
+from actors.config import Config
 from actors.context import ActorContext
 from actors.learner import serve
 from learner.batch import make_trajectory
@@ -18,23 +18,21 @@ from queues import names as N
 from queues.client import RedisClient
 from queues.messages import StepMetrics, Trajectory, WeightsPublished, decode, encode
 from queues.streams import Producer
+from tests.helpers import run_config
 
 
 def _config(tmp_path: Path, redis_url: str, run: str, extra: tuple[str, ...] = ()) -> Config:
-    return load_config(
-        None,
-        [
-            f"run.name={run}",
-            f"run.redis_url={redis_url}",
-            f"run.work_dir={tmp_path}",
-            "model.spec=tiny",
-            "learner.groups_per_step=2",
-            "learner.max_staleness=1",
-            "learner.max_steps=4",
-            "learner.lr=1e-4",
-            "queues.block_ms=200",
-            *extra,
-        ],
+    return run_config(
+        tmp_path,
+        redis_url,
+        run,
+        "model.spec=tiny",
+        "learner.groups_per_step=2",
+        "learner.max_staleness=1",
+        "learner.max_steps=4",
+        "learner.lr=1e-4",
+        "queues.block_ms=200",
+        *extra,
     )
 
 

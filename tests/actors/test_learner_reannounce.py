@@ -8,24 +8,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.config import load_config
 from actors.context import ActorContext
 from actors.learner import Learner, serve
-from learner.batch import make_trajectory
 from queues import names as N
 from queues.client import RedisClient
 from queues.messages import StepMetrics, WeightsPublished, decode, encode
 from queues.streams import Producer
-
-
-class Died(Exception):
-    pass
-
-
-def _died(exc: BaseException) -> bool:
-    if isinstance(exc, BaseExceptionGroup):
-        return any(_died(e) for e in exc.exceptions)
-    return isinstance(exc, Died)
+from tests.actors.helpers import ONE_TINY_STEP, Died, contains_died, group
+from tests.helpers import run_config
 
 
 async def test_step_checkpointed_but_not_announced_is_announced_with_its_metrics(
@@ -35,23 +25,9 @@ async def test_step_checkpointed_but_not_announced_is_announced_with_its_metrics
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    config = load_config(
-        None,
-        [
-            f"run.name={names.run}",
-            f"run.redis_url={redis_url}",
-            f"run.work_dir={tmp_path}",
-            "model.spec=tiny",
-            "learner.groups_per_step=2",
-            "learner.max_steps=1",
-            "queues.block_ms=200",
-        ],
-    )
+    config = run_config(tmp_path, redis_url, names.run, *ONE_TINY_STEP)
     ctx = ActorContext(config, client, names)
-    groups = [
-        make_trajectory([1, 2, 3], [[5, 6]] * 2, [[-1.0, -1.0]] * 2, rewards)
-        for rewards in ([0.0, 1.0], [1.0, 0.0])
-    ]
+    groups = [group([0.0, 1.0]), group([1.0, 0.0])]
     await Producer(client, names).publish(N.TRAJECTORIES, [encode(g) for g in groups])
 
     # Given a learner that dies right after writing step 1's checkpoint
@@ -61,7 +37,7 @@ async def test_step_checkpointed_but_not_announced_is_announced_with_its_metrics
     monkeypatch.setattr(Learner, "_announce", die)
     with trio.fail_after(120), pytest.raises(BaseException) as died:
         await serve(ctx)
-    assert _died(died.value)
+    assert contains_died(died.value)
     monkeypatch.undo()
     assert await client.call(client.sync.xlen, names.stream(N.METRICS)) == 0
 

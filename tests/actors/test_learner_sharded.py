@@ -12,10 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.config import load_config
 from actors.context import ActorContext
 from actors.learner import serve
-from learner.batch import make_trajectory
 from learner.checkpoint import Ledger
 from queues import names as N
 from queues.client import RedisClient
@@ -23,18 +21,10 @@ from queues.messages import StepMetrics, WeightsPublished, decode, encode
 from queues.server import ClusterProcess
 from queues.shards import ShardedConsumer
 from queues.streams import Producer
+from tests.actors.helpers import ONE_TINY_STEP, Died, contains_died, group
+from tests.helpers import run_config
 
 SHARDS = 3
-
-
-class Died(Exception):
-    pass
-
-
-def _died(exc: BaseException) -> bool:
-    if isinstance(exc, BaseExceptionGroup):
-        return any(_died(e) for e in exc.exceptions)
-    return isinstance(exc, Died)
 
 
 @pytest.fixture
@@ -47,27 +37,12 @@ async def test_learner_dies_between_announcing_and_acknowledging(
     client: RedisClient, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     names = N.Names(f"t{uuid.uuid4().hex[:10]}", shards=SHARDS)
-    config = load_config(
-        None,
-        [
-            f"run.name={names.run}",
-            f"run.redis_url={redis_url}",
-            f"run.work_dir={tmp_path}",
-            "model.spec=tiny",
-            "learner.groups_per_step=2",
-            "learner.max_steps=1",
-            "queues.block_ms=200",
-            f"queues.shards={SHARDS}",
-        ],
-    )
+    config = run_config(tmp_path, redis_url, names.run, *ONE_TINY_STEP, f"queues.shards={SHARDS}")
     ctx = ActorContext(config, client, names)
     # Given one group in shard 0 and one in shard 2
-    groups = [
-        make_trajectory([1, 2, 3], [[5, 6]] * 2, [[-1.0, -1.0]] * 2, rewards)
-        for rewards in ([0.0, 1.0], [1.0, 0.0])
-    ]
-    for shard, group in zip((0, 2), groups, strict=True):
-        await Producer(client, names.in_shard(shard)).publish(N.TRAJECTORIES, [encode(group)])
+    groups = [group([0.0, 1.0]), group([1.0, 0.0])]
+    for shard, one in zip((0, 2), groups, strict=True):
+        await Producer(client, names.in_shard(shard)).publish(N.TRAJECTORIES, [encode(one)])
 
     # and a learner that dies after publishing step 1's events, before acknowledging
     async def die(self: ShardedConsumer, entry_ids: list[str]) -> None:
@@ -76,7 +51,7 @@ async def test_learner_dies_between_announcing_and_acknowledging(
     monkeypatch.setattr(ShardedConsumer, "ack", die)
     with trio.fail_after(120), pytest.raises(BaseException) as died:
         await serve(ctx)
-    assert _died(died.value)
+    assert contains_died(died.value)
     monkeypatch.undo()
     assert await client.call(client.sync.xlen, names.stream(N.WEIGHTS)) == 1
     for shard in (0, 2):

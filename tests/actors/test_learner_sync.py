@@ -19,28 +19,26 @@ from queues import names as N
 from queues.client import RedisClient
 from queues.messages import StepMetrics, Task, decode, encode
 from queues.streams import Producer
+from tests.helpers import run_config
 
 GROUPS_PER_STEP = 2
 STEPS = 3
 
 
 def _config(tmp_path: Path, redis_url: str, run: str, staleness: int) -> Config:
-    return load_config(
-        None,
-        [
-            f"run.name={run}",
-            f"run.redis_url={redis_url}",
-            f"run.work_dir={tmp_path}",
-            "model.spec=tiny",
-            "scheduler.group_size=2",
-            "scheduler.eval_every=0",
-            "scheduler.eval_items=1",
-            "scheduler.max_backlog=64",
-            f"learner.groups_per_step={GROUPS_PER_STEP}",
-            f"learner.max_staleness={staleness}",
-            f"learner.max_steps={STEPS}",
-            "queues.block_ms=50",
-        ],
+    return run_config(
+        tmp_path,
+        redis_url,
+        run,
+        "model.spec=tiny",
+        "scheduler.group_size=2",
+        "scheduler.eval_every=0",
+        "scheduler.eval_items=1",
+        "scheduler.max_backlog=64",
+        f"learner.groups_per_step={GROUPS_PER_STEP}",
+        f"learner.max_staleness={staleness}",
+        f"learner.max_steps={STEPS}",
+        "queues.block_ms=50",
     )
 
 

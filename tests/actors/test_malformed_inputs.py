@@ -8,34 +8,20 @@ from pathlib import Path
 import msgspec
 import trio
 
-from actors.config import Config, load_config
+from actors.config import Config
 from actors.context import ActorContext
 from actors.learner import serve
 from actors.monitor import Monitor
-from learner.batch import make_trajectory
 from queues import names as N
 from queues.client import RedisClient
-from queues.messages import DeadLetter, StepMetrics, Trajectory, decode, encode
+from queues.messages import DeadLetter, StepMetrics, decode, encode
 from queues.streams import Producer
+from tests.actors.helpers import ONE_TINY_STEP, group
+from tests.helpers import run_config
 
 
 def _config(tmp_path: Path, redis_url: str, run: str) -> Config:
-    return load_config(
-        None,
-        [
-            f"run.name={run}",
-            f"run.redis_url={redis_url}",
-            f"run.work_dir={tmp_path}",
-            "model.spec=tiny",
-            "learner.groups_per_step=2",
-            "learner.max_steps=1",
-            "queues.block_ms=200",
-        ],
-    )
-
-
-def _group(rewards: list[float], tokens: list[int] | None = None) -> Trajectory:
-    return make_trajectory([1, 2, 3], [tokens or [5, 6]] * 2, [[-1.0, -1.0]] * 2, rewards)
+    return run_config(tmp_path, redis_url, run, *ONE_TINY_STEP)
 
 
 async def _dead_letters(client: RedisClient, names: N.Names) -> list[DeadLetter]:
@@ -48,10 +34,10 @@ async def test_learner_dead_letters_groups_it_cannot_train_on(
 ) -> None:
     # Given two good groups and two malformed ones: 3 rewards for 2 samples, 3 tokens for 2
     # logprobs (either would make the training step raise and the learner exit)
-    good = [_group([0.0, 1.0]), _group([1.0, 0.0])]
+    good = [group([0.0, 1.0]), group([1.0, 0.0])]
     bad = [
-        msgspec.structs.replace(_group([0.0, 1.0]), rewards=[0.0, 1.0, 1.0]),
-        _group([0.0, 1.0], tokens=[5, 6, 7]),
+        msgspec.structs.replace(group([0.0, 1.0]), rewards=[0.0, 1.0, 1.0]),
+        group([0.0, 1.0], tokens=[5, 6, 7]),
     ]
     payloads = [encode(bad[0]), encode(good[0]), encode(bad[1]), encode(good[1])]
     await Producer(client, names).publish(N.TRAJECTORIES, payloads)
@@ -77,7 +63,7 @@ async def test_monitor_dead_letters_what_is_not_an_evaluation_result(
 ) -> None:
     # Given a training group and an evaluation result without rewards in the evals stream,
     # then a proper evaluation result
-    train = _group([0.0, 1.0])
+    train = group([0.0, 1.0])
     task = msgspec.structs.replace(train.rollout.task, split="eval", eval_round=0)
     result = msgspec.structs.replace(
         train, rollout=msgspec.structs.replace(train.rollout, task=task)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.config import load_config
 from actors.context import ActorContext
 from actors.scheduler import Scheduler
 from queues import names as N
@@ -21,6 +20,7 @@ from queues.server import ClusterProcess
 from queues.shards import reserve_admission
 from queues.stats import group_state
 from queues.streams import ensure_group
+from tests.helpers import run_config
 
 SHARDS = 3
 
@@ -34,20 +34,17 @@ async def test_sharded_scheduler_admits_exactly_and_finishes_a_dead_ones_admissi
     client: RedisClient, redis_url: str, tmp_path: Path
 ) -> None:
     names = N.Names(f"t{uuid.uuid4().hex[:10]}", shards=SHARDS)
-    config = load_config(
-        None,
-        [
-            f"run.name={names.run}",
-            f"run.redis_url={redis_url}",
-            f"run.work_dir={tmp_path}",
-            "scheduler.max_train_groups=12",
-            "scheduler.max_backlog=5",
-            "scheduler.eval_items=2",
-            "learner.groups_per_step=2",
-            "learner.max_staleness=100",
-            "queues.block_ms=100",
-            f"queues.shards={SHARDS}",
-        ],
+    config = run_config(
+        tmp_path,
+        redis_url,
+        names.run,
+        "scheduler.max_train_groups=12",
+        "scheduler.max_backlog=5",
+        "scheduler.eval_items=2",
+        "learner.groups_per_step=2",
+        "learner.max_staleness=100",
+        "queues.block_ms=100",
+        f"queues.shards={SHARDS}",
     )
     ctx = ActorContext(config, client, names)
     for layout in names.layouts():

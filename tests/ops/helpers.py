@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.config import Config, load_config
+from actors.config import Config
 from queues.messages import (
     ExecOutcome,
     Executed,
@@ -17,21 +17,19 @@ from queues.messages import (
     new_id,
     now,
 )
+from tests.helpers import run_config
 
 
 def config(tmp_path: Path, redis_url: str, run: str, *overrides: str) -> Config:
-    return load_config(
-        None,
-        [
-            f"run.name={run}",
-            f"run.redis_url={redis_url}",
-            f"run.work_dir={tmp_path}",
-            "model.spec=tiny",
-            "queues.block_ms=100",
-            "queues.reclaim_interval_s=0.2",
-            "retry.backoff_s=0.01",
-            *overrides,
-        ],
+    return run_config(
+        tmp_path,
+        redis_url,
+        run,
+        "model.spec=tiny",
+        "queues.block_ms=100",
+        "queues.reclaim_interval_s=0.2",
+        "retry.backoff_s=0.01",
+        *overrides,
     )
 
 
