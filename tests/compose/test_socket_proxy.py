@@ -10,7 +10,6 @@ unless $CI is set (then it fails).
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,16 +21,12 @@ import trio
 from sandbox import ExecRequest, Limits
 from sandbox.docker import DockerSandbox
 from sandbox.socket_proxy import Policy, Proxy, serve_proxy
-from tests.sandbox.test_docker import IMAGE, SOCKET, _why_not_docker
+from tests.sandbox.docker_engine import IMAGE, SOCKET, require_docker
 
 
 @pytest.fixture(scope="module")
 def engine() -> str:
-    reason = _why_not_docker()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"the socket proxy test must run in CI: {reason}")
-        pytest.skip(reason)
+    require_docker("the socket proxy test")
     return SOCKET
 
 

@@ -7,11 +7,8 @@ Skips (with the reason) only when no engine or image is reachable and $CI is uns
 
 from __future__ import annotations
 
-import http.client
 import json
-import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -25,36 +22,18 @@ import trio
 
 from sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
 from sandbox.docker import DockerSandbox
+from tests.sandbox.docker_engine import IMAGE, engine_get, require_docker
 
-IMAGE = os.environ.get("STREAMRL_SANDBOX_IMAGE", "streamrl-sandbox:offline")
-SOCKET = "/var/run/docker.sock"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-class _UnixHTTP(http.client.HTTPConnection):
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(5)
-        self.sock.connect(SOCKET)
-
-
-def _engine_get(path: str) -> tuple[int, bytes]:
-    conn = _UnixHTTP("localhost")
-    try:
-        conn.request("GET", path)
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
-
 def _container_exists(name: str) -> bool:
-    return _engine_get(f"/containers/{quote(name)}/json")[0] == 200
+    return engine_get(f"/containers/{quote(name)}/json")[0] == 200
 
 
 def _runner_stopped(name: str) -> bool:
     """Whether the runner (the child of the container's init) is stopped (state T)."""
-    status, body = _engine_get(f"/containers/{quote(name)}/json")
+    status, body = engine_get(f"/containers/{quote(name)}/json")
     if status != 200:
         return False
     init = json.loads(body)["State"]["Pid"]
@@ -65,27 +44,9 @@ def _runner_stopped(name: str) -> bool:
         return False
 
 
-def _why_not_docker() -> str | None:
-    try:
-        status, _ = _engine_get("/_ping")
-    except OSError as exc:
-        return (
-            f"no Docker engine at {SOCKET} ({exc}); start: dockerd --bridge=none --iptables=false"
-        )
-    if status != 200:
-        return f"Docker engine at {SOCKET} answered {status}"
-    if _engine_get(f"/images/{quote(IMAGE)}/json")[0] != 200:
-        return f"image {IMAGE} missing; build it with sandbox/images/build_offline.sh"
-    return None
-
-
 @pytest.fixture(scope="module")
 def docker_image() -> str:
-    reason = _why_not_docker()
-    if reason is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"Docker tests must run in CI: {reason}")
-        pytest.skip(reason)
+    require_docker("Docker tests")
     return IMAGE
 
 
@@ -313,7 +274,7 @@ async def test_orphans_of_a_dead_executor_are_reaped(docker_image: str, tmp_path
     # Then the stuck container is gone; the idle one ended itself when its stdin closed.
     assert name in removed
     assert not _container_exists(name)
-    status, body = _engine_get(
+    status, body = engine_get(
         "/containers/json?all=1&filters=" + quote(json.dumps({"label": ["streamrl.sandbox"]}))
     )
     leftovers = [c["Names"] for c in json.loads(body)]
@@ -350,7 +311,7 @@ async def test_a_run_cancelled_at_any_point_leaves_no_container(docker_image: st
         finally:
             await sandbox.aclose()
     # Then none of their containers exists any more, started or not
-    status, body = _engine_get("/containers/json?all=1")
+    status, body = engine_get("/containers/json?all=1")
     names = [n for c in json.loads(body) for n in c["Names"]]
     assert status == 200
     assert not [n for n in names for i in instances if f"streamrl-sbx-{i}-" in n], names
