@@ -63,6 +63,11 @@ async def check(session: SandboxSession, item: TerminalItem, last: str) -> float
     return DOMAIN.score(item, last, result)
 
 
+def answer_file(item: TerminalItem) -> str:
+    """The file a ``count_matching`` item asks the number to be written to."""
+    return re.search(r"number to (\S+)\.", item.prompt).group(1)  # type: ignore[union-attr]
+
+
 def solution(item: TerminalItem) -> str:
     """A reference solution of the item, read off its instruction."""
     p = item.prompt
@@ -152,8 +157,7 @@ async def test_reference_solution_passes_and_nothing_fails(sandbox: ProcessSandb
 
 async def test_wrong_answer_fails(sandbox: ProcessSandbox) -> None:
     item = item_of("count_matching")
-    out = re.search(r"number to (\S+)\.", item.prompt).group(1)  # type: ignore[union-attr]
-    reward, _ = await play(sandbox, item, [fence(f"echo 99999 > {out}"), "<done>"])
+    reward, _ = await play(sandbox, item, [fence(f"echo 99999 > {answer_file(item)}"), "<done>"])
     assert reward == 0.0
 
 
@@ -193,8 +197,7 @@ async def test_work_left_to_a_background_process_does_not_count(sandbox: Process
 
 async def test_a_fifo_answer_fails_within_the_deadline(sandbox: ProcessSandbox) -> None:
     item = item_of("count_matching")
-    out = re.search(r"number to (\S+)\.", item.prompt).group(1)  # type: ignore[union-attr]
-    reward, _ = await play(sandbox, item, [fence(f"mkfifo {out}"), "<done>"])
+    reward, _ = await play(sandbox, item, [fence(f"mkfifo {answer_file(item)}"), "<done>"])
     assert reward == 0.0
 
 
