@@ -25,10 +25,8 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +46,7 @@ from learner.model import load_tokenizer, resolve_model
 from queues import names as N
 from queues.client import RedisClient
 from queues.messages import Sampling, Trajectory, decode, encode
-from queues.server import ServerProcess
+from queues.server import server_url
 from queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
 
 STEP = "```sh\necho step >> log.txt; wc -l < log.txt\n```"
@@ -161,12 +159,8 @@ def main() -> None:
     report: dict[str, Any] = {"benchmark": "multiturn", "episodes": args.episodes,
                               "group": args.group, "turns": args.turns,
                               "concurrency": args.concurrency}
-    if args.redis_url:
-        report.update(trio.run(run, args.redis_url, args))
-    else:
-        with tempfile.TemporaryDirectory() as tmp, \
-                ServerProcess(data_dir=Path(tmp) / "redis") as server:
-            report.update(trio.run(run, server.url, args))
+    with server_url(args.redis_url) as url:
+        report.update(trio.run(run, url, args))
     if args.json:
         print(json.dumps(report))
     else:

@@ -59,7 +59,6 @@ import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -75,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from queues import names as N
 from queues.client import RedisClient
-from queues.server import ServerProcess
+from queues.server import server_url
 from queues.streams import (
     ConsumerSettings,
     Delivery,
@@ -601,16 +600,10 @@ def main() -> None:
         "python": platform.python_version(),
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
     }
-    with tempfile.TemporaryDirectory(prefix="queue-hop-") as data_dir:
-        server = None if args.redis_url else ServerProcess(data_dir=Path(data_dir)).start()
-        url = args.redis_url or server.url  # type: ignore[union-attr]
-        try:
-            report["redis"] = server_info(url)
-            report.update(trio.run(redis_hops, url, args))
-            report.update(redis_xadd(url, args))
-        finally:
-            if server is not None:
-                server.stop()
+    with server_url(args.redis_url, prefix="queue-hop-") as url:
+        report["redis"] = server_info(url)
+        report.update(trio.run(redis_hops, url, args))
+        report.update(redis_xadd(url, args))
     if args.no_ray:
         report.update({"ray_hop_per_s": None, "ray_error": "skipped (--no-ray)"})
     else:

@@ -16,7 +16,10 @@ import secrets
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,6 +144,17 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@contextmanager
+def server_url(url: str | None = None, prefix: str = "streamrl-redis-") -> Iterator[str]:
+    """``url`` when one is given (someone else's server); else the URL of a
+    :class:`ServerProcess` in a temporary directory, stopped and removed after the block."""
+    if url:
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp, ServerProcess(Path(tmp)) as server:
+        yield server.url
 
 
 CLUSTER_SLOTS = 16384
