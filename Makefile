@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 demo: venv
-	$(BIN)/streamrl up --config configs/demo.toml --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
+	$(BIN)/streamrl up --config configs/demo.toml --fresh --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
 
 test: venv
 	$(BIN)/pytest -q

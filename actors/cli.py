@@ -128,6 +128,12 @@ def _parser() -> argparse.ArgumentParser:
     common(up)
     up.add_argument("--max-minutes", type=float, default=0.0, help="stop after M minutes")
     up.add_argument("--summary-json", help="write the run summary (eval before/after, ...) here")
+    up.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start the run over: delete its directory (weights, logs, embedded Redis data) "
+        "first; without it an existing run is resumed",
+    )
     run = sub.add_parser("run", help="run one actor (replicate by starting more)")
     run.add_argument("actor", choices=ACTORS)
     common(run)
@@ -202,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from actors.supervisor import run_up
 
-        summary = run_up(config, args.config, args.overrides, max_minutes=args.max_minutes)
+        summary = run_up(
+            config, args.config, args.overrides, max_minutes=args.max_minutes, fresh=args.fresh
+        )
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(msgspec.to_builtins(summary), f, indent=2)

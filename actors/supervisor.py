@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,7 +39,8 @@ from actors.logs import configure_logging, get_logger
 from actors.monitor import Monitor, Summary
 from actors.scheduler import eval_round_size, publish_eval_round
 from queues.acl import Credentials
-from queues.client import RedisURL
+from queues.client import RedisClient, RedisURL
+from queues.names import Names
 from queues.server import ServerProcess
 
 log = get_logger()
@@ -189,13 +191,23 @@ def _children(
 
 
 async def _up(
-    config: Config, config_path: str | None, overrides: list[str], max_minutes: float
+    config: Config, config_path: str | None, overrides: list[str], max_minutes: float,
+    fresh: bool = False,
 ) -> Summary:
     from learner.model import resolve_model
 
     run_dir = config.run.path
     server = None
     url = config.run.redis_url
+    if fresh:
+        if url:
+            raise SystemExit(
+                "streamrl up --fresh deletes the run's directory with its embedded Redis data; "
+                "with an external Redis (run.redis_url) use a new run.name instead"
+            )
+        if run_dir.exists():
+            shutil.rmtree(run_dir)
+            print(f"streamrl: --fresh: removed {run_dir}", flush=True)
     print(f"streamrl: run {config.run.name!r} in {run_dir}", flush=True)
     if config.queues.shards > 1:
         print(f"streamrl: work streams split into {config.queues.shards} shards", flush=True)
@@ -206,6 +218,7 @@ async def _up(
         url = server.url
         print(f"streamrl: embedded Redis on 127.0.0.1:{server.port} (AOF, password)", flush=True)
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else math.inf
+    admin_url = url
     try:
         credentials: dict[str, Credentials] = {}
         if config.auth.enabled:  # the actors get their role's user; the admin URL stays here
@@ -213,6 +226,7 @@ async def _up(
             await apply_role_users(config, url, credentials)
             url = RedisURL(url).without_credentials().url
             print("streamrl: one Redis ACL user per actor role", flush=True)
+        await _reopen_if_stopped(config, admin_url)
         config = msgspec.structs.replace(
             config, run=msgspec.structs.replace(config.run, redis_url=url)
         )
@@ -259,6 +273,26 @@ async def _up(
     finally:
         if server is not None:
             server.stop()
+
+
+async def _reopen_if_stopped(config: Config, admin_url: str) -> None:
+    """An earlier ``up`` of this run ended by setting the run's stop flag (no more
+    admissions): this ``up`` resumes the run, so it clears the flag and says so. The weights,
+    the ledger and the queued work of the run are kept (``--fresh`` starts over)."""
+    from learner.weights import latest_version
+
+    names = Names(config.run.name, shards=config.queues.shards)
+    client = RedisClient(admin_url)
+    try:
+        if await client.call(client.sync.delete, names.stop):
+            version = latest_version(config.run.path / "weights") or 0
+            print(
+                f"streamrl: resuming run {config.run.name!r} at policy v{version} "
+                "(`up --fresh` starts it over)",
+                flush=True,
+            )
+    finally:
+        client.close()
 
 
 async def _progress_until(
@@ -317,7 +351,12 @@ def _summary_text(s: Summary, interrupted: bool) -> str:
 
 
 def run_up(
-    config: Config, config_path: str | None, overrides: list[str], *, max_minutes: float = 0.0
+    config: Config,
+    config_path: str | None,
+    overrides: list[str],
+    *,
+    max_minutes: float = 0.0,
+    fresh: bool = False,
 ) -> Summary:
     configure_logging(actor="supervisor", level="warning")
-    return trio.run(_up, config, config_path, overrides, max_minutes)
+    return trio.run(_up, config, config_path, overrides, max_minutes, fresh)

@@ -604,7 +604,10 @@ class _Attached:
         self._diag = bytearray()
 
     async def send(self, data: bytes) -> None:
-        await self._aio(self._stream.write_in(data))
+        try:
+            await self._aio(self._stream.write_in(data))
+        except Exception as exc:  # as in receive: a lost runner, never a raw aiohttp error
+            raise RunnerGone(f"cannot write to the runner: {exc!r}") from exc
 
     async def receive(self) -> bytes:
         while True:

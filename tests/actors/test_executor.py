@@ -84,7 +84,8 @@ async def test_backend_and_limits_are_chosen_per_domain() -> None:
     await sandboxes.run(arith, request)
     await sandboxes.aclose()
     # Then the config wins over executor.backend, and one backend serves both runs
-    assert (backend, image) == ("process", "img:1") and opened == [("process", {"image": "img:1", "pool_size": 4})]
+    assert (backend, image) == ("process", "img:1")
+    assert opened == [("process", {"image": "img:1", "pool_size": 4})]
     assert routed.limits.timeout_s == 0.25 and routed.limits.memory_mb == 64
     assert routed.limits.cpu_s == 1 and routed.files == request.files
     assert result.ok and result.stdout == b"1\n"

@@ -1,0 +1,57 @@
+"""``streamrl up`` on a run that an earlier ``up`` ended resumes it (the earlier run's stop
+flag no longer blocks admission); ``--fresh`` starts it over. Embedded Redis, tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _up(work: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    summary = work.parent / "summary.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+         "--set", "run.name=resume", "--set", "run.redis_url=", "--set", f"run.work_dir={work}",
+         "--max-minutes", "5", "--summary-json", str(summary), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=480,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(summary.read_text())
+
+
+@pytest.mark.slow
+def test_up_resumes_a_stopped_run_and_fresh_starts_over(tmp_path: Path) -> None:
+    work = tmp_path / "run"
+    planted = work / "left-over"
+    planted.parent.mkdir(parents=True)
+    planted.write_text("from an earlier run")
+    # Given a run started over (--fresh) that trained one step and ended
+    proc, first = _up(work, "--fresh", "--set", "learner.max_steps=1")
+    assert f"removed {work}" in proc.stdout and not planted.exists()
+    assert first["policy_version"] == 1
+    # When `up` runs again on it with a higher step limit
+    proc, second = _up(work, "--set", "learner.max_steps=2")
+    # Then it resumed at v1 and trained on: the stop flag of the first `up` was cleared
+    assert "resuming run 'resume' at policy v1" in proc.stdout
+    assert second["policy_version"] == 2
+    assert (work / "weights" / "v2").is_dir()
+
+
+def test_fresh_is_refused_with_an_external_redis(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+         "--set", "run.redis_url=redis://127.0.0.1:1/0", "--set", f"run.work_dir={tmp_path}",
+         "--fresh"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "use a new run.name instead" in proc.stderr
+    assert tmp_path.exists()
