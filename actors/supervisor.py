@@ -183,7 +183,10 @@ def _children(
             if config_path:
                 argv += ["--config", config_path]
             for o in overrides:
-                argv += ["--set", o]
+                # the URL is this process's to give (environment): `--set run.redis_url=`
+                # (the embedded server) must not reach the children as an empty URL
+                if o.partition("=")[0].strip() != "run.redis_url":
+                    argv += ["--set", o]
             log_path = run_dir / "logs" / f"{actor}-{i}.log"
             env = child_environment(config, os.environ, actor, config.run.redis_url, credentials)
             children.append(Child(actor, i, argv, env, log_path))

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from learner.weights import version_dir
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -20,8 +22,8 @@ def _up(work: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]
     proc = subprocess.run(
         [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
          "--set", "run.name=resume", "--set", "run.redis_url=", "--set", f"run.work_dir={work}",
-         "--max-minutes", "5", "--summary-json", str(summary), *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=480,
+         "--max-minutes", "3", "--summary-json", str(summary), *args],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(summary.read_text())
@@ -42,7 +44,7 @@ def test_up_resumes_a_stopped_run_and_fresh_starts_over(tmp_path: Path) -> None:
     # Then it resumed at v1 and trained on: the stop flag of the first `up` was cleared
     assert "resuming run 'resume' at policy v1" in proc.stdout
     assert second["policy_version"] == 2
-    assert (work / "weights" / "v2").is_dir()
+    assert version_dir(work / "weights", 2).is_dir()
 
 
 def test_fresh_is_refused_with_an_external_redis(tmp_path: Path) -> None:
