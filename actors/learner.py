@@ -75,35 +75,37 @@ STEP_METRICS_FILE = "step_metrics.msgpack"
 """In each version directory: the step's metrics, so a re-announced step still reports them."""
 
 
+def train_config(config: Config, device: str | None = None) -> TrainConfig:
+    """The trainer's settings from the run's config (the learner's, and ``streamrl replay
+    retrain``'s, which must take the very same step)."""
+    cfg = config.learner
+    return TrainConfig(
+        lr=cfg.lr,
+        clip_eps=cfg.clip_eps,
+        max_grad_norm=cfg.max_grad_norm,
+        micro_batch_size=cfg.micro_batch_size,
+        grad_checkpointing=cfg.grad_checkpointing,
+        seed=config.run.seed,
+        num_threads=cfg.threads or None,
+        tis_cap=cfg.tis_cap,
+        recompute_old_logprobs=cfg.recompute_old_logprobs,
+        kl_coef=cfg.kl_coef,
+        device=device or cfg.device,
+    )
+
+
 def open_trainer(config: Config) -> tuple[Trainer, int, bool]:
     """``(trainer, version, resumed_optimizer)``: the latest version under the run's
     ``weights/`` (else the base model) with its optimiser and RNG state. Every rank of a
     distributed learner calls this on the same directory (one machine or a shared disk)."""
-    cfg = config.learner
     root = config.run.path / "weights"
     base_dir = resolve_model(config.model.spec)
     version = latest_version(root) or 0
     start = version_dir(root, version) if version else base_dir
-    device = cfg.device
+    device = config.learner.device
     if device == "cuda" and dist_util.is_distributed():
         device = f"cuda:{torch.cuda.current_device()}"
-    trainer = Trainer.from_dir(
-        start,
-        TrainConfig(
-            lr=cfg.lr,
-            clip_eps=cfg.clip_eps,
-            max_grad_norm=cfg.max_grad_norm,
-            micro_batch_size=cfg.micro_batch_size,
-            grad_checkpointing=cfg.grad_checkpointing,
-            seed=config.run.seed,
-            num_threads=cfg.threads or None,
-            tis_cap=cfg.tis_cap,
-            recompute_old_logprobs=cfg.recompute_old_logprobs,
-            kl_coef=cfg.kl_coef,
-            device=device,
-        ),
-        ref_dir=base_dir,
-    )
+    trainer = Trainer.from_dir(start, train_config(config, device), ref_dir=base_dir)
     state = load_trainer_state(start) if version else None
     if state is not None:
         trainer.load_optimizer_state(state)

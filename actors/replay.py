@@ -284,27 +284,17 @@ def retrain(
 ) -> tuple[float, float]:
     """Loss and gradient norm of one step on ``groups`` from ``checkpoint`` (default: the
     version before ``step``), with the learner's training config."""
+    from actors.learner import train_config
     from learner.model import resolve_model
-    from learner.train import TrainConfig, Trainer
+    from learner.train import Trainer
     from learner.weights import version_dir
 
-    cfg = config.learner
     base = resolve_model(config.model.spec)
     if checkpoint is None:
         checkpoint = version_dir(config.run.path / "weights", step - 1) if step > 1 else base
     if not Path(checkpoint).exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} is gone (learner.keep_last)")
-    trainer = Trainer.from_dir(  # the same TrainConfig as actors.learner.open_trainer
-        checkpoint,
-        TrainConfig(
-            lr=cfg.lr, clip_eps=cfg.clip_eps, max_grad_norm=cfg.max_grad_norm,
-            micro_batch_size=cfg.micro_batch_size, grad_checkpointing=cfg.grad_checkpointing,
-            seed=config.run.seed, num_threads=cfg.threads or None, tis_cap=cfg.tis_cap,
-            recompute_old_logprobs=cfg.recompute_old_logprobs, kl_coef=cfg.kl_coef,
-            device=cfg.device,
-        ),
-        ref_dir=base,
-    )  # fmt: skip
+    trainer = Trainer.from_dir(checkpoint, train_config(config), ref_dir=base)
     stats = trainer.step(groups)
     return stats.loss, stats.grad_norm
 
