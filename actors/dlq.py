@@ -3,7 +3,8 @@
 Guarantees:
 - ``requeue`` puts a dead letter's original payload back on its original stream as a new
   entry, so it runs again through the normal path (the stream's consumer group, every
-  policy), and deletes it from the dead-letter stream in the same Lua script: a letter is
+  policy), and deletes it from the dead-letter stream in the same Lua script
+  (``queues/requeue.lua``, :func:`queues.streams.requeue_dead_letter`): a letter is
   requeued once even if two operators requeue it at once or a reply is lost and the call
   is repeated (the script adds nothing for a letter that is no longer there);
 - ``purge`` deletes only the letters it listed (letters dead-lettered meanwhile stay), and
@@ -39,8 +40,9 @@ from queues.messages import (
     Trajectory,
     decode,
 )
-from queues.payloads import PayloadLimits, prepare_many, store_blobs
+from queues.payloads import PayloadLimits
 from queues.shards import qualify, split_qualified
+from queues.streams import requeue_dead_letter
 
 MESSAGE_OF_STREAM: dict[str, type[msgspec.Struct]] = {
     N.TASKS: Task,
@@ -49,21 +51,6 @@ MESSAGE_OF_STREAM: dict[str, type[msgspec.Struct]] = {
     N.TRAJECTORIES: Trajectory,
     N.EVALS: Trajectory,
 }
-
-# Requeue one dead letter: XADD its payload to the original stream and XDEL it from the
-# dead-letter stream, in one script (both keys share the run's hash tag).
-# KEYS[1] dead-letter stream, KEYS[2] original stream; ARGV[1] dead entry id, ARGV[2] payload.
-# Returns the new entry id, or false if the letter was no longer there (already requeued
-# or purged): then nothing is added.
-REQUEUE_LUA = """
-if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then
-  return false
-end
-local id = redis.call('XADD', KEYS[2], '*', 'd', ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[1])
-return id
-"""
-
 
 @dataclass(frozen=True)
 class DeadEntry:
@@ -174,28 +161,21 @@ async def requeue(
 ) -> list[tuple[str, str | None]]:
     """Requeue each entry to its original stream; [(dead id, new entry id or None if it was
     gone already)]. A payload over the claim-check size goes through the claim check."""
-    script = client.sync.register_script(REQUEUE_LUA)
     limits = limits or PayloadLimits()
     done: list[tuple[str, str | None]] = []
     for entry in entries:
         if entry.letter is None or entry.letter.stream not in N.WORK_STREAMS:
             raise ValueError(f"dead letter {entry.dead_id} has no original work stream")
         layout, raw_id = _locate(names, entry.dead_id)
-        key = layout.stream(entry.letter.stream)
-        prepared, blobs = prepare_many([(key, entry.letter.payload)], limits)
-
-        def run(
-            key: str = key, dead_id: str = raw_id, payload: bytes = prepared[0][1],
-            blobs: Any = blobs, dead: str = layout.stream(N.DEAD),
-        ) -> Any:
-            if blobs:
-                pipe = client.sync.pipeline(transaction=False)
-                store_blobs(pipe, blobs, limits)
-                pipe.execute()
-            return script(keys=[dead, key], args=[dead_id, payload])
-
-        new_id = await client.call(run)
-        done.append((entry.dead_id, _str(new_id) if new_id else None))
+        new_id = await requeue_dead_letter(
+            client,
+            layout.stream(N.DEAD),
+            layout.stream(entry.letter.stream),
+            raw_id,
+            entry.letter.payload,
+            limits,
+        )
+        done.append((entry.dead_id, new_id))
     return done
 
 

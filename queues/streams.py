@@ -45,6 +45,7 @@ _TRIM = resources.files("queues").joinpath("trim.lua").read_text()
 _HANDOFF_BATCH = resources.files("queues").joinpath("handoff_batch.lua").read_text()
 _PUBLISH_COUNTED = resources.files("queues").joinpath("publish_counted.lua").read_text()
 _PUBLISH_ONCE = resources.files("queues").joinpath("publish_once.lua").read_text()
+_REQUEUE = resources.files("queues").joinpath("requeue.lua").read_text()
 
 FIELD = b"d"
 _FLUSHES_IN_FLIGHT = 2  # hand-off script calls one consumer has in flight at once
@@ -574,3 +575,31 @@ class EventReader:
 
     def close(self) -> None:
         self._blocking.close()
+
+
+async def requeue_dead_letter(
+    client: RedisClient,
+    dead_stream: str,
+    stream: str,
+    dead_id: str,
+    payload: bytes,
+    limits: PayloadLimits,
+) -> str | None:
+    """Put a dead letter's payload back on ``stream`` as a new entry and delete the letter
+    from ``dead_stream``, atomically (``requeue.lua``; both keys in one slot). A payload
+    over the claim-check size is stored out of band first. Returns the new entry id, or
+    None when the letter was gone already (requeued or purged): repeatable."""
+    script = client.sync.register_script(_REQUEUE)
+    prepared, blobs = prepare_many([(stream, payload)], limits)
+
+    def run() -> Any:
+        if blobs:
+            pipe = client.sync.pipeline(transaction=False)
+            store_blobs(pipe, blobs, limits)
+            pipe.execute()
+        return script(keys=[dead_stream, stream], args=[dead_id, prepared[0][1]])
+
+    new_id = await client.call(run)
+    if not new_id:
+        return None
+    return new_id.decode() if isinstance(new_id, bytes) else str(new_id)
