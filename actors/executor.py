@@ -109,11 +109,8 @@ class Sandboxes:
         backend = cfg.backend or getattr(spec, "backend", "") or self.default_backend
         image = cfg.image or getattr(spec, "image", "")
         limits, tight = request.limits, self.limits.get(domain.name)
-        if tight is not None and tight.timeout_s > 0:
-            cpu_s = max(1, int(tight.timeout_s + 0.999))  # as SandboxSpec.with_overrides
-            limits = dc_replace(limits, timeout_s=tight.timeout_s, cpu_s=cpu_s)
-        if tight is not None and tight.memory_mb:
-            limits = dc_replace(limits, memory_mb=tight.memory_mb)
+        if tight is not None:
+            limits = limits.with_overrides(tight.timeout_s, tight.memory_mb)
         files = {**getattr(spec, "files", {}), **request.files}
         return backend, image, dc_replace(request, limits=limits, files=files)
 

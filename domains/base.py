@@ -65,12 +65,7 @@ class SandboxSpec:
 
     def with_overrides(self, timeout_s: float = 0.0, memory_mb: int = 0) -> SandboxSpec:
         """This spec with the limits a domain's TOML table sets (0: keep the domain's)."""
-        limits = self.limits
-        if timeout_s:
-            limits = replace(limits, timeout_s=timeout_s, cpu_s=max(1, int(timeout_s + 0.999)))
-        if memory_mb:
-            limits = replace(limits, memory_mb=memory_mb)
-        return replace(self, limits=limits)
+        return replace(self, limits=self.limits.with_overrides(timeout_s, memory_mb))
 
 
 NO_SANDBOX = SandboxSpec()

@@ -12,8 +12,9 @@ Guarantees every backend keeps:
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 
@@ -30,6 +31,16 @@ class Limits:
     max_file_mb: int = 16
     max_open_files: int = 256
     output_bytes: int = 1 << 20  # per stream; the rest is drained and counted
+
+    def with_overrides(self, timeout_s: float = 0.0, memory_mb: int = 0) -> Limits:
+        """These limits with a configured time and memory (0: keep this one's); a new time
+        limit brings the CPU-seconds limit along (whole seconds, at least 1)."""
+        limits = self
+        if timeout_s > 0:
+            limits = replace(limits, timeout_s=timeout_s, cpu_s=max(1, math.ceil(timeout_s)))
+        if memory_mb:
+            limits = replace(limits, memory_mb=memory_mb)
+        return limits
 
 
 @dataclass(frozen=True)
