@@ -106,6 +106,7 @@ class Monitor:
         self.dead = 0
         self.started = time.monotonic()
         self._round_changed = trio.Event()
+        self._seen: set[tuple[int, str, str]] = set()  # (round, domain, item id) recorded
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -119,6 +120,7 @@ class Monitor:
 
     async def _serve_evals(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         log_path = self.run_dir / "evals.jsonl"
+        self._load_earlier(log_path)
         async with self.ctx.consumer(N.EVALS, "monitor") as consumer:
             task_status.started()
             while True:
@@ -138,12 +140,38 @@ class Monitor:
                     self._record(traj, log_path)
                     await consumer.complete(Handoff(d.entry_id, ""))
 
+    def _load_earlier(self, log_path: Path) -> None:
+        """The rounds an earlier monitor of this run recorded (a resumed ``streamrl up``),
+        so the summary's "before" is still the run's first round."""
+        if not log_path.exists():
+            return
+        for line in log_path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+                self._add(row["round"], row["item_id"], row["domain"], [row["reward"]],
+                          [row["weight_version"]])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a crash
+
+    def _add(
+        self, round_no: int, item_id: str, domain: str, rewards: list[float], versions: list[int]
+    ) -> bool:
+        """Count one held-out result in its round, once (a redelivered result is not)."""
+        if (round_no, domain, item_id) in self._seen:
+            return False
+        self._seen.add((round_no, domain, item_id))
+        r = self.rounds.setdefault(round_no, EvalRound(round_no, self.eval_items))
+        r.rewards.extend(rewards)
+        r.by_domain.setdefault(domain, []).extend(rewards)
+        r.versions.update(versions)
+        return True
+
     def _record(self, traj: Trajectory, log_path: Path) -> None:
         task = traj.rollout.task
-        r = self.rounds.setdefault(task.eval_round, EvalRound(task.eval_round, self.eval_items))
-        r.rewards.extend(traj.rewards)
-        r.by_domain.setdefault(task.domain, []).extend(traj.rewards)
-        r.versions.update(s.weight_version for s in traj.rollout.samples)
+        versions = [s.weight_version for s in traj.rollout.samples]
+        if not self._add(task.eval_round, task.item_id, task.domain, list(traj.rewards), versions):
+            return
+        r = self.rounds[task.eval_round]
         with log_path.open("a") as f:
             f.write(
                 json.dumps(

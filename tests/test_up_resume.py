@@ -44,6 +44,10 @@ def test_up_resumes_a_stopped_run_and_fresh_starts_over(tmp_path: Path) -> None:
     # Then it resumed at v1 and trained on: the stop flag of the first `up` was cleared
     assert "resuming run 'resume' at policy v1" in proc.stdout
     assert second["policy_version"] == 2
+    # and its summary still starts from the run's first evaluation round (evals.jsonl)
+    rounds = [r["round"] for r in second["eval_rounds"]]
+    assert rounds[0] == 0 and rounds[-1] > max(r["round"] for r in first["eval_rounds"])
+    assert second["eval_reward_before"] == first["eval_reward_before"]
     assert version_dir(work / "weights", 2).is_dir()
 
 
