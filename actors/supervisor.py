@@ -46,6 +46,13 @@ from queues.server import ServerProcess
 log = get_logger()
 
 
+CRASH_LOOP_EXITS = 5
+CRASH_LOOP_S = 60.0
+"""A child that exits this many times in a row, each within this many seconds of starting,
+is not started again and ``streamrl up`` ends with an error (a bad checkpoint, config or
+environment), rather than restarting it for the rest of the run."""
+
+
 @dataclass
 class Child:
     actor: str
@@ -57,14 +64,18 @@ class Child:
     restarts: int = 0
     stopping: bool = False
     health_url: str = ""  # started only once this answers 200 (serve-model)
+    gave_up: str = ""
+    """Why this child is no longer restarted (a crash loop); empty while it is kept up."""
 
     @property
     def name(self) -> str:
         return f"{self.actor}-{self.index}"
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep the process running (restart on unexpected exit) until stopped."""
+        """Keep the process running (restart on unexpected exit) until stopped, or until it
+        has exited ``CRASH_LOOP_EXITS`` times in a row soon after starting (``gave_up``)."""
         started = False
+        quick = 0  # exits in a row within CRASH_LOOP_S of starting
         while not self.stopping:
             with self.log_path.open("ab") as logf:
                 self.process = await trio.lowlevel.open_process(
@@ -80,8 +91,18 @@ class Child:
                 if self.health_url:
                     await _wait_healthy(self.health_url, self.process)
                 task_status.started()
+            born = time.monotonic()
             code = await self.process.wait()
             if self.stopping:
+                return
+            quick = quick + 1 if time.monotonic() - born < CRASH_LOOP_S else 1
+            if quick >= CRASH_LOOP_EXITS:  # it cannot start: restarting will not help
+                self.gave_up = (
+                    f"{self.name} exited {quick} times in a row within {CRASH_LOOP_S:.0f} s "
+                    f"of starting (last exit code {code}); its log: {self.log_path}"
+                )
+                log.error("actor crash loop, not restarted", actor=self.name, code=code,
+                          log=str(self.log_path))
                 return
             self.restarts += 1
             log.warning(
@@ -239,6 +260,7 @@ async def _up(
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
             monitor = Monitor(ctx, run_dir, eval_round_size(config))
             interrupted = False
+            failed: list[str] = []
             async with trio.open_nursery() as nursery:
                 await nursery.start(monitor.serve)
                 for child in children:
@@ -264,14 +286,20 @@ async def _up(
                             deadline,
                             config.up.progress_interval_s,
                             config.learner.max_steps,
+                            children,
                         )
-                        await _final_eval(ctx, children, monitor, config)
+                        failed = [c.gave_up for c in children if c.gave_up]
+                        if not failed:
+                            await _final_eval(ctx, children, monitor, config)
                         waiter.cancel_scope.cancel()
                 with trio.CancelScope(shield=True):
                     await _stop_all(children)
                 nursery.cancel_scope.cancel()
             summary = monitor.summary(config.run.name)
             print(_summary_text(summary, interrupted), flush=True)
+            if failed:
+                raise SystemExit("streamrl up: stopped, an actor cannot run:\n  "
+                                 + "\n  ".join(failed))
             return summary
     finally:
         if server is not None:
@@ -299,12 +327,15 @@ async def _reopen_if_stopped(config: Config, admin_url: str) -> None:
 
 
 async def _progress_until(
-    monitor: Monitor, deadline: float, interval: float, max_steps: int
+    monitor: Monitor, deadline: float, interval: float, max_steps: int, children: list[Child]
 ) -> None:
-    """Print progress until the deadline, or until the learner has taken ``max_steps``."""
+    """Print progress until the deadline, until the learner has taken ``max_steps``, or
+    until a child is in a crash loop."""
     next_print = time.monotonic() + interval
     while time.monotonic() < deadline:
         if max_steps and monitor.steps and monitor.steps[-1].step >= max_steps:
+            break
+        if any(c.gave_up for c in children):
             break
         await trio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         if time.monotonic() >= next_print:

@@ -61,3 +61,23 @@ def test_fresh_is_refused_with_an_external_redis(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert "use a new run.name instead" in proc.stderr
     assert tmp_path.exists()
+
+
+@pytest.mark.slow
+def test_up_stops_when_an_actor_cannot_start(tmp_path: Path) -> None:
+    # Given a run whose latest checkpoint is unreadable: the learner exits at every start
+    work = tmp_path / "run"
+    bad = version_dir(work / "weights", 1)
+    bad.mkdir(parents=True)
+    (bad / "config.json").write_text("{not json")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
+    # When `up` runs it
+    proc = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+         "--set", "run.name=broken", "--set", f"run.work_dir={work}", "--max-minutes", "4"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    # Then it gives up on the crash loop and ends with an error naming the actor and its log
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert "learner-0 exited 5 times in a row" in proc.stderr, proc.stderr[-2000:]
+    assert str(work / "logs" / "learner-0.log") in proc.stderr
