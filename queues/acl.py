@@ -210,7 +210,12 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
             # admission closed and nothing left upstream
             Grant(("get",), read=(_glob(n.admitted),)),
             Grant(("hlen",), read=(_glob(n.admissions),)),
-            Grant(OBSERVE, read=tuple(_stream(n, s) for s in (N.TASKS, N.ROLLOUTS, N.EXECUTED))),
+            Grant(
+                OBSERVE,
+                read=tuple(
+                    _stream(n, s) for s in (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
+                ),
+            ),
             Grant(("xtrim",), write=(_stream(n, N.WEIGHTS), _stream(n, N.METRICS))),
         ]
     if role == "monitor":

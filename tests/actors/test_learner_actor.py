@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import msgspec
@@ -15,6 +16,7 @@ from learner.checkpoint import LEDGER_FILE, TRAINER_STATE_FILE, Ledger
 from learner.model import load_model, resolve_model
 from learner.weights import save_weights
 from queues import names as N
+from queues.acl import Credentials, apply_acls, role_url
 from queues.client import RedisClient
 from queues.messages import StepMetrics, Trajectory, WeightsPublished, decode, encode
 from queues.streams import Producer
@@ -136,9 +138,13 @@ async def test_last_part_filled_step_is_trained_once_nothing_more_can_come(
         client.sync.xgroup_create, names.stream(N.ROLLOUTS), N.GROUP_OF_STREAM[N.ROLLOUTS], "0"
     )
     await Producer(client, names).publish(N.TRAJECTORIES, groups)
+    # and the learner connected as its role's ACL user (what it checks must be allowed to it)
+    user = Credentials(f"streamrl-{names.run}-learner", secrets.token_hex(16))
+    await apply_acls(client, names, {"learner": user})
+    learner_client = RedisClient(role_url(client.url.url, user))
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve, ActorContext(config, client, names))
+        nursery.start_soon(serve, ActorContext(config, learner_client, names))
         # When step 1 took two groups: the third waits while upstream still holds work
         metrics_key = names.stream(N.METRICS)
         with trio.fail_after(120):
@@ -165,3 +171,5 @@ async def test_last_part_filled_step_is_trained_once_nothing_more_can_come(
     assert [(m.step, m.groups) for m in metrics] == [(1, 2), (2, 1)]
     pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
     assert pending["pending"] == 0
+    learner_client.close()
+    client.sync.execute_command("ACL", "DELUSER", user.user)
