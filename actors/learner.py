@@ -141,6 +141,9 @@ class Learner:
         self.ledger = Ledger.open(self.root, self.version)
         self.dropped_stale = 0
         self.snapshot: Snapshot | None = None
+        self.held: set[str] = set()
+        """Entry ids of the groups collected, training or being published (not yet
+        acknowledged): this learner's share of its pending list."""
         self.claimed: set[str] = set()
         """Episodes of the steps collected, training or being checkpointed (not yet in the
         ledger)."""
@@ -206,13 +209,33 @@ class Learner:
         while len(batch) < n:
             deliveries = await self.consumer.read(n - len(batch))
             for d in deliveries:
+                if d.entry_id in self.held:  # read again by a rewind (below): already ours
+                    continue
                 traj = await self._accept(d, {t.episode_id for _, t in batch}, version)
                 if traj is not None:
                     batch.append((d, traj))
+                    self.held.add(d.entry_id)
+            if not deliveries and await self._lost_deliveries():
+                self.consumer.rewind()
+                continue
             if not deliveries and batch and len(batch) < n and await self._run_drained():
                 log.info("final partial step", groups=len(batch), groups_per_step=n)
                 break
         return batch
+
+    async def _lost_deliveries(self) -> bool:
+        """Whether entries are pending on this learner that it does not hold: delivered to it
+        in Redis, but the reply never arrived (Redis restarted during the read). A restarted
+        learner reads its pending list first; a running one rewinds to it here, when idle,
+        or they would stay pending and a last part-filled step would close the run without
+        them."""
+        c, names = self.ctx.client, self.ctx.names
+        own = await group_state(c, names, N.TRAJECTORIES, N.GROUP_OF_STREAM[N.TRAJECTORIES])
+        if own.pending <= len(self.held):
+            return False
+        log.warning("taking back pending groups whose delivery was lost",
+                    pending=own.pending, held=len(self.held))
+        return True
 
     async def _run_drained(self) -> bool:
         """Whether no training group can reach the learner any more: admission is closed
@@ -316,6 +339,7 @@ class Learner:
         path = await trio.to_thread.run_sync(self._checkpoint, record, metrics, state)
         await self._announce(version, str(path), record.entry_ids, metrics)
         self.claimed -= set(record.episode_ids)  # in the ledger now
+        self.held -= set(record.entry_ids)  # acknowledged
         done.set()
         await self._trim_events()
         log.info(

@@ -163,6 +163,10 @@ class ShardedConsumer:
             self._held += self._qualified(shard, got.get(shard, []))
         return self._take(count)
 
+    def rewind(self) -> None:
+        for consumer in self.consumers.values():
+            consumer.rewind()
+
     async def reclaim(self, count: int) -> list[Delivery]:
         out: list[Delivery] = []
         for shard in self._order:

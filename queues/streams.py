@@ -158,6 +158,12 @@ class StreamConsumer:
         await ensure_group(self.client, self.stream, self.group)
 
     # ------------------------------------------------------------------ reading
+    def rewind(self) -> None:
+        """Read this consumer's own pending list again from its start (before new entries):
+        entries whose delivery reached the list but not the caller (a reply lost when Redis
+        restarted, a cancelled read). The caller skips the ones it already holds."""
+        self._pending_cursor = "0"
+
     async def read(self, count: int, *, interrupt: trio.Event | None = None) -> list[Delivery]:
         """Up to ``count`` entries: this consumer's own pending ones first, then new ones.
 

@@ -173,3 +173,30 @@ async def test_last_part_filled_step_is_trained_once_nothing_more_can_come(
     assert pending["pending"] == 0
     learner_client.close()
     client.sync.execute_command("ACL", "DELUSER", user.user)
+
+
+async def test_groups_pending_on_the_learner_but_never_received_are_taken_back(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given two groups in the learner's pending list that its process never received (as
+    # when Redis restarts while the read that delivered them is on the wire)
+    config = _config(tmp_path, redis_url, names.run, ("learner.max_steps=1",))
+    key, group = names.stream(N.TRAJECTORIES), N.GROUP_OF_STREAM[N.TRAJECTORIES]
+    await client.call(client.sync.xgroup_create, key, group, "0", mkstream=True)
+    await Producer(client, names).publish(
+        N.TRAJECTORIES, [_group(0, [0.0, 1.0]), _group(0, [1.0, 0.0])]
+    )
+    [(_, entries)] = await client.call(client.sync.xreadgroup, group, "ghost", {key: ">"})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, ActorContext(config, client, names))
+        await trio.sleep(1.0)  # the learner is up, reading: nothing new for it
+        ids = [eid for eid, _ in entries]
+        await client.call(client.sync.xclaim, key, group, "learner-0", 0, ids, justid=True)
+        # When it is idle, then it takes them back and trains them (max_steps=1: it returns)
+        with trio.fail_after(60):
+            while not await client.call(client.sync.xlen, names.stream(N.METRICS)):
+                await trio.sleep(0.1)
+    [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.METRICS))
+    assert decode(fields[b"d"], StepMetrics).groups == 2
+    pending = await client.call(client.sync.xpending, key, group)
+    assert pending["pending"] == 0
