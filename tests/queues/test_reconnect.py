@@ -4,6 +4,7 @@ until it is back, and raised only after the reconnect timeout."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,85 +23,82 @@ from queues.streams import (
 )
 
 
+@pytest.fixture
+def dedicated(tmp_path: Path) -> Iterator[tuple[ServerProcess, RedisClient]]:
+    """A Redis of this test's own (AOF), to stop and start, and a client that waits for it."""
+    server = ServerProcess(data_dir=tmp_path / "redis").start()
+    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=30))
+    yield server, client
+    client.close()
+    server.stop()
+
+
 async def _restart_after(server: ServerProcess, delay_s: float) -> None:
     await trio.sleep(delay_s)
     await trio.to_thread.run_sync(server.start)
 
 
 async def test_a_call_made_while_redis_restarts_waits_for_it(
-    tmp_path: Path, names: N.Names
+    dedicated: tuple[ServerProcess, RedisClient], names: N.Names
 ) -> None:
     # Given a dedicated Redis (AOF) holding one entry, and then stopped
-    server = ServerProcess(data_dir=tmp_path / "redis").start()
-    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=30))
-    try:
-        await Producer(client, names).publish(N.TASKS, [b"before"])
+    server, client = dedicated
+    await Producer(client, names).publish(N.TASKS, [b"before"])
+    server.stop()
+    # When a call is made while it is down, and it comes back a second later
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_restart_after, server, 1.0)
+        length = await client.call(client.sync.xlen, names.stream(N.TASKS))
+    # Then the call returned once Redis was back, with the data of before
+    assert length == 1
+
+
+async def test_a_blocked_consumer_reads_on_after_a_restart(
+    dedicated: tuple[ServerProcess, RedisClient], names: N.Names
+) -> None:
+    # Given a consumer blocked on an empty stream
+    server, client = dedicated
+    settings = ConsumerSettings(block_ms=300)
+    async with open_stream_consumer(
+        client, names, N.TASKS, stage="g", settings=settings
+    ) as consumer:
+        assert await consumer.read(1) == []
+        # When Redis restarts under it and an entry is published afterwards
         server.stop()
-        # When a call is made while it is down, and it comes back a second later
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_restart_after, server, 1.0)
-            length = await client.call(client.sync.xlen, names.stream(N.TASKS))
-        # Then the call returned once Redis was back, with the data of before
-        assert length == 1
-    finally:
-        client.close()
-        server.stop()
-
-
-async def test_a_blocked_consumer_reads_on_after_a_restart(tmp_path: Path, names: N.Names) -> None:
-    # Given a consumer blocked on an empty stream
-    server = ServerProcess(data_dir=tmp_path / "redis").start()
-    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=30))
-    settings = ConsumerSettings(block_ms=300)
-    try:
-        async with open_stream_consumer(
-            client, names, N.TASKS, stage="g", settings=settings
-        ) as consumer:
-            assert await consumer.read(1) == []
-            # When Redis restarts under it and an entry is published afterwards
-            server.stop()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_restart_after, server, 1.0)
-                got = await consumer.read(1)  # fails over and over until Redis is back
-            await Producer(client, names).publish(N.TASKS, [b"after"])
-            with trio.fail_after(10):
-                while not got:
-                    got = await consumer.read(1)
-            # Then it is read and handed off as usual
-            [delivery] = got
-            assert delivery.payload == b"after"
-            await consumer.complete(Handoff(delivery.entry_id, names.dedup("g", "x")))
-        pending = await client.call(client.sync.xpending, names.stream(N.TASKS), "generator")
-        assert pending["pending"] == 0
-    finally:
-        client.close()
-        server.stop()
+            got = await consumer.read(1)  # fails over and over until Redis is back
+        await Producer(client, names).publish(N.TASKS, [b"after"])
+        with trio.fail_after(10):
+            while not got:
+                got = await consumer.read(1)
+        # Then it is read and handed off as usual
+        [delivery] = got
+        assert delivery.payload == b"after"
+        await consumer.complete(Handoff(delivery.entry_id, names.dedup("g", "x")))
+    pending = await client.call(client.sync.xpending, names.stream(N.TASKS), "generator")
+    assert pending["pending"] == 0
 
 
 async def test_an_event_reader_made_while_redis_is_down_reads_once_it_is_back(
-    tmp_path: Path, names: N.Names
+    dedicated: tuple[ServerProcess, RedisClient], names: N.Names
 ) -> None:
     # Given a Redis that is down when an actor makes its blocking reader (an actor that was
     # still starting when Redis restarted)
-    server = ServerProcess(data_dir=tmp_path / "redis").start()
-    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=30))
-    try:
-        server.stop()
-        reader = EventReader(client, names, N.WEIGHTS, block_ms=200)
-        # When it reads while Redis comes back a second later, and an event is published
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_restart_after, server, 1.0)
+    server, client = dedicated
+    server.stop()
+    reader = EventReader(client, names, N.WEIGHTS, block_ms=200)
+    # When it reads while Redis comes back a second later, and an event is published
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_restart_after, server, 1.0)
+        got = await reader.read()
+    await Producer(client, names).publish(N.WEIGHTS, [b"v1"])
+    with trio.fail_after(10):
+        while not got:
             got = await reader.read()
-        await Producer(client, names).publish(N.WEIGHTS, [b"v1"])
-        with trio.fail_after(10):
-            while not got:
-                got = await reader.read()
-        # Then the reader was made without a connection and reads the event
-        assert [payload for _, payload in got] == [b"v1"]
-        reader.close()
-    finally:
-        client.close()
-        server.stop()
+    # Then the reader was made without a connection and reads the event
+    assert [payload for _, payload in got] == [b"v1"]
+    reader.close()
 
 
 async def test_calls_give_up_after_the_reconnect_timeout(tmp_path: Path) -> None:
