@@ -258,16 +258,21 @@ class Scheduler:
             reader.close()
 
     async def _eval_if_due(self, version: int, next_eval: int | None) -> int | None:
+        """Start a round if one is due; returns the version at which the next one is. Rounds
+        fall at the start of the run and at the first version at or past each multiple of
+        ``eval_every``, so a restarted scheduler (no memory but the round counter) keeps the
+        cadence: counting from the version it restarted at, one that restarts more often than
+        every ``eval_every`` versions would never evaluate again."""
         every = self.cfg.eval_every
         if next_eval is None:  # at start: evaluate unless a round already ran for this run
             c = self.ctx
             if int(await c.client.call(c.client.sync.get, c.names.eval_round) or 0) == 0:
                 await self._start_round(version)
-            return version + every if every else None
-        if every and version >= next_eval:
+        elif every and version >= next_eval:
             await self._start_round(version)
-            return version + every
-        return next_eval
+        else:
+            return next_eval
+        return (version // every + 1) * every if every else None
 
     async def _start_round(self, version: int) -> None:
         c = self.ctx
