@@ -114,9 +114,10 @@ class Sandboxes:
         files = {**getattr(spec, "files", {}), **request.files}
         return backend, image, dc_replace(request, limits=limits, files=files)
 
-    async def run(self, domain: Any, request: ExecRequest) -> ExecResult:
+    async def run(self, domain: Any, request: ExecRequest, label: str = "") -> ExecResult:
+        """One command; ``label`` (the message id) names what the backend uses for it."""
         backend, image, request = self.choose(domain, request)
-        return await self._box(domain, backend, image).run(request)
+        return await self._box(domain, backend, image).run(request, label)
 
     def session(self, domain: Any, label: str) -> AbstractAsyncContextManager[SandboxSession]:
         """A session for one member of a multi-turn episode, under the domain's limits."""
@@ -180,7 +181,8 @@ class Executor:
             if request is None:
                 return
             try:
-                results[i] = await self.sandboxes.run(domain, request)
+                # the message id names the sample's container (found by it while it runs)
+                results[i] = await self.sandboxes.run(domain, request, f"{rollout.id}-{i}")
             except SandboxUnavailable as exc:
                 unavailable.append(str(exc))
 

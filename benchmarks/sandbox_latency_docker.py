@@ -8,6 +8,8 @@ The Docker columns of ``benchmarks/sandbox_latency.py``, with its baselines in t
 - ``process``: ``ProcessSandbox.run``;
 - ``docker-warm``: ``DockerSandbox.run`` with a warm pool of 8 (one container per worker at
   most; the resident runner forks/execs, the container is reset in the background after);
+- ``docker-warm-label``: the same with a label, as the executor runs it (the container is
+  renamed after the message id concurrently with the command, and back in the background);
 - ``docker-cold``: ``docker run --rm`` with the same hardening flags (CLI, a new container per
   call), measured after the others with fewer runs (it is 10x slower).
 
@@ -21,6 +23,7 @@ Needs a Docker engine and the image (sandbox/images/build_offline.sh).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -58,6 +61,7 @@ async def docker_report(runs: int, cold_runs: int, image: str = DEFAULT_IMAGE) -
     process = ProcessSandbox()
     docker = DockerSandbox(image, pool_size=POOL)
     report: dict[str, Any] = {"argv": ARGV, "image": image, "pool_size": POOL, "concurrency": {}}
+    labels = itertools.count()
     try:
         await docker.run(ExecRequest(ARGV))
         with trio.fail_after(120):  # the whole pool started before measuring
@@ -72,6 +76,9 @@ async def docker_report(runs: int, cold_runs: int, image: str = DEFAULT_IMAGE) -
                 "bare": [bare] * c,
                 "process": [lambda: process.run(ExecRequest(HOST_ARGV))] * c,
                 "docker-warm": [lambda: docker.run(ExecRequest(ARGV))] * c,
+                "docker-warm-label": [
+                    lambda: docker.run(ExecRequest(ARGV), label=f"bench-{next(labels)}")
+                ] * c,
             }
             rows = await measure(subjects, runs)
             rows.update(await measure({"docker-cold": [cold] * c}, cold_runs))
@@ -82,6 +89,7 @@ async def docker_report(runs: int, cold_runs: int, image: str = DEFAULT_IMAGE) -
         await process.aclose()
     one = report["concurrency"]["1"]
     report["docker_warm_p50_ms"] = one["docker-warm"]["p50_ms"]
+    report["docker_warm_label_p50_ms"] = one["docker-warm-label"]["p50_ms"]
     report["docker_warm_over_bare_p50"] = round(
         one["docker-warm"]["p50_ms"] / one["bare"]["p50_ms"], 2
     )

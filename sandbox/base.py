@@ -102,12 +102,13 @@ class Sandbox(Protocol):
     ``run`` is a one-shot session: a fresh work dir, one command, everything torn down.
     ``session(limits, label)`` opens a :class:`SandboxSession` (``label`` names/labels what the
     backend creates, e.g. the message id, so leftovers of a dead executor can be reaped); it is
-    released on every exit path of the ``async with``.
+    released on every exit path of the ``async with``. ``run``'s ``label`` does the same for
+    what a one-shot run uses, while it runs.
     """
 
     name: str
 
-    async def run(self, request: ExecRequest) -> ExecResult: ...
+    async def run(self, request: ExecRequest, label: str = "") -> ExecResult: ...
 
     def session(
         self, limits: Limits, label: str = ""

@@ -22,7 +22,9 @@ Guarantees (on top of :mod:`sandbox.base`):
   removes it (``AutoRemove``); ``reap_orphans()`` (also run at start) removes what is left
   by executors that died. Containers carry the labels ``streamrl.sandbox``,
   ``streamrl.instance`` and ``streamrl.owner`` (host/pid/start time); a session's container
-  is renamed ``streamrl-<label>-<n>`` after its label (the message id).
+  is renamed ``streamrl-<label>-<instance>-<n>`` after its label (the message id) before it
+  is used, a one-shot ``run``'s container likewise while its command runs (the rename goes
+  concurrently with it); the pool gives it its neutral name back before reusing it.
 
 What it does NOT isolate: the kernel is shared (default seccomp, no gVisor unless
 ``runtime="runsc"``); the code runs as the same uid as its runner (it can kill or stop it:
@@ -134,8 +136,15 @@ class DockerSandbox:
 
     # -- public API ---------------------------------------------------------------------
 
-    async def run(self, request: ExecRequest) -> ExecResult:
+    async def run(self, request: ExecRequest, label: str = "") -> ExecResult:
+        """A one-shot run in a warm container. ``label`` (the message id) names the container
+        while it runs: the rename goes to the engine concurrently with the command (no engine
+        round trip before it; a command shorter than the rename may end before the name
+        shows), and the container gets its pool name back before the pool hands it out
+        again."""
         box = await self._acquire(self.image, request.limits, "")
+        if label:
+            box.rename_soon(self._label_name(label))
         try:
             return await box.run(request)
         finally:
@@ -296,6 +305,7 @@ class DockerSandbox:
         if box.gone is None and not surplus:
             pool.resetting += 1
             try:
+                await box.renamed()  # a run's label rename still on its way lands first
                 await box.reset()
                 await box.rename(box.pool_name)  # no longer the episode's
                 pool.ready.append(box)
@@ -307,6 +317,10 @@ class DockerSandbox:
                 pool.changed()
         await box.remove()
         pool.changed()
+
+    def _label_name(self, label: str) -> str:
+        # the backend instance keeps names unique across executors on one engine
+        return f"streamrl-{_safe_name(label)}-{self.instance}-{next(self._seq)}"
 
     def _discard(self, box: _Box) -> None:
         if self._nursery is not None:
@@ -525,6 +539,7 @@ class _Box:
         self.image = image
         self.cgroup = (limits.memory_mb, limits.max_processes)
         self._removed = False
+        self._renaming: trio.Event | None = None
         self.channel = RunnerChannel(_Attached(sandbox, stream), discard=self.remove)
 
     @property
@@ -546,9 +561,31 @@ class _Box:
                 raise SandboxUnavailable(f"cannot update container limits: {exc}") from exc
             self.cgroup = wanted
         if label:
-            # the backend instance keeps names unique across executors on one engine
-            seq = f"{self.sandbox.instance}-{next(self.sandbox._seq)}"
-            await self.rename(f"streamrl-{_safe_name(label)}-{seq}")
+            await self.rename(self.sandbox._label_name(label))
+
+    def rename_soon(self, name: str) -> None:
+        """Rename the container in the background (a failure is logged: the run goes on);
+        :meth:`renamed` waits for it."""
+
+        async def rename() -> None:
+            try:
+                await self.rename(name)
+            except SandboxUnavailable as exc:
+                if self.gone is None:
+                    log.warning("sandbox.rename_failed", container=self.name, error=str(exc))
+            finally:
+                done.set()
+
+        nursery = self.sandbox._nursery
+        if nursery is None or self.sandbox._closing.is_set():
+            return
+        done = self._renaming = trio.Event()
+        nursery.start_soon(rename)
+
+    async def renamed(self) -> None:
+        if self._renaming is not None:
+            await self._renaming.wait()
+            self._renaming = None
 
     async def rename(self, name: str) -> None:
         if name == self.name:

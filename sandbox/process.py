@@ -163,8 +163,10 @@ class ProcessSandbox:
 
     # -- public API ---------------------------------------------------------------------
 
-    async def run(self, request: ExecRequest) -> ExecResult:
-        """A one-shot session: a clean sandbox, one command, the sandbox reset or removed."""
+    async def run(self, request: ExecRequest, label: str = "") -> ExecResult:
+        """A one-shot session: a clean sandbox, one command, the sandbox reset or removed.
+        ``label`` (the message id) names the host work dir in the non-resident modes, as for
+        :meth:`session`."""
         if self.resident:
             for name in request.files:  # a bad request fails before a sandbox is taken
                 checked_path(name)
@@ -175,7 +177,7 @@ class ProcessSandbox:
             finally:
                 with trio.CancelScope(shield=True):
                     await pool.release(runner)
-        async with self.session(request.limits) as session:
+        async with self.session(request.limits, label) as session:
             return await session.run(request)
 
     def session(

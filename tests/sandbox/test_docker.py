@@ -13,6 +13,7 @@ import struct
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from urllib.parse import quote
@@ -167,6 +168,80 @@ async def test_two_executors_name_sessions_of_one_label_apart(
             assert (await two.run(sh("echo two"))).stdout == b"two\n"
     finally:
         await other.aclose()
+
+
+async def _names_with(fragment: str) -> list[str]:
+    """Names of the engine's containers (any state) that contain ``fragment`` (asked in a
+    thread: the sandbox's engine calls run on this trio loop)."""
+    query = "/containers/json?all=1&filters=" + quote(json.dumps({"name": [fragment]}))
+    status, body = await trio.to_thread.run_sync(engine_get, query)
+    assert status == 200, body
+    return [n.lstrip("/") for c in json.loads(body) for n in c["Names"] if fragment in n]
+
+
+async def _watch_for(fragment: str, seen: list[str]) -> None:
+    while not seen:
+        seen.extend(await _names_with(fragment))
+        await trio.sleep(0.05)
+
+
+async def test_a_one_shot_run_is_named_after_its_label_while_it_runs(box: DockerSandbox) -> None:
+    # Given a warm pool (settled: no container busy), and a one-shot run labelled with a
+    # message id
+    await box.run(sh("true"))
+    with trio.fail_after(10):
+        while (s := box.statistics()).ready < 1 or s.created - s.removed != s.ready:
+            await trio.sleep(0.05)
+    pooled = sorted(await _names_with(f"streamrl-sbx-{box.instance}-"))
+    before = box.statistics()
+    label = f"msg-{uuid.uuid4().hex}-0"
+    seen: list[str] = []
+    # When the engine is watched while the run executes
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_for, label, seen)
+        result = await box.run(sh("sleep 1.5; echo done", timeout_s=10), label=label)
+        during = list(seen)
+        nursery.cancel_scope.cancel()
+    # Then its container was found by the message id while it ran
+    assert result.stdout == b"done\n"
+    assert len(during) == 1 and during[0].startswith(f"streamrl-{label}-{box.instance}-"), during
+    # And after it, no container carries the id: the container is back in the pool under its
+    # neutral name (reused, not replaced)
+    with trio.fail_after(5):
+        while await _names_with(label) or box.statistics().busy:
+            await trio.sleep(0.05)
+    after = box.statistics()
+    assert (after.created, after.removed, after.ready) == (before.created, before.removed, 1)
+    assert after.reused == before.reused + 1
+    assert sorted(await _names_with(f"streamrl-sbx-{box.instance}-")) == pooled
+
+
+async def test_the_executor_names_a_samples_container_after_the_message(
+    docker_image: str,
+) -> None:
+    # Given the executor on the Docker backend and a rollout whose program runs for a while
+    from actors.config import DomainConfig, DomainSandboxConfig
+    from actors.executor import Executor, Sandboxes
+    from tests.actors.test_executor import _program, _rollout
+
+    config = {"arith": DomainSandboxConfig(backend="docker", image=docker_image, pool_size=1)}
+    sandboxes = Sandboxes("process", config, {"arith": DomainConfig(timeout_s=10)})
+    rollout = _rollout(_program("import time; time.sleep(1.5); print(7)"))
+    seen: list[str] = []
+    try:
+        # When it handles the message while the engine is watched for the message id
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_for, rollout.id, seen)
+            [output] = await Executor(sandboxes).handle(rollout)
+            during = list(seen)
+            nursery.cancel_scope.cancel()
+    finally:
+        await sandboxes.aclose()
+    # Then the sample's container carried the message id (and the sample's index) as it ran
+    assert output.message.outcomes[0].stdout == "7\n"  # type: ignore[attr-defined]
+    assert len(during) == 1 and during[0].startswith(f"streamrl-{rollout.id}-0-"), during
+    # And no container of it outlives the executor's sandboxes
+    assert await _names_with(rollout.id) == []
 
 
 async def test_nothing_survives_a_command_and_the_pool_reuses_containers(
