@@ -174,6 +174,7 @@ async def requeue(
             raw_id,
             entry.letter.payload,
             limits,
+            layout.dead_groups,
         )
         done.append((entry.dead_id, new_id))
     return done

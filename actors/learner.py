@@ -64,6 +64,7 @@ from queues.messages import (
     encode,
     new_id,
     now,
+    training_group,
 )
 from queues.shards import Consumer
 from queues.stats import group_state
@@ -272,7 +273,9 @@ class Learner:
         try:  # what the training step would refuse (killing the learner), refused here alone
             build_batch([traj])
         except ValueError as exc:
-            await self.consumer.dead_letter(d, f"malformed group: {exc}")
+            await self.consumer.dead_letter(
+                d, f"malformed group: {exc}", group=training_group(traj)
+            )
             return None
         seen = self.ledger.consumed, self.claimed, in_batch
         if any(traj.episode_id in ids for ids in seen):

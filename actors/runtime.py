@@ -30,7 +30,7 @@ import trio
 
 from actors import metrics
 from actors.policies import Policies, Reject, Retry, Unavailable
-from queues.messages import Message, MessageError, decode, encode
+from queues.messages import Message, MessageError, decode, encode, training_group
 from queues.payloads import PayloadTooLarge
 from queues.shards import Consumer
 from queues.stats import group_state
@@ -189,6 +189,7 @@ class ActorRuntime:
                     f"delivered {delivery.deliveries} times (> {self.policies.max_deliveries}):"
                     " its handler's process died or hung, or its infrastructure was"
                     " unavailable, every time",
+                    message,
                 )
             outputs = await self._handle_with_retries(delivery, message)
             if outputs is None:
@@ -202,7 +203,7 @@ class ActorRuntime:
             try:
                 await self.consumer.complete(handoff)
             except PayloadTooLarge as exc:
-                return await self._dead_letter(delivery, f"output refused: {exc}")
+                return await self._dead_letter(delivery, f"output refused: {exc}", message)
             self._handled += 1
             metrics.record_handled(
                 self.consumer.names.run, stage, trio.current_time() - started,
@@ -219,7 +220,7 @@ class ActorRuntime:
                 with trio.fail_after(self.policies.time_limit_s):
                     return await self.actor.handle(message)
             except Reject as exc:
-                await self._dead_letter(delivery, f"rejected: {exc}")
+                await self._dead_letter(delivery, f"rejected: {exc}", message)
                 return None
             except Exception as exc:  # the retry policy turns failures into data
                 retry += 1
@@ -231,7 +232,9 @@ class ActorRuntime:
                         log.warning("handler unavailable, released", error=error, retry=retry)
                         self._released += 1
                         return None
-                    await self._dead_letter(delivery, f"failed {retry} times, last: {error}")
+                    await self._dead_letter(
+                        delivery, f"failed {retry} times, last: {error}", message
+                    )
                     return None
                 delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None
                 delay = self.policies.retry.delay(retry, self._rng) if delay is None else delay
@@ -240,9 +243,14 @@ class ActorRuntime:
                 metrics.record_retry(self.consumer.names.run, self.actor.stage)
                 await trio.sleep(delay)
 
-    async def _dead_letter(self, delivery: Delivery, reason: str) -> None:
+    async def _dead_letter(
+        self, delivery: Delivery, reason: str, message: Message | None = None
+    ) -> None:
+        """Dead-letter ``delivery``; a decoded ``message`` of an admitted training group frees
+        the group's admission slot with the letter (:func:`queues.messages.training_group`)."""
         log.error("dead-lettered", entry_id=delivery.entry_id, reason=reason[:500])
-        await self.consumer.dead_letter(delivery, reason)
+        group = message is not None and training_group(message)
+        await self.consumer.dead_letter(delivery, reason, group=group)
         self._dead += 1
         metrics.record_dead(self.consumer.names.run, self.actor.stage, reason)
 

@@ -2,8 +2,10 @@
 
 Admission guarantees:
 - staleness: training group number k is admitted only once the learner's policy version V
-  satisfies ``k < (V + max_staleness + 1) * groups_per_step + D`` (D: groups the learner
-  dropped as stale so far, each replaced once), so every admitted group can still be
+  satisfies ``k < (V + max_staleness + 1) * groups_per_step + D`` (D: groups that will
+  never be trained: dropped as stale by the learner, skipped for zero reward variance by
+  the verifier, or dead-lettered at any stage and not requeued; each is replaced once),
+  so every admitted group can still be
   trained within ``max_staleness`` versions of the policy that samples it; the count of
   admitted groups lives in Redis, so a restarted scheduler keeps the bound. With
   ``max_staleness = 0`` this is the synchronous mode's batch barrier: the next batch is
@@ -186,6 +188,7 @@ class Scheduler:
             (version + learner.max_staleness + 1) * learner.groups_per_step
             + int(dropped or 0)
             + await self.skipped()
+            + await self.dead_groups()
             - admitted
         )
         limit = self.cfg.max_train_groups
@@ -193,6 +196,17 @@ class Scheduler:
         state = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])
         by_backlog = self.cfg.max_backlog - state.backlog
         return max(0, min(by_staleness, by_limit, by_backlog)), admitted
+
+    async def dead_groups(self) -> int:
+        """Training groups dead-lettered at any stage, summed over the shards (minus those
+        requeued since): they will never be trained, so each frees its slot like a stale
+        drop; without this, ``(max_staleness + 1) * groups_per_step`` dead groups would stall
+        the run for good (no batch could fill, nothing more admitted)."""
+        c = self.ctx
+        total = 0
+        for layout in c.names.layouts():  # one key per shard, each in its shard's slot
+            total += int(await c.client.call(c.client.sync.get, layout.dead_groups) or 0)
+        return total
 
     async def skipped(self) -> int:
         """Training groups the verifier skipped (zero reward variance): they never reach the

@@ -128,15 +128,16 @@ def _consume(names: N.Names, stream: str, stage: str, outputs: tuple[str, ...] =
     (handoff scripts: dedup key, XADD, XACK) or to the dead-letter stream; observe the
     backlog of the work streams it feeds (producer-side backpressure)."""
     source, blobs = _stream(names, stream), _blobs(names, stream)
-    dead = _stream(names, N.DEAD)
+    dead, dead_groups = _stream(names, N.DEAD), _glob(names.dead_groups)
     outs = tuple(_stream(names, s) for s in outputs)
     out_blobs = tuple(_blobs(names, s) for s in outputs)
     dedup = (_glob(names.dedup(stage, "")) + "*",) if outputs else ()
     grants = [
         Grant(CONSUME + TRIM, rw=(source,)),
         Grant(("get", "del"), rw=(blobs,)),  # claim checks: fetched, deleted by the trim
-        Grant(SCRIPTS, rw=(source, blobs, dead, *outs, *dedup, *out_blobs)),
+        Grant(SCRIPTS, rw=(source, blobs, dead, dead_groups, *outs, *dedup, *out_blobs)),
         Grant(("xadd",), write=(dead, *outs)),
+        Grant(("incr",), rw=(dead_groups,)),  # deadletter.lua: a training group's slot freed
     ]
     if outputs:
         grants.append(Grant(("set",), write=(*dedup, *out_blobs)))
@@ -181,6 +182,7 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
             Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
             Grant(("exists",), read=(_glob(n.stop),)),
             Grant(("get",), read=(_glob(n.counter("dropped_stale")),)),  # replaces drops
+            Grant(("get",), read=(_glob(n.dead_groups),)),  # ... and dead-lettered groups
             # per-domain shares (actors/scheduling.py) and skipped zero-variance groups
             Grant(
                 ("get", "mget"),

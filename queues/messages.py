@@ -226,6 +226,20 @@ class StepMetrics(Message, frozen=True, kw_only=True):
     wait_seconds: float
 
 
+def training_group(message: msgspec.Struct) -> bool:
+    """Whether ``message`` carries an admitted training group (a ``Task`` of split "train",
+    or a rollout, executed result or trajectory of one): its dead letter frees the group's
+    admission slot (``queues/deadletter.lua``)."""
+    task: Task | None = None
+    if isinstance(message, Task):
+        task = message
+    elif isinstance(message, Rollout):
+        task = message.task
+    elif isinstance(message, (Executed, Trajectory)):
+        task = message.rollout.task
+    return task is not None and task.split == "train" and task.eval_round < 0
+
+
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
     stream: str
     group: str

@@ -174,3 +174,10 @@ class Names:
 
     def counter(self, name: str) -> str:
         return f"{self.prefix}count:{name}"
+
+    @property
+    def dead_groups(self) -> str:
+        """Counter of training groups dead-lettered in this shard (``queues/deadletter.lua``
+        adds one with the letter, ``queues/requeue.lua`` takes it back): each frees its slot
+        in the scheduler's staleness admission, like a group dropped as stale."""
+        return f"{self.shard_prefix}count:dead_groups"

@@ -1,15 +1,25 @@
 -- Requeue one dead letter: XADD its payload to the original stream and XDEL it from the
--- dead-letter stream, in one script (both keys share the run's or the shard's hash tag).
+-- dead-letter stream, in one script (all keys share the run's or the shard's hash tag).
 --
 -- KEYS[1]  the dead-letter stream
 -- KEYS[2]  the original stream
+-- KEYS[3]  counter of dead-lettered training groups (names.dead_groups)
 -- ARGV[1]  the dead entry's id
 -- ARGV[2]  the payload (or its claim-check reference)
 --
 -- Returns the new entry id, or false if the letter was no longer there (already requeued
 -- or purged): then nothing is added, so a repeated or concurrent requeue adds it once.
-if #redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1]) == 0 then
+-- A training group's letter (field "group", see deadletter.lua) takes its admission slot
+-- back: the group is in flight again.
+local found = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
+if #found == 0 then
   return false
+end
+local fields = found[1][2]
+for i = 1, #fields, 2 do
+  if fields[i] == 'group' and fields[i + 1] == '1' then
+    redis.call('DECR', KEYS[3])
+  end
 end
 local id = redis.call('XADD', KEYS[2], '*', 'd', ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[1])

@@ -187,9 +187,9 @@ class ShardedConsumer:
         dedup, outs = self._localize(shard, handoff.dedup_id, handoff.outputs)
         await consumer.complete(Handoff(eid, dedup, outs))
 
-    async def dead_letter(self, delivery: Delivery, error: str) -> None:
+    async def dead_letter(self, delivery: Delivery, error: str, *, group: bool = False) -> None:
         _, consumer, eid = self._split(delivery.entry_id)
-        await consumer.dead_letter(dataclasses.replace(delivery, entry_id=eid), error)
+        await consumer.dead_letter(dataclasses.replace(delivery, entry_id=eid), error, group=group)
 
     async def ack(self, entry_ids: list[str]) -> None:
         for shard, eids in self._by_shard(entry_ids).items():

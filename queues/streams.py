@@ -383,8 +383,10 @@ class StreamConsumer:
         if entry_ids:
             await self.client.call(self.client.sync.xack, self.stream, self.group, *entry_ids)
 
-    async def dead_letter(self, delivery: Delivery, error: str) -> None:
-        """Move an entry to the dead-letter stream with its error; acknowledge it."""
+    async def dead_letter(self, delivery: Delivery, error: str, *, group: bool = False) -> None:
+        """Move an entry to the dead-letter stream with its error; acknowledge it. ``group``:
+        the entry carries an admitted training group, whose admission slot is freed with the
+        letter (:attr:`queues.names.Names.dead_groups`; the scheduler admits a replacement)."""
         letter = DeadLetter(
             stream=self.stream_name,
             group=self.group,
@@ -396,8 +398,9 @@ class StreamConsumer:
         )
         await self.client.call(
             self._deadletter,
-            keys=[self.stream, self.dead_stream],
-            args=[self.group, delivery.entry_id, encode(letter), error[:4000]],
+            keys=[self.stream, self.dead_stream, self.names.dead_groups],
+            args=[self.group, delivery.entry_id, encode(letter), error[:4000],
+                  "1" if group else "0"],
         )
         self.statistics_counts["dead"] += 1
 
@@ -590,11 +593,14 @@ async def requeue_dead_letter(
     dead_id: str,
     payload: bytes,
     limits: PayloadLimits,
+    dead_groups: str,
 ) -> str | None:
     """Put a dead letter's payload back on ``stream`` as a new entry and delete the letter
-    from ``dead_stream``, atomically (``requeue.lua``; both keys in one slot). A payload
-    over the claim-check size is stored out of band first. Returns the new entry id, or
-    None when the letter was gone already (requeued or purged): repeatable."""
+    from ``dead_stream``, atomically (``requeue.lua``; all keys in one slot). A training
+    group's letter takes its admission slot back from ``dead_groups`` (the shard's
+    :attr:`queues.names.Names.dead_groups`). A payload over the claim-check size is stored
+    out of band first. Returns the new entry id, or None when the letter was gone already
+    (requeued or purged): repeatable."""
     script = client.sync.register_script(_REQUEUE)
     prepared, blobs = prepare_many([(stream, payload)], limits)
 
@@ -603,7 +609,7 @@ async def requeue_dead_letter(
             pipe = client.sync.pipeline(transaction=False)
             store_blobs(pipe, blobs, limits)
             pipe.execute()
-        return script(keys=[dead_stream, stream], args=[dead_id, prepared[0][1]])
+        return script(keys=[dead_stream, stream, dead_groups], args=[dead_id, prepared[0][1]])
 
     new_id = await client.call(run)
     if not new_id:

@@ -1,0 +1,121 @@
+"""A training group dead-lettered at any stage frees its slot in the scheduler's staleness
+admission (``queues/deadletter.lua`` counts it with the letter); a requeued one takes the slot
+back. Without this, ``(max_staleness + 1) * groups_per_step`` dead groups stall a run for
+good: no batch can fill and nothing more is admitted. Real Redis, each side connected as its
+role's ACL user."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from actors.config import load_config
+from actors.context import ActorContext
+from actors.dlq import list_dead, requeue
+from actors.policies import Policies, Reject
+from actors.runtime import ActorRuntime, Output, RuntimeSettings
+from actors.scheduler import Scheduler
+from queues import names as N
+from queues.acl import ROLES, Credentials, apply_acls, role_url
+from queues.client import RedisClient
+from queues.messages import Sampling, Task, encode, new_id, now
+from queues.streams import ConsumerSettings, Producer, open_stream_consumer
+
+
+def _task(split: str, eval_round: int = -1) -> Task:
+    return Task(
+        id=new_id(), created_at=now(), policy_version=0, domain="arith", item_id="1",
+        split=split, prompt="p", spec={}, group_size=2, sampling=Sampling(),
+        eval_round=eval_round,
+    )
+
+
+class Refusing:
+    """A generator stage that rejects every task (as for a task it can never serve)."""
+
+    stage = "generator"
+    input_stream = N.TASKS
+    input_type = Task
+
+    async def handle(self, task: Task) -> list[Output]:
+        raise Reject("cannot serve this task")
+
+
+@pytest.fixture
+async def roles(client: RedisClient, names: N.Names) -> AsyncIterator[dict[str, RedisClient]]:
+    credentials = {
+        r: Credentials(f"streamrl-{names.run}-{r}", secrets.token_hex(16)) for r in ROLES
+    }
+    await apply_acls(client, names, credentials)
+    clients = {r: RedisClient(role_url(client.url.url, c)) for r, c in credentials.items()}
+    yield clients
+    for c in clients.values():
+        c.close()
+    client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
+
+
+async def _dead_letter_all(
+    admin: RedisClient, generator: RedisClient, names: N.Names, payloads: list[bytes],
+    expect: int | None = None,
+) -> None:
+    """Publish ``payloads``, then run the real actor runtime as the generator's user until
+    ``expect`` entries (default: the payloads) are dead-lettered."""
+    expect = len(payloads) if expect is None else expect
+    if payloads:
+        await Producer(admin, names).publish(N.TASKS, payloads)
+    client = generator
+    settings = ConsumerSettings(block_ms=50)
+    async with open_stream_consumer(client, names, N.TASKS, stage="generator",
+                                    settings=settings) as consumer:
+        runtime = ActorRuntime(consumer, Refusing(), Policies(), RuntimeSettings(concurrency=2))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.serve)
+            with trio.fail_after(20):
+                while runtime.statistics().dead_lettered < expect:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+
+async def test_dead_lettered_training_groups_free_their_admission_slot(
+    client: RedisClient, names: N.Names, roles: dict[str, RedisClient], redis_url: str,
+    tmp_path: Path,
+) -> None:
+    # Given a synchronous run (one group per step, staleness 0) whose one admissible group at
+    # policy v0 was admitted
+    config = load_config(None, [
+        f"run.name={names.run}", f"run.redis_url={redis_url}", f"run.work_dir={tmp_path}",
+        "learner.groups_per_step=1", "learner.max_staleness=0", "scheduler.max_backlog=10",
+    ])
+    scheduler = Scheduler(ActorContext(config, roles["scheduler"], names))
+    await client.call(client.sync.set, names.admitted, 1)
+    assert (await scheduler.admissible(0))[0] == 0
+
+    # When the generator dead-letters that training group, an evaluation task and garbage
+    await _dead_letter_all(client, roles["generator"], names, [
+        encode(_task("train")), encode(_task("eval", eval_round=0)), b"\xc1 not msgpack",
+    ])
+
+    # Then only the training group frees its slot: one replacement may be admitted at v0
+    assert int(await client.call(client.sync.get, names.dead_groups)) == 1
+    assert (await scheduler.admissible(0))[0] == 1
+
+    # When the operator requeues the training group's letter (twice: the second finds it gone)
+    letters = await list_dead(client, names)
+    assert len(letters) == 3
+    train = [e for e in letters if e.letter and b"train" in e.letter.payload]
+    assert len(train) == 1
+    assert (await requeue(client, names, train))[0][1] is not None
+    assert (await requeue(client, names, train))[0][1] is None
+
+    # Then the group is in flight again and holds its slot once more
+    assert int(await client.call(client.sync.get, names.dead_groups)) == 0
+    assert (await scheduler.admissible(0))[0] == 0
+
+    # And dead-lettered again, it frees the slot again (counted once per letter)
+    await _dead_letter_all(client, roles["generator"], names, [], expect=1)
+    assert int(await client.call(client.sync.get, names.dead_groups)) == 1
+    assert (await scheduler.admissible(0))[0] == 1
