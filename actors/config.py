@@ -335,9 +335,11 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
 
 class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    metrics_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    metrics_port: Annotated[int, Meta(ge=-1, le=65535)] = 0
     """Serve Prometheus metrics on this port at ``/metrics`` in every actor process started
-    with ``streamrl run`` (0: off). Replicas on one host need a port each (``--set``)."""
+    with ``streamrl run`` (0: off; -1: a free port, logged as ``metrics served``). Replicas
+    on one host need a port each: ``--set``, or -1. ``streamrl up`` gives its i-th actor
+    process this port + i (-1: free ports it picks), printed at start."""
     metrics_addr: str = "127.0.0.1"
     """Address the metrics endpoint listens on (0.0.0.0 to be scraped from elsewhere)."""
     archive: bool = True

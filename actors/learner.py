@@ -41,6 +41,7 @@ import trio
 
 from actors.config import Config
 from actors.context import ActorContext
+from actors.metrics import record_dropped_stale, record_learner_step, record_policy_version
 from learner import distributed as dist_util
 from learner.batch import build_batch, group_staleness
 from learner.checkpoint import (
@@ -152,6 +153,7 @@ class Learner:
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         await self._finish_interrupted_step()
+        record_policy_version(self.ctx.names.run, self.version)
         task_status.started()
         log.info(
             "learner ready",
@@ -291,6 +293,7 @@ class Learner:
         staleness = group_staleness(traj, version)
         if staleness > self.cfg.max_staleness:
             self.dropped_stale += 1
+            record_dropped_stale(self.ctx.names.run)
             await self.ctx.client.call(
                 self.ctx.client.sync.incr, self.ctx.names.counter("dropped_stale")
             )
@@ -341,6 +344,10 @@ class Learner:
         )
         path = await trio.to_thread.run_sync(self._checkpoint, record, metrics, state)
         await self._announce(version, str(path), record.entry_ids, metrics)
+        record_learner_step(
+            self.ctx.names.run, metrics, [t for _, t in batch], staleness,
+            kl_ref=stats.kl_ref, approx_kl=stats.approx_kl,
+        )
         self.claimed -= set(record.episode_ids)  # in the ledger now
         self.held -= set(record.entry_ids)  # acknowledged
         done.set()

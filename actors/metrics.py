@@ -8,7 +8,20 @@ What is recorded, by whom:
   timeout / oom / not run), rewards per domain and split (``Trajectory``: histogram, and the
   last group mean as a gauge, so evaluation results per domain show on a dashboard);
 - from the learner's step metrics (:func:`record_step`): staleness histogram, step and wait
-  seconds, busy fraction.
+  seconds, busy fraction; recorded by the archiver (following the ``metrics`` stream) and
+  by the learner's own process;
+- the learner's own process (:func:`record_learner_step`, :func:`record_dropped_stale`):
+  steps, step latency (histogram), the staleness of every trained group (histogram),
+  groups dropped as stale, loss, grad norm, KL, policy version, trained groups, samples
+  and rewards per domain;
+- the scheduler (:func:`record_admission`, :func:`record_admitted`,
+  :func:`record_eval_round`): training groups admitted per domain, evaluation rounds
+  started, the admission headroom and which bound holds admission at zero.
+
+Every metric is defined once, here, and a process records only what it does, so one scrape
+target never shows the same series from two sources (the archiver and the learner record
+the step metrics with the same meaning, each on its own endpoint: tell them apart by the
+scrape target, or scrape only one of them).
 
 Metrics are process-local (prometheus_client's default registry) and cost a few counter
 increments per message. With ``prometheus_client`` not installed, recording is a no-op and
@@ -17,7 +30,7 @@ increments per message. With ``prometheus_client`` not installed, recording is a
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import structlog
@@ -31,6 +44,10 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the dependency
     prom = None  # type: ignore[assignment]
 
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16)
+REWARD_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
+BLOCKED_REASONS = ("staleness", "limit", "backlog", "stopped")
+"""Why admission is at zero (:func:`record_admission`), one gauge series each."""
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -59,14 +76,14 @@ class _Metrics:
         )
         self.reward = prom.Histogram(
             "streamrl_reward", "Reward per sample", ["run", "domain", "split"],
-            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0),
+            buckets=REWARD_BUCKETS,
         )
         self.reward_last = prom.Gauge(
             "streamrl_group_reward", "Mean reward of the last group", ["run", "domain", "split"]
         )
         self.staleness = prom.Histogram(
             "streamrl_staleness_versions", "Max staleness seen per learner step", ["run"],
-            buckets=(0, 1, 2, 3, 4, 8, 16),
+            buckets=STALENESS_BUCKETS,
         )
         self.step_seconds = prom.Counter(
             "streamrl_learner_step_seconds", "Seconds the learner spent stepping", ["run"]
@@ -76,6 +93,59 @@ class _Metrics:
         )
         self.busy = prom.Gauge(
             "streamrl_learner_busy_fraction", "step / (step + wait) of the last step", ["run"]
+        )
+        # the learner's own process
+        self.steps = prom.Counter("streamrl_learner_steps", "Learner steps published", ["run"])
+        self.step_latency = prom.Histogram(
+            "streamrl_learner_step_latency_seconds", "Seconds per learner step (training)",
+            ["run"], buckets=LATENCY_BUCKETS,
+        )
+        self.trained_staleness = prom.Histogram(
+            "streamrl_trained_staleness_versions",
+            "Staleness of each trained group: versions between its oldest token and the step",
+            ["run"], buckets=STALENESS_BUCKETS,
+        )
+        self.dropped_stale = prom.Counter(
+            "streamrl_learner_dropped_stale", "Groups dropped as too stale to train", ["run"]
+        )
+        self.loss = prom.Gauge("streamrl_learner_loss", "Loss of the last step", ["run"])
+        self.grad_norm = prom.Gauge(
+            "streamrl_learner_grad_norm", "Gradient norm (before clipping) of the last step",
+            ["run"],
+        )
+        self.kl = prom.Gauge(
+            "streamrl_learner_kl",
+            "KL of the last step: to the reference model (ref, k3) and to the sampling "
+            "policy (old, approximate)", ["run", "to"],
+        )
+        self.policy_version = prom.Gauge(
+            "streamrl_policy_version", "Latest policy version the learner published", ["run"]
+        )
+        self.trained_groups = prom.Counter(
+            "streamrl_learner_groups", "Groups trained", ["run", "domain"]
+        )
+        self.trained_samples = prom.Counter(
+            "streamrl_learner_samples", "Samples trained", ["run", "domain"]
+        )
+        self.trained_reward = prom.Histogram(
+            "streamrl_learner_reward", "Reward per trained sample", ["run", "domain"],
+            buckets=REWARD_BUCKETS,
+        )
+        # the scheduler
+        self.admitted = prom.Counter(
+            "streamrl_admitted", "Training groups admitted", ["run", "domain"]
+        )
+        self.eval_rounds = prom.Counter(
+            "streamrl_eval_rounds", "Held-out evaluation rounds started", ["run"]
+        )
+        self.headroom = prom.Gauge(
+            "streamrl_admission_headroom", "Training groups admissible at the last check",
+            ["run"],
+        )
+        self.blocked = prom.Gauge(
+            "streamrl_admission_blocked",
+            "1 for the bound that held admission at zero at the last check, else 0",
+            ["run", "reason"],
         )
 
 
@@ -91,11 +161,12 @@ def metrics() -> _Metrics | None:
 
 
 def start_metrics_server(port: int, addr: str = "127.0.0.1") -> Any:
-    """Serve ``/metrics`` on ``addr:port`` from a daemon thread; returns the server."""
+    """Serve ``/metrics`` on ``addr:port`` from a daemon thread (``port`` -1 or 0: a free
+    port, logged); returns the server (``server.server_port``)."""
     if prom is None:
-        raise RuntimeError("metrics.port is set but prometheus_client is not installed")
+        raise RuntimeError("ops.metrics_port is set but prometheus_client is not installed")
     metrics()
-    server, _thread = prom.start_http_server(port, addr=addr)
+    server, _thread = prom.start_http_server(max(port, 0), addr=addr)
     log.info("metrics served", addr=addr, port=server.server_port)
     return server
 
@@ -152,3 +223,65 @@ def record_step(run: str, step: StepMetrics) -> None:
     m.wait_seconds.labels(run).inc(step.wait_seconds)
     total = step.step_seconds + step.wait_seconds
     m.busy.labels(run).set(step.step_seconds / total if total > 0 else 0.0)
+
+
+def record_learner_step(
+    run: str,
+    step: StepMetrics,
+    groups: Sequence[Trajectory],
+    staleness: Sequence[int],
+    *,
+    kl_ref: float,
+    approx_kl: float,
+) -> None:
+    """One published learner step: ``groups`` trained, ``staleness[i]`` versions old each."""
+    if (m := metrics()) is None:
+        return
+    record_step(run, step)
+    m.step_latency.labels(run).observe(step.step_seconds)
+    for s in staleness:
+        m.trained_staleness.labels(run).observe(s)
+    m.loss.labels(run).set(step.loss)
+    m.grad_norm.labels(run).set(step.grad_norm)
+    m.kl.labels(run, "ref").set(kl_ref)
+    m.kl.labels(run, "old").set(approx_kl)
+    for g in groups:
+        domain = g.rollout.task.domain
+        m.trained_groups.labels(run, domain).inc()
+        m.trained_samples.labels(run, domain).inc(len(g.rewards))
+        for r in g.rewards:
+            m.trained_reward.labels(run, domain).observe(r)
+    m.policy_version.labels(run).set(step.policy_version)
+    m.steps.labels(run).inc()
+
+
+def record_policy_version(run: str, version: int) -> None:
+    if (m := metrics()) is not None:
+        m.policy_version.labels(run).set(version)
+
+
+def record_dropped_stale(run: str) -> None:
+    if (m := metrics()) is not None:
+        m.dropped_stale.labels(run).inc()
+
+
+def record_admission(run: str, headroom: int, blocked: str | None) -> None:
+    """The scheduler's last check: ``headroom`` groups admissible; ``blocked`` the bound
+    (one of :data:`BLOCKED_REASONS`) that holds it at zero, None when it is not."""
+    if (m := metrics()) is None:
+        return
+    m.headroom.labels(run).set(headroom)
+    for reason in BLOCKED_REASONS:
+        m.blocked.labels(run, reason).set(1 if reason == blocked else 0)
+
+
+def record_admitted(run: str, domains: Iterable[str]) -> None:
+    """Training groups admitted, one domain name per group."""
+    if (m := metrics()) is not None:
+        for domain in domains:
+            m.admitted.labels(run, domain).inc()
+
+
+def record_eval_round(run: str) -> None:
+    if (m := metrics()) is not None:
+        m.eval_rounds.labels(run).inc()

@@ -39,6 +39,7 @@ import msgspec
 import structlog
 import trio
 
+from actors import metrics
 from actors.config import Config
 from actors.context import ActorContext
 from actors.scheduling import FairShare, Share
@@ -146,6 +147,9 @@ class Scheduler:
         self.fair = FairShare(
             shares(ctx.config), adaptive=self.cfg.adaptive, min_pass=self.cfg.min_pass
         )
+        self.blocked: str | None = None
+        """Which bound held the last :meth:`admissible` at zero (``metrics.BLOCKED_REASONS``),
+        None when it was not."""
 
     def sample(self, version: int) -> Task | None:
         """The next training task (its domain by fair share); None if every domain is at
@@ -178,6 +182,7 @@ class Scheduler:
         c = self.ctx
         admitted = int(await c.client.call(c.client.sync.get, c.names.admitted) or 0)
         if await c.client.call(c.client.sync.exists, c.names.stop):
+            self.blocked = "stopped"
             return 0, admitted
         learner = c.config.learner
         # Groups the learner dropped as stale free their slot: without this, once more than
@@ -195,7 +200,11 @@ class Scheduler:
         by_limit = limit - admitted if limit else by_staleness
         state = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])
         by_backlog = self.cfg.max_backlog - state.backlog
-        return max(0, min(by_staleness, by_limit, by_backlog)), admitted
+        bounds = {"limit": by_limit} if limit else {}
+        bounds |= {"staleness": by_staleness, "backlog": by_backlog}
+        count = max(0, min(bounds.values()))
+        self.blocked = None if count else min(bounds, key=bounds.__getitem__)
+        return count, admitted
 
     async def dead_groups(self) -> int:
         """Training groups dead-lettered at any stage, summed over the shards (minus those
@@ -226,7 +235,7 @@ class Scheduler:
         if not sampled:
             return 0
         if c.names.sharded:
-            return await publish_counted_routed(
+            added = await publish_counted_routed(
                 c.client,
                 c.names,
                 N.TASKS,
@@ -236,8 +245,14 @@ class Scheduler:
                 c.payload_limits(),
                 dedup_ttl_s=c.config.queues.dedup_ttl_s,
             )
-        tasks = [encode(t) for t in sampled]
-        return await c.producer().publish_counted(N.TASKS, tasks, c.names.admitted, admitted)
+        else:
+            tasks = [encode(t) for t in sampled]
+            added = await c.producer().publish_counted(
+                N.TASKS, tasks, c.names.admitted, admitted
+            )
+        if added:  # all of them or none
+            metrics.record_admitted(c.names.run, (t.domain for t in sampled))
+        return added
 
     async def finish_admissions(self) -> None:
         """Sharded runs: publish what a scheduler that died mid-admission counted but did not
@@ -262,6 +277,7 @@ class Scheduler:
                 if self.cfg.adaptive or any(s.max_inflight for s in self.fair.shares):
                     await self.observe_domains()
                 count, admitted = await self.admissible(version)
+                metrics.record_admission(c.names.run, count, self.blocked)
                 if count and await self.admit(count, version, admitted):
                     log.info("admitted", groups=count, policy_version=version)
                 # Wait for the next policy version (or re-check the backlog after block_ms).
@@ -292,6 +308,7 @@ class Scheduler:
         c = self.ctx
         round_no = int(await c.client.call(c.client.sync.incr, c.names.eval_round)) - 1
         await publish_eval_round(c, round_no, version)
+        metrics.record_eval_round(c.names.run)
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

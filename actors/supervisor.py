@@ -18,6 +18,7 @@ down. Ctrl-C (or SIGTERM) shuts down at once, without the final evaluation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import shutil
@@ -211,7 +212,35 @@ def _children(
             log_path = run_dir / "logs" / f"{actor}-{i}.log"
             env = child_environment(config, os.environ, actor, config.run.redis_url, credentials)
             children.append(Child(actor, i, argv, env, log_path))
+    _give_metrics_ports(config, children)
     return children
+
+
+def _give_metrics_ports(config: Config, children: list[Child]) -> None:
+    """``ops.metrics_port`` set: a port of its own for each actor process (the i-th gets the
+    port + i; -1: free loopback ports picked here), the same across its restarts."""
+    base = config.ops.metrics_port
+    if not base:
+        return
+    ports = _free_ports(len(children)) if base < 0 else [base + i for i in range(len(children))]
+    if ports[-1] > 65535:
+        raise SystemExit(f"streamrl: ops.metrics_port {base} + {len(children)} actors > 65535")
+    for child, port in zip(children, ports, strict=True):
+        child.argv += ["--set", f"ops.metrics_port={port}"]
+    listing = ", ".join(f"{c.name} {p}" for c, p in zip(children, ports, strict=True))
+    print(f"streamrl: metrics at http://{config.ops.metrics_addr}:PORT/metrics: {listing}",
+          flush=True)
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (each held until all are picked)."""
+    import socket
+
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
 
 
 async def _up(
