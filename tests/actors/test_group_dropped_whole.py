@@ -67,6 +67,9 @@ async def test_group_whose_sandbox_stays_unavailable_is_dropped_whole(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Given `code` runs on a Docker engine that is not there, `arith` on the process backend
+    import aiodocker  # noqa: F401  (imported here, not in the executor's first delivery)
+    import trio_asyncio  # noqa: F401
+
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-engine.sock")
     config = run_config(
         tmp_path, redis_url, names.run,
@@ -76,15 +79,18 @@ async def test_group_whose_sandbox_stays_unavailable_is_dropped_whole(
         "retry.backoff_s=0.05",
         "retry.max_backoff_s=0.1",
         "queues.max_deliveries=2",
-        "queues.reclaim_min_idle_ms=1000",
+        # min idle well above what a first use blocks the loop for (imports): else a
+        # delivery still in hand is reclaimed (its heartbeat starved) and counts as one more
+        "queues.reclaim_min_idle_ms=3000",
         "queues.reclaim_interval_s=0.3",
-        "queues.heartbeat_interval_s=0.2",
+        "queues.heartbeat_interval_s=0.3",
         "queues.block_ms=100",
     )
     ctx = ActorContext(config, client, names)
     broken = _train_rollout("code", "```python\ndef f(*a):\n    return 0\n```")
     healthy = _train_rollout("arith", "```python\nprint(1)\n```")
     await Producer(client, names).publish(N.ROLLOUTS, [encode(broken), encode(healthy)])
+    dead_before = int(await client.call(client.sync.get, names.dead_groups) or 0)
 
     # When the executor and the verifier serve the run until the broken group is dead
     with capture_logs() as logs:
@@ -97,7 +103,7 @@ async def test_group_whose_sandbox_stays_unavailable_is_dropped_whole(
                     and await _read(client, names, N.TRAJECTORIES, Trajectory)
                 ):
                     await trio.sleep(0.1)
-                await trio.sleep(1.5)  # past one more reclaim: nothing comes back
+                await trio.sleep(1.0)  # a few more reclaims: nothing comes back
             nursery.cancel_scope.cancel()
 
     # Then it was dead-lettered once, after max_deliveries (2) deliveries and one more,
@@ -107,6 +113,9 @@ async def test_group_whose_sandbox_stays_unavailable_is_dropped_whole(
     assert "delivered 3 times (> 2)" in letter.error, letter.error
     assert "infrastructure was unavailable" in letter.error, letter.error
     assert decode(letter.payload, Rollout).id == broken.id
+    # ... and its admission slot freed with the letter (the scheduler admits a replacement)
+    dead_after = int(await client.call(client.sync.get, names.dead_groups) or 0)
+    assert dead_after == dead_before + 1
     # ... after each of its 2 deliveries was tried twice in process (the Docker engine
     # unreachable each time) and released for redelivery
     released = [e for e in logs if e["event"] == "handler unavailable, released"]
