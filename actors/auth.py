@@ -7,6 +7,10 @@ command line or in a log. ``streamrl up`` generates a random password per role, 
 users with the admin URL's credentials and gives each child process only its own role's
 password and a URL without credentials. For actors started one by one, ``streamrl acl apply``
 creates the users from passwords set in its environment.
+
+The operator commands (``streamrl status``, ``dlq``, ``replay``, ``report``) connect as the
+``admin`` role where its password is set (:func:`ops_url`), else with the URL as given.
+Creating users always takes the URL's own user (allowed ``ACL SETUSER``), never a role.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import secrets
 from collections.abc import Mapping
 
 from actors.config import ENV_REDIS_URL, Config, ConfigError
-from queues.acl import ROLES, Credentials, apply_acls, role_url
+from queues.acl import OPERATOR_ROLES, ROLES, Credentials, apply_acls, role_url
 from queues.client import RedisClient
 from queues.names import Names
 
@@ -33,6 +37,31 @@ def role_credentials(
             f"${variable}); `streamrl up` sets it for its own actors"
         )
     return Credentials(config.auth.user_of(config.run.name, role), password)
+
+
+def credentials_for_apply(
+    config: Config, environ: Mapping[str, str] = os.environ
+) -> dict[str, Credentials]:
+    """The credentials ``streamrl acl apply`` creates users from: every actor role's (each
+    password required, else :class:`ConfigError`) and an operator role's where its password
+    is set."""
+    out = {}
+    for role in ROLES:
+        if role in OPERATOR_ROLES and not environ.get(config.auth.password_env_of(role)):
+            continue
+        out[role] = role_credentials(config, role, environ)
+    return out
+
+
+def ops_url(config: Config, environ: Mapping[str, str] = os.environ) -> str:
+    """The Redis URL of the operator commands: with ``auth.enabled`` and the ``admin`` role's
+    password in the environment, ``run.redis_url`` with the admin role's user (its own run's
+    keys, no administrative command; queues/acl.py); otherwise ``run.redis_url`` as given."""
+    url = config.run.redis_url
+    password = environ.get(config.auth.password_env_of("admin"))
+    if not (config.auth.enabled and url and password):
+        return url
+    return role_url(url, Credentials(config.auth.user_of(config.run.name, "admin"), password))
 
 
 def credentials_for_up(
@@ -61,7 +90,8 @@ def actor_url(config: Config, role: str, password: str | None = None) -> str:
 async def apply_role_users(
     config: Config, admin_url: str, credentials: Mapping[str, Credentials]
 ) -> None:
-    """Create or update the role users of this run, connected as the admin."""
+    """Create or update the role users of this run, connected with ``admin_url`` (a user
+    allowed ``ACL SETUSER``: the URL's own, not the ``admin`` role)."""
     admin = RedisClient(admin_url, max_connections=2)
     try:
         shards = config.queues.shards

@@ -76,9 +76,10 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
 async def apply_acl(config: Config) -> int:
     """Create or update the run's role users (auth.enabled) for actors started one by one:
     connected with the admin credentials of run.redis_url, the role passwords taken from the
-    environment. Prints no secret."""
-    from actors.auth import apply_role_users, role_credentials
-    from queues.acl import ROLES
+    environment (the operator's ``admin`` role only where its password is set). Prints no
+    secret."""
+    from actors.auth import apply_role_users, credentials_for_apply
+    from queues.acl import OPERATOR_ROLES
 
     if not config.auth.enabled:
         print("streamrl: auth.enabled is false in this config: no users to create", file=sys.stderr)
@@ -87,7 +88,7 @@ async def apply_acl(config: Config) -> int:
         print("streamrl: no Redis URL (set $STREAMRL_REDIS_URL to an admin URL)", file=sys.stderr)
         return 2
     try:
-        credentials = {role: role_credentials(config, role) for role in ROLES}
+        credentials = credentials_for_apply(config)
     except ConfigError as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 2
@@ -96,6 +97,10 @@ async def apply_acl(config: Config) -> int:
     for role, creds in credentials.items():
         variable = config.auth.password_env_of(role)
         print(f"  {role:<10} {creds.user}  (password from ${variable})")
+    for role in OPERATOR_ROLES:
+        if role not in credentials:
+            variable = config.auth.password_env_of(role)
+            print(f"  {role:<10} not created (set ${variable} to create it)")
     return 0
 
 

@@ -5,8 +5,10 @@
     streamrl replay list|show|rescore|retrain|export [selection] --config FILE
     streamrl report --out DIR --config FILE
 
-They connect with ``run.redis_url`` as given (the operator's credentials), give up on an
-unreachable Redis within seconds (exit status 2) and import their heavy parts lazily.
+They connect as the run's ``admin`` role where ``auth.enabled`` and its password
+(``$STREAMRL_PASSWORD_ADMIN``) are set, else with ``run.redis_url`` as given (the operator's
+credentials; actors/auth.py ``ops_url``), give up on an unreachable Redis within seconds (exit
+status 2) and import their heavy parts lazily.
 """
 
 from __future__ import annotations

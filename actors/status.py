@@ -56,10 +56,12 @@ class RedisUnreachable(RuntimeError):
 
 
 def ops_client(config: Config) -> RedisClient:
-    """A client for operator commands: ``run.redis_url`` as given (the operator's own
-    credentials; with ``auth.enabled`` the role users cannot run XPENDING / XDEL), short
-    socket timeouts, a reconnect window of a few seconds."""
-    url = config.run.redis_url
+    """A client for operator commands: as the ``admin`` role where its password is set
+    (actors/auth.py ``ops_url``), else ``run.redis_url`` as given (the operator's own
+    credentials); short socket timeouts, a reconnect window of a few seconds."""
+    from actors.auth import ops_url
+
+    url = ops_url(config)
     if not url:
         raise RedisUnreachable("run.redis_url is empty: set $STREAMRL_REDIS_URL or --set")
     parts = urlsplit(url)

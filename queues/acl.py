@@ -21,9 +21,14 @@ caller could do directly.
 
 Not covered (ACL rules do not see arguments): a role that may XADD to a stream may also trim
 it (``XADD ... MAXLEN``); a consumer may acknowledge entries of its group it never handled;
-``CLIENT UNBLOCK`` accepts any client id. The admin is the Redis URL's own user, which needs
-``ACL SETUSER`` (in effect a superuser); no user is created for it. The table of roles is in
-docs/security.md.
+``CLIENT UNBLOCK`` accepts any client id; the ``admin`` role, which requeues dead letters,
+may add any entry to the run's work streams.
+
+Two users are not alike: the ``admin`` *role* is the operator's user of one run, for the
+operator commands (``streamrl status``, ``dlq``, ``replay``, ``report``); creating users
+(``streamrl acl apply``, ``streamrl up``) needs ``ACL SETUSER``, which no role has: that is
+the Redis URL's own user (in effect a superuser), for which no user is created. The table of
+roles is in docs/security.md.
 """
 
 from __future__ import annotations
@@ -39,10 +44,18 @@ import redis
 from queues import names as N
 from queues.client import RedisClient, RedisURL
 
-ROLES = ("scheduler", "generator", "executor", "verifier", "learner", "monitor", "archiver")
-"""The roles that get a user. ``monitor`` is what ``streamrl up`` (progress, evaluation rounds,
-the final evaluation) and ``streamrl status`` do; ``archiver`` keeps every trajectory on disk
-(actors/archiver.py) through its own consumer groups."""
+ROLES = (
+    "scheduler", "generator", "executor", "verifier", "learner", "monitor", "archiver", "admin"
+)
+"""The roles that get a user. ``monitor`` is what ``streamrl up`` does itself (progress,
+evaluation rounds, the final evaluation); ``archiver`` keeps every trajectory on disk
+(actors/archiver.py) through its own consumer groups; ``admin`` is the operator's, for
+``streamrl status``, ``dlq``, ``replay`` and ``report`` on this run (actors/auth.py
+``ops_url``)."""
+
+OPERATOR_ROLES = ("admin",)
+"""Roles of a person, not of a process of the run: no actor runs as one, and ``streamrl acl
+apply`` creates their user only where their password is set."""
 
 CONNECTION = (
     "ping",
@@ -240,7 +253,33 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
             *_follow(n, N.METRICS),  # learner staleness and busy fraction, for /metrics
             Grant(OBSERVE, read=observed),  # every stream's lag, for /metrics
         ]
+    if role == "admin":
+        return _admin(n)
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+
+
+def _admin(n: N.Names) -> list[Grant]:
+    """The operator commands (actors/status.py, dlq.py, replay.py, report.py): observe every
+    queue, read the dead letters, the trajectories, the policy version and the learner's
+    metrics; requeue a dead letter (requeue.lua: XRANGE and XDEL of the letter, XADD of its
+    payload, claim-check blob first) and purge one (XDEL). No consumer group, no counter, no
+    flag, no deletion of anything but dead letters."""
+    work = tuple(_stream(n, s) for s in N.WORK_STREAMS)
+    dead, dead_groups = _stream(n, N.DEAD), _glob(n.dead_groups)
+    return [
+        # status: length, lag, pending entries and consumers of every group; dead letters
+        Grant((*OBSERVE, "xpending", "xinfo|consumers"), read=(*work, dead)),
+        # status, report, replay retrain: the policy version, the learner's step metrics
+        Grant(("xrange", "xrevrange"), read=tuple(_stream(n, s) for s in N.RUN_GLOBAL_STREAMS)),
+        # replay, report: trajectories stored behind a claim check
+        Grant(("get",), read=tuple(_blobs(n, s) for s in (N.TRAJECTORIES, N.EVALS))),
+        # dlq requeue (a training group's letter takes its admission slot back), purge
+        Grant(SCRIPTS, rw=(dead, dead_groups, *work)),
+        Grant(("decr",), rw=(dead_groups,)),
+        Grant(("xdel",), write=(dead,)),
+        Grant(("xadd",), write=work),
+        Grant(("set",), write=tuple(_blobs(n, s) for s in N.WORK_STREAMS)),
+    ]
 
 
 def acl_rules(

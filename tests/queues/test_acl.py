@@ -439,7 +439,7 @@ def test_rules_reach_only_the_runs_keys_and_never_all_commands() -> None:
             if "~" in token:
                 assert token.split("~", 1)[1].startswith("streamrl:{r}:"), (role, token)
     with pytest.raises(ValueError, match="unknown role"):
-        acl_rules(names, "admin", "pw")
+        acl_rules(names, "superuser", "pw")
 
 
 async def test_users_survive_a_restart_of_the_embedded_server(tmp_path: Any) -> None:
