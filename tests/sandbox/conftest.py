@@ -4,7 +4,10 @@ that proves nothing a test started outlives it.
 ``backend`` yields the process backend always (its strongest isolation mode here, resident
 bwrap sandboxes where they work, or ``$STREAMRL_TEST_ISOLATION``), and the Docker backend
 when ``open_sandbox("docker")`` works; without an engine the Docker cases skip with the
-reason, except under CI (``$CI`` set), where they fail.
+reason, except under CI (``$CI`` set), where they fail. A module may widen it to the process
+backend's fallback modes (:data:`PROCESS_MODES`, named ``process:<mode>``; the attack suite
+does) by overriding ``backend_name`` with :func:`usable_backend`: a mode that cannot run here
+skips with the reason.
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import trio
 from sandbox import ExecRequest, Limits, Sandbox, SandboxUnavailable, open_sandbox
 
 BACKENDS = ("process", "docker")
+# the process backend's fallback modes, each a backend name of its own (``process:<mode>``):
+# per-command bwrap, unshare, and none (a uid switch and rlimits: root only, see _mode_problem)
+PROCESS_MODES = ("process:bwrap-per-command", "process:unshare", "process:none")
 
 
 @pytest.fixture
@@ -65,19 +71,39 @@ def _unavailable(name: str, reason: str) -> None:
     pytest.skip(f"{name} backend unavailable here: {reason}")
 
 
+def _mode_options(mode: str) -> dict[str, str | bool]:
+    """bwrap, bwrap-per-command (no resident sandbox), unshare, none."""
+    isolation, _, per_command = mode.partition("-")
+    return {"isolation": isolation, "resident": not per_command}
+
+
 def _options(name: str) -> dict[str, str | bool]:
-    """``$STREAMRL_TEST_ISOLATION``: bwrap, bwrap-per-command (no resident sandbox), unshare,
-    none."""
+    """``$STREAMRL_TEST_ISOLATION`` for ``process``; the mode of ``process:<mode>``."""
+    if name.startswith("process:"):
+        return _mode_options(name.partition(":")[2])
     if name == "process" and os.environ.get("STREAMRL_TEST_ISOLATION"):
-        isolation, _, per_command = os.environ["STREAMRL_TEST_ISOLATION"].partition("-")
-        return {"isolation": isolation, "resident": not per_command}
+        return _mode_options(os.environ["STREAMRL_TEST_ISOLATION"])
     return {}
+
+
+def open_backend(name: str) -> Sandbox:
+    """The backend ``name`` (one of BACKENDS or PROCESS_MODES) with its test options."""
+    return open_sandbox(name.partition(":")[0], **_options(name))
+
+
+def _mode_problem(name: str) -> str | None:
+    """Why a process mode is not run here although it works: ``none`` switches uid only as
+    root; without root its code would run as the test's own user (reading the test's
+    environment, signalling it), which is no sandbox to attack."""
+    if name == "process:none" and os.geteuid() != 0:
+        return "the 'none' mode isolates by a uid switch, which needs root"
+    return None
 
 
 async def _probe(name: str) -> str | None:
     """Why backend ``name`` cannot run ``true`` here, or None when it can."""
     try:
-        box = open_sandbox(name, **_options(name))
+        box = open_backend(name)
     except (ValueError, ImportError, SandboxUnavailable) as exc:
         return f"{type(exc).__name__}: {exc}"
     try:  # an engine that is installed but down shows only when used
@@ -99,7 +125,21 @@ def unavailable() -> dict[str, str | None]:
 @pytest.fixture(params=BACKENDS)
 def backend_name(request: pytest.FixtureRequest, unavailable: dict[str, str | None]) -> str:
     """The backend's name; skips (fails under CI, for Docker) when it cannot run here."""
-    name: str = request.param
+    return usable_backend(request.param, unavailable)
+
+
+_mode_reasons: dict[str, str | None] = {}  # per process mode, probed once per session
+
+
+def usable_backend(name: str, unavailable: dict[str, str | None]) -> str:
+    """``name`` where it can run here, else skip (fail under CI, for Docker) with the reason;
+    a process mode is probed on first use."""
+    if name not in unavailable:  # a process mode: probed on first use
+        if name not in _mode_reasons:
+            _mode_reasons[name] = _mode_problem(name) or trio.run(_probe, name)
+        if _mode_reasons[name] is not None:
+            pytest.skip(f"{name} unavailable here: {_mode_reasons[name]}")
+        return name
     if unavailable[name] is not None:
         if name == "docker" and os.environ.get("CI"):
             pytest.fail(f"CI must run the Docker backend: {unavailable[name]}")
@@ -107,9 +147,10 @@ def backend_name(request: pytest.FixtureRequest, unavailable: dict[str, str | No
     return name
 
 
+
 @pytest.fixture
 async def backend(backend_name: str, marker: str) -> AsyncIterator[Sandbox]:
-    box = open_sandbox(backend_name, **_options(backend_name))
+    box = open_backend(backend_name)
     try:
         yield box
     finally:

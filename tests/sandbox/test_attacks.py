@@ -1,4 +1,8 @@
-"""The attack suite: one attack per test, against every backend (see conftest ``backend``).
+"""The attack suite: one attack per test, against every backend (see conftest ``backend``)
+and every fallback mode of the process backend (``process:bwrap-per-command``,
+``process:unshare``, ``process:none``; ``process`` itself is its strongest mode here, resident
+bwrap sandboxes), each in the normal test session, so that what each mode claims to stop is
+tested wherever the mode runs (a mode that cannot run here skips with the reason).
 
 Each test runs the attack in a fresh session labelled with the test's marker and asserts
 that (1) the attack was contained, (2) the result says what happened (timed_out, oom_killed,
@@ -25,6 +29,7 @@ import pytest
 import trio
 
 from sandbox import ExecRequest, ExecResult, Limits, Sandbox
+from tests.sandbox.conftest import BACKENDS, PROCESS_MODES, usable_backend
 
 REPO = Path(__file__).resolve().parents[2]
 SLACK_S = 2.0  # what a result may take beyond its deadline (kill, reap, drain) on a busy host
@@ -55,6 +60,12 @@ KNOWN_GAPS: dict[tuple[str, str], dict[str, str]] = {
         "proc": "'none' mode has the host pid namespace",
     },
 }
+
+
+@pytest.fixture(params=BACKENDS + PROCESS_MODES)
+def backend_name(request: pytest.FixtureRequest, unavailable: dict[str, str | None]) -> str:
+    """Every backend, and every fallback mode of the process backend (see conftest)."""
+    return usable_backend(request.param, unavailable)
 
 
 def expect_gap(request: pytest.FixtureRequest, box: Sandbox, attack: str) -> None:
