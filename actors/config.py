@@ -339,7 +339,7 @@ class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Serve Prometheus metrics on this port at ``/metrics`` in every actor process started
     with ``streamrl run`` (0: off; -1: a free port, logged as ``metrics served``). Replicas
     on one host need a port each: ``--set``, or -1. ``streamrl up`` gives its i-th actor
-    process this port + i (-1: free ports it picks), printed at start."""
+    process this port + i (-1: the first ports free from 9400 up), printed at start."""
     metrics_addr: str = "127.0.0.1"
     """Address the metrics endpoint listens on (0.0.0.0 to be scraped from elsewhere)."""
     archive: bool = True

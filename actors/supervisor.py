@@ -18,7 +18,6 @@ down. Ctrl-C (or SIGTERM) shuts down at once, without the final evaluation.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
@@ -218,13 +217,14 @@ def _children(
 
 def _give_metrics_ports(config: Config, children: list[Child]) -> None:
     """``ops.metrics_port`` set: a port of its own for each actor process (the i-th gets the
-    port + i; -1: free loopback ports picked here), the same across its restarts."""
+    port + i; -1: the first ports free now from 9400 up), the same across its restarts."""
     base = config.ops.metrics_port
     if not base:
         return
-    ports = _free_ports(len(children)) if base < 0 else [base + i for i in range(len(children))]
+    n = len(children)
+    ports = _free_ports(config.ops.metrics_addr, n) if base < 0 else list(range(base, base + n))
     if ports[-1] > 65535:
-        raise SystemExit(f"streamrl: ops.metrics_port {base} + {len(children)} actors > 65535")
+        raise SystemExit(f"streamrl: ops.metrics_port {base} + {n} actors > 65535")
     for child, port in zip(children, ports, strict=True):
         child.argv += ["--set", f"ops.metrics_port={port}"]
     listing = ", ".join(f"{c.name} {p}" for c, p in zip(children, ports, strict=True))
@@ -232,15 +232,23 @@ def _give_metrics_ports(config: Config, children: list[Child]) -> None:
           flush=True)
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (each held until all are picked)."""
+def _free_ports(addr: str, n: int, start: int = 9400) -> list[int]:
+    """The first ``n`` ports from ``start`` up that ``addr`` can bind now. Below the
+    ephemeral range (32768 up), so no connection an actor opens takes one before the actor
+    that is to serve it binds it (as a port picked by binding port 0 could be)."""
     import socket
 
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in sockets]
+    ports: list[int] = []
+    for port in range(start, 32768):
+        with socket.socket() as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise SystemExit(f"streamrl: fewer than {n} free metrics ports from {start} up")
 
 
 async def _up(

@@ -3,7 +3,9 @@ scheduler) recording into the process's registry, served on /metrics and scraped
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import socket
 import urllib.request
 from collections import Counter
 from collections.abc import Iterator
@@ -260,7 +262,13 @@ def test_up_gives_each_actor_process_its_own_metrics_port(tmp_path: Path) -> Non
     ports = [port_of(c.argv) for c in children]
     assert ports == list(range(9400, 9400 + len(children)))
     assert len(children) >= 5
-    # ... and with -1, free ports it picks, one each
+    # ... and with -1, ports free at start from 9400 up, one each (9400 taken: skipped)
     cfg = config(tmp_path, "", "metrics-up", "ops.metrics_port=-1", "up.executors=2")
-    auto = [port_of(c.argv) for c in _children(cfg, None, ["ops.metrics_port=-1"], {})]
-    assert len(set(auto)) == len(children) and all(p > 0 for p in auto)
+    with contextlib.ExitStack() as stack:
+        taken = stack.enter_context(socket.socket())
+        with contextlib.suppress(OSError):  # else it is taken already
+            taken.bind(("127.0.0.1", 9400))
+            taken.listen()
+        auto = [port_of(c.argv) for c in _children(cfg, None, ["ops.metrics_port=-1"], {})]
+    assert len(set(auto)) == len(children)
+    assert all(9400 < p < 32768 for p in auto)
