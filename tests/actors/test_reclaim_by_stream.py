@@ -21,8 +21,8 @@ async def _pending_owners(client: RedisClient, names: N.Names, stream: str) -> l
     rows = await client.call(
         client.sync.xpending_range, names.stream(stream), N.GROUP_OF_STREAM[stream], "-", "+", 10
     )
-    return [r["consumer"].decode() if isinstance(r["consumer"], bytes) else r["consumer"]
-            for r in rows]  # fmt: skip
+    owners = [r["consumer"] for r in rows]
+    return [o.decode() if isinstance(o, bytes) else str(o) for o in owners]
 
 
 async def test_each_stream_reclaims_after_its_own_min_idle(
@@ -48,7 +48,7 @@ async def test_each_stream_reclaims_after_its_own_min_idle(
             assert [d.payload for d in await dead.read(1)] == [stream.encode()]
     read_at = trio.current_time()
 
-    async def take_over() -> dict[str, list[bytes]]:
+    async def take_over() -> dict[str, list[bytes | None]]:
         taken = {}
         for stream in streams:
             async with ctx.consumer(stream, "live", consumer="live") as live:
