@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pyarrow.parquet as pq
 import pytest
 import trio
@@ -16,6 +17,7 @@ import trio
 import domains.arith.domain  # noqa: F401  (registers the arith domain)
 from actors import archiver
 from actors.context import ActorContext
+from actors.executor import to_outcome
 from actors.learner import serve as serve_learner
 from actors.replay import (
     Query,
@@ -33,7 +35,7 @@ from domains.arith.domain import Arith
 from learner.batch import make_trajectory
 from queues import names as N
 from queues.client import RedisClient
-from queues.messages import Trajectory, encode
+from queues.messages import Executed, Trajectory, encode, now
 from queues.streams import Producer
 from tests.ops.helpers import config, executed
 
@@ -192,3 +194,65 @@ async def test_retrain_reproduces_a_recorded_learner_step(
     # ... and a different selection does not reproduce it
     _, other_norm = retrain(cfg, 1, [found[ids[0]]])
     assert other_norm != pytest.approx(recorded.grad_norm, rel=1e-4)
+
+
+
+def _math(answer: str, replies: list[str]) -> Executed:
+    """A math group (no sandbox: nothing ran) whose samples answer ``replies``."""
+    group = executed(answer, replies)
+    spec = {"id": "math-train-x", "prompt": f"What is {answer}?", "answer": answer, "kind": "add"}
+    task = msgspec.structs.replace(group.rollout.task, domain="math", item_id=spec["id"],
+                                   prompt=spec["prompt"], spec=spec)  # fmt: skip
+    samples = [msgspec.structs.replace(s, text=f"Answer: {r}")
+               for s, r in zip(group.rollout.samples, replies, strict=True)]  # fmt: skip
+    rollout = msgspec.structs.replace(group.rollout, task=task, samples=samples)
+    outcomes = [to_outcome(None)] * len(replies)
+    return msgspec.structs.replace(group, rollout=rollout, outcomes=outcomes)
+
+
+async def test_replay_selects_by_time_range_and_domain_live_and_from_the_archive(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given four verified groups, two arith and two math, made two hours, one hour, one
+    # minute ago and now (whole seconds, as an operator types them), live and archived
+    t = int(now())
+    made = {
+        "old": (t - 7200, executed("6", ["6", "7"])),
+        "hour": (t - 3600, _math("12", ["12"])),
+        "minute": (t - 60, executed("9", ["9"])),
+        "now": (t, _math("5", ["5", "4"])),
+    }
+    groups = {}
+    for name, (created_at, group) in made.items():
+        [verified] = await _verified(group)
+        groups[name] = msgspec.structs.replace(verified, created_at=float(created_at))
+    assert [g.rewards for g in groups.values()] == [[1.0, 0.0], [1.0], [1.0], [1.0, 0.0]]
+    await Producer(client, names).publish(N.TRAJECTORIES, [encode(g) for g in groups.values()])
+    ctx = ActorContext(config(tmp_path, redis_url, names.run), client, names)
+    root = await _archive_all(ctx, 4)
+    name_of = {g.id: name for name, g in groups.items()}
+    base = ["--set", f"run.name={names.run}", "--set", f"run.redis_url={redis_url}",
+            "--set", f"run.work_dir={tmp_path}"]  # fmt: skip
+
+    def listed(*selection: str) -> list[str]:
+        done = _cli("replay", "list", *selection, *base)
+        assert done.returncode == 0, done.stderr
+        return [name_of[r["trajectory_id"]] for r in json.loads(done.stdout)]
+
+    # When the operator selects, live and from the archive, from an hour ago up to a minute
+    # ago: the hour-old group only (--since inclusive, --until exclusive); and one domain:
+    # its groups only, oldest first
+    window = ["--since", str(t - 3600), "--until", str(t - 60)]
+    for source in ("live", "archive"):
+        assert listed("--source", source, *window) == ["hour"], source
+        assert listed("--source", source, "--domain", "math") == ["hour", "now"], source
+
+    # Open-ended ranges, and a domain within a time range (the query the CLI builds)
+    async def chosen(query: Query, live: RedisClient | None, archive: Path | None) -> list[str]:
+        return [name_of[f.trajectory.id] for f in await select(live, names, query, archive)]
+
+    for sources in ((client, None), (None, root)):
+        assert await chosen(Query(since=t - 3600), *sources) == ["hour", "minute", "now"]
+        assert await chosen(Query(until=t - 3600), *sources) == ["old"]
+        assert await chosen(Query(domain="arith", since=t - 3600), *sources) == ["minute"]
+        assert await chosen(Query(domain="code"), *sources) == []
