@@ -5,6 +5,7 @@ and every key of another run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -29,6 +30,7 @@ from queues.acl import ROLES, Credentials, role_url
 from queues.client import RedisClient, RedisURL
 from queues.messages import DeadLetter, Task, Trajectory, WeightsPublished, encode, new_id, now
 from queues.payloads import REF_PREFIX, PayloadLimits, resolve
+from queues.server import ClusterProcess
 from queues.streams import Producer, StreamConsumer, ensure_group, requeue_dead_letter
 from tests.ops.helpers import config as ops_config
 from tests.ops.helpers import executed
@@ -46,9 +48,9 @@ def run_names(names: N.Names, shards: int) -> N.Names:
     return N.Names(names.run, shards=shards)
 
 
-@pytest.fixture
-def admin(
-    redis_url: str, run_names: N.Names, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@contextlib.contextmanager
+def _admin_users(
+    superuser: RedisClient, run_names: N.Names, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[Config, Credentials]]:
     """The run's users as `streamrl up` creates them (the admin's password from
     $STREAMRL_PASSWORD_ADMIN), and the run's config with auth on and a Redis URL without
@@ -56,15 +58,29 @@ def admin(
     password = secrets.token_hex(16)
     monkeypatch.setenv("STREAMRL_PASSWORD_ADMIN", password)
     monkeypatch.delenv("STREAMRL_REDIS_URL", raising=False)
-    bare = RedisURL(redis_url).without_credentials().url
+    bare = RedisURL(superuser.url.url).without_credentials().url
     cfg = ops_config(tmp_path, bare, run_names.run, "auth.enabled=true",
                      f"queues.shards={run_names.shards}")  # fmt: skip
     credentials = credentials_for_up(cfg, {"STREAMRL_PASSWORD_ADMIN": password})
-    trio.run(apply_role_users, cfg, redis_url, credentials)
-    yield cfg, credentials["admin"]
-    superuser = redis.Redis.from_url(redis_url)
-    superuser.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
-    superuser.close()
+    trio.run(apply_role_users, cfg, superuser.url.url, credentials)
+    try:
+        yield cfg, credentials["admin"]
+    finally:
+        on_all = {"target_nodes": "all"} if superuser.url.cluster else {}
+        users = [c.user for c in credentials.values()]
+        superuser.sync.execute_command("ACL", "DELUSER", *users, **on_all)
+
+
+@pytest.fixture
+def admin(
+    redis_url: str, run_names: N.Names, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Config, Credentials]]:
+    superuser = RedisClient(redis_url)
+    try:
+        with _admin_users(superuser, run_names, tmp_path, monkeypatch) as admin:
+            yield admin
+    finally:
+        superuser.close()
 
 
 def _argv(cfg: Config, *args: str) -> list[str]:
@@ -101,7 +117,45 @@ async def test_admin_runs_status_dlq_and_replay_on_its_run(
     run_names: N.Names,
     admin: tuple[Config, Credentials],
 ) -> None:
-    cfg, creds = admin
+    await _operate(client, run_names, admin[0])
+    # Nothing was refused, not even where a caller tolerates it
+    assert _refusals(client, admin[1].user) == []
+
+
+@pytest.fixture
+def cluster_run(
+    redis_cluster: ClusterProcess, names: N.Names, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[tuple[RedisClient, N.Names, Config, Credentials]]:
+    """A 3-shard run on the 3-node cluster, its users set on every node."""
+    run_names = N.Names(names.run, shards=3)
+    client = RedisClient(redis_cluster.url)
+    try:
+        with _admin_users(client, run_names, tmp_path, monkeypatch) as (cfg, creds):
+            yield client, run_names, cfg, creds
+    finally:
+        client.close()
+
+
+@pytest.mark.slow  # a 3-node cluster, eight CLI processes
+async def test_admin_runs_status_dlq_and_replay_on_a_redis_cluster(
+    redis_cluster: ClusterProcess,
+    cluster_run: tuple[RedisClient, N.Names, Config, Credentials],
+) -> None:
+    # The operator client follows the slots, its pipelines send scripts as EVAL
+    client, run_names, cfg, creds = cluster_run
+    await _operate(client, run_names, cfg)
+    for node in redis_cluster.nodes:
+        node_client = RedisClient(node.url)
+        try:
+            assert _refusals(node_client, creds.user) == [], node.port
+        finally:
+            node_client.close()
+
+
+async def _operate(client: RedisClient, run_names: N.Names, cfg: Config) -> None:
+    """status, dlq list/show/requeue/purge, replay list and the report's reads, as the admin
+    of ``run_names``; ``client`` (the URL's superuser) sets the run up and checks."""
     layouts = run_names.layouts()
     first, last = layouts[0], layouts[-1]
     # Given a run with, in every shard, one verified group (behind a claim check) and one
@@ -189,9 +243,6 @@ async def test_admin_runs_status_dlq_and_replay_on_its_run(
     finally:
         ops.close()
     assert data.reward["arith"][0] == [r for t in trajectories for r in t.rewards]
-
-    # Nothing was refused, not even where a caller tolerates it
-    assert _refusals(client, creds.user) == []
 
 
 def test_ops_commands_fail_clearly_with_a_wrong_admin_password(
