@@ -48,7 +48,8 @@ class AuthConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True)
     commands and keys (docs/security.md). Off: every process uses run.redis_url as it is."""
     user: str = "streamrl-{run}-{role}"
     """ACL user name of each role (scheduler, generator, executor, verifier, learner,
-    monitor); ``{run}``: the run name, ``{role}``: the role."""
+    monitor, archiver, and admin: the operator's, for status/dlq/replay/report); ``{run}``:
+    the run name, ``{role}``: the role."""
     password_env: str = "STREAMRL_PASSWORD_{ROLE}"
     """Environment variable holding each role's password (``{ROLE}``: the role in capitals).
     ``streamrl up`` sets a random one for each of its children; never put passwords in TOML."""
