@@ -23,8 +23,9 @@ Guarantees (on top of :mod:`sandbox.base`):
   by executors that died. Containers carry the labels ``streamrl.sandbox``,
   ``streamrl.instance`` and ``streamrl.owner`` (host/pid/start time); a session's container
   is renamed ``streamrl-<label>-<instance>-<n>`` after its label (the message id) before it
-  is used, a one-shot ``run``'s container likewise while its command runs (the rename goes
-  concurrently with it); the pool gives it its neutral name back before reusing it.
+  is used, a one-shot ``run``'s container likewise once its command has run
+  ``name_runs_after_s`` (concurrently with it: short runs cost no engine call); the pool
+  gives it its neutral name back before reusing it.
 
 What it does NOT isolate: the kernel is shared (default seccomp, no gVisor unless
 ``runtime="runsc"``); the code runs as the same uid as its runner (it can kill or stop it:
@@ -86,6 +87,8 @@ class DockerSandbox:
     ``image`` must contain ``python3`` (see sandbox/images/). ``limits`` sets the container-wide
     ceilings at creation (memory, processes, file size, open files); a request whose memory or
     process limit differs updates its container's cgroup before running.
+    ``name_runs_after_s``: a labelled one-shot ``run`` still running after this long has its
+    container renamed after the label (0: at once, still concurrently with the command).
     """
 
     name = "docker"
@@ -107,6 +110,7 @@ class DockerSandbox:
         runtime: str | None = None,
         python: str = "python3",
         reap_at_start: bool = True,
+        name_runs_after_s: float = 0.2,
     ) -> None:
         self.image = image
         self.pool_size = pool_size
@@ -121,6 +125,7 @@ class DockerSandbox:
         self._runtime = runtime
         self._python = python
         self._reap_at_start = reap_at_start
+        self._name_after = name_runs_after_s
         self._pools: dict[str, _Pool] = {}
         self._boxes: dict[str, _Box] = {}
         self._seq = itertools.count(1)
@@ -138,16 +143,17 @@ class DockerSandbox:
 
     async def run(self, request: ExecRequest, label: str = "") -> ExecResult:
         """A one-shot run in a warm container. ``label`` (the message id) names the container
-        while it runs: the rename goes to the engine concurrently with the command (no engine
-        round trip before it; a command shorter than the rename may end before the name
-        shows), and the container gets its pool name back before the pool hands it out
-        again."""
+        once the command has run ``name_runs_after_s``: the rename goes to the engine
+        concurrently with the command, never before it, and a command done sooner (most are)
+        costs no engine call at all. The container gets its pool name back before the pool
+        hands it out again."""
         box = await self._acquire(self.image, request.limits, "")
         if label:
-            box.rename_soon(self._label_name(label))
+            box.rename_soon(self._label_name(label), self._name_after)
         try:
             return await box.run(request)
         finally:
+            box.skip_pending_rename()
             self._release(box)
 
     @asynccontextmanager
@@ -540,6 +546,7 @@ class _Box:
         self.cgroup = (limits.memory_mb, limits.max_processes)
         self._removed = False
         self._renaming: trio.Event | None = None
+        self._rename_wait: trio.CancelScope | None = None
         self.channel = RunnerChannel(_Attached(sandbox, stream), discard=self.remove)
 
     @property
@@ -563,13 +570,18 @@ class _Box:
         if label:
             await self.rename(self.sandbox._label_name(label))
 
-    def rename_soon(self, name: str) -> None:
-        """Rename the container in the background (a failure is logged: the run goes on);
+    def rename_soon(self, name: str, delay_s: float) -> None:
+        """Rename the container in the background after ``delay_s``, unless
+        :meth:`skip_pending_rename` comes first (a failure is logged: the run goes on);
         :meth:`renamed` waits for it."""
 
         async def rename() -> None:
             try:
-                await self.rename(name)
+                with wait:
+                    await trio.sleep(delay_s)
+                self._rename_wait = None
+                if not wait.cancelled_caught:
+                    await self.rename(name)
             except SandboxUnavailable as exc:
                 if self.gone is None:
                     log.warning("sandbox.rename_failed", container=self.name, error=str(exc))
@@ -579,8 +591,14 @@ class _Box:
         nursery = self.sandbox._nursery
         if nursery is None or self.sandbox._closing.is_set():
             return
+        wait = self._rename_wait = trio.CancelScope()
         done = self._renaming = trio.Event()
         nursery.start_soon(rename)
+
+    def skip_pending_rename(self) -> None:
+        """Call off a :meth:`rename_soon` still waiting for its delay (one under way lands)."""
+        if self._rename_wait is not None:
+            self._rename_wait.cancel()
 
     async def renamed(self) -> None:
         if self._renaming is not None:
