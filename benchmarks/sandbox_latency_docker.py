@@ -8,8 +8,10 @@ The Docker columns of ``benchmarks/sandbox_latency.py``, with its baselines in t
 - ``process``: ``ProcessSandbox.run``;
 - ``docker-warm``: ``DockerSandbox.run`` with a warm pool of 8 (one container per worker at
   most; the resident runner forks/execs, the container is reset in the background after);
-- ``docker-warm-label``: the same with a label, as the executor runs it (the container is
-  renamed after the message id concurrently with the command, and back in the background);
+- ``docker-warm-label``: the same with a label, as the executor runs it (a command still
+  running after ``name_runs_after_s``, 0.2 s, has its container renamed after the label
+  concurrently with it and back in the background; ``print(1)`` is done sooner, so this
+  shows what the label costs a short run);
 - ``docker-cold``: ``docker run --rm`` with the same hardening flags (CLI, a new container per
   call), measured after the others with fewer runs (it is 10x slower).
 
