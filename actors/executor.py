@@ -131,6 +131,12 @@ class Sandboxes:
 
     def _box(self, domain: Any, backend: str, image: str) -> Sandbox:
         box = self._boxes.get((backend, image))
+        if box is not None and getattr(box, "stopped", False):
+            # its engine was unreachable (or went away): the retry of this message gets a
+            # fresh backend, which connects again, instead of the failure kept for good
+            log.warning("sandbox backend stopped, opening a fresh one", backend=backend,
+                        image=image, domain=domain.name)
+            box = None
         if box is None:
             options: dict[str, Any] = {"image": image} if image else {}
             if backend in POOLED:

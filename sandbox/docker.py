@@ -165,6 +165,14 @@ class DockerSandbox:
         finally:
             await session.aclose()
 
+    @property
+    def stopped(self) -> bool:
+        """Its engine connection has ended for good (the engine was unreachable at start, or
+        the connection failed later; every call now raises :class:`SandboxUnavailable`): the
+        owner replaces it with a fresh instance, which connects again
+        (``actors.executor.Sandboxes``)."""
+        return self._stopped.is_set()
+
     async def aclose(self) -> None:
         self._closing.set()
         if self._started:

@@ -243,6 +243,42 @@ async def test_a_short_one_shot_run_costs_no_rename(box: DockerSandbox) -> None:
     assert await _renames(box.instance, since) == []
 
 
+async def test_the_executor_connects_afresh_once_an_unreachable_engine_is_back(
+    docker_image: str, tmp_path: Path
+) -> None:
+    # Given an executor whose Docker engine (its socket proxy, as in the compose cluster) is
+    # not there yet
+    from actors.config import DomainConfig, DomainSandboxConfig
+    from actors.executor import Sandboxes
+    from domains.registry import get_domain
+    from sandbox.socket_proxy import Policy, Proxy, serve_proxy
+    from tests.actors.test_executor import _program
+    from tests.sandbox.docker_engine import SOCKET
+
+    path = tmp_path / "docker.sock"
+
+    def opener(backend: str, **options: object) -> DockerSandbox:
+        return DockerSandbox(docker_url=f"unix://{path}", host_grace_s=1.0, **options)  # type: ignore[arg-type]
+
+    config = {"arith": DomainSandboxConfig(backend="docker", image=docker_image, pool_size=1)}
+    sandboxes = Sandboxes("process", config, {"arith": DomainConfig(timeout_s=10)}, opener=opener)
+    arith = get_domain("arith")
+    request = arith.exec_request(arith.load_items("eval")[0], _program("print(6 * 7)"))
+    assert request is not None
+    try:
+        # When a run is tried before the engine is reachable, then again once it is
+        with pytest.raises(SandboxUnavailable, match="unreachable"):
+            await sandboxes.run(arith, request)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve_proxy, f"unix:{path}", Proxy(SOCKET, Policy()))
+            result = await sandboxes.run(arith, request)
+            nursery.cancel_scope.cancel()
+    finally:
+        await sandboxes.aclose()
+    # Then the retry got a fresh backend that connected, not the first one's failure kept
+    assert result.ok and result.stdout == b"42\n"
+
+
 async def test_the_executor_names_a_samples_container_after_the_message(
     docker_image: str,
 ) -> None:
