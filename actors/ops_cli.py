@@ -71,12 +71,17 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
     from queues.client import RedisURL
     from queues.names import Names
 
+    names = Names(config.run.name, shards=config.queues.shards)
+    if args.command == "replay" and args.source == "archive" and not config.run.redis_url:
+        # the archive alone needs no Redis (e.g. an embedded run's server is gone)
+        from actors.replay import run_replay
+
+        return trio.run(run_replay, None, names, config, args)
     try:
         client = ops_client(config)
     except (RedisUnreachable, ValueError) as exc:
         print(f"streamrl {args.command}: {exc}", file=sys.stderr)
         return 2
-    names = Names(config.run.name, shards=config.queues.shards)
     try:
         if args.command == "dlq":
             from actors.dlq import Selection, run_dlq

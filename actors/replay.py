@@ -363,7 +363,7 @@ def query_from_args(args: argparse.Namespace) -> Query:
 
 
 async def run_replay(
-    client: RedisClient, names: N.Names, config: Config, args: argparse.Namespace
+    client: RedisClient | None, names: N.Names, config: Config, args: argparse.Namespace
 ) -> int:
     archive = Path(args.archive) if args.archive else archive_dir(config)
     live = client if args.source in ("live", "both") else None
@@ -410,8 +410,9 @@ async def run_replay(
             print(f"streamrl replay retrain: {len(missing)} groups of step {args.step} are "
                   f"neither live nor archived: {missing[:3]}", file=sys.stderr)
             return 1
-        recorded = recorded_step(config, args.step) or await recorded_step_live(
-            client, names, args.step)
+        recorded = recorded_step(config, args.step)
+        if recorded is None and client is not None:
+            recorded = await recorded_step_live(client, names, args.step)
         loss, grad_norm = retrain(config, args.step, [by_id[i] for i in ids],
                                   Path(args.checkpoint) if args.checkpoint else None)
         result = Retrained(args.step, len(ids), loss, grad_norm,

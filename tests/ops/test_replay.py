@@ -184,9 +184,9 @@ async def test_retrain_reproduces_a_recorded_learner_step(
     assert recorded is not None and recorded.grad_norm > 0
     assert loss == pytest.approx(recorded.loss, rel=1e-4, abs=1e-6)
     assert grad_norm == pytest.approx(recorded.grad_norm, rel=1e-4)
-    # ... and so does the command, from the archive alone
+    # ... and so does the command, from the archive alone (no Redis URL: none is needed)
     done = _cli("replay", "retrain", "--step", "1", "--source", "archive",
-                "--set", f"run.name={names.run}", "--set", f"run.redis_url={redis_url}",
+                "--set", f"run.name={names.run}", "--set", "run.redis_url=",
                 "--set", f"run.work_dir={tmp_path}", "--set", "model.spec=tiny")
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
