@@ -4,10 +4,13 @@ host-network override (compose.host.yaml) and the cpu profile (serve-model, tiny
 Given a cluster with 2 generators, 1 executor and 2 verifiers (each its own container, its own
 Redis ACL user, the executor behind the Docker socket proxy), when training runs the test
 scales the executor to 3 (and measures how long the new replicas take to handle their first
-message), then ``docker kill``s a generator and a verifier; then training continues, every
-admitted group is trained, dropped as stale or dead-lettered, nothing stays pending, and
-``down -v`` leaves no container, volume or network of the project (nor a sandbox container of
-its executors).
+message, phase by phase), then back to 1 (the two removed replicas get SIGTERM: whatever they
+held pending in the executor group must be settled, by their own drain or by a survivor's
+reclaim, and the test measures how long that takes), then ``docker kill``s a generator and a
+verifier; then training continues, every admitted group is trained or dropped as stale (no
+dead letter: nothing poisonous is planted, so a dead letter is a loss), nothing stays pending,
+no consumer that left holds an entry, and ``down -v`` leaves no container, volume or network
+of the project (nor a sandbox container of any of its executors, removed ones included).
 
 Needs docker-compose, a Docker engine and the offline images (``docker/build_offline.sh``;
 .ci/run builds them). Skips with the reason without them, except under $CI, where it fails.
@@ -27,6 +30,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +83,15 @@ class Cluster:
     redis: redis.Redis
     names: N.Names
     figures: dict[str, Any] = field(default_factory=dict)
+    owners: set[str] = field(default_factory=set)  # sandbox owner labels of every executor
+
+    def argv(self, *args: str) -> list[str]:
+        return [*COMPOSE, "-p", self.project, "-f", "compose.yaml", "-f", "compose.host.yaml",
+                "--profile", "cpu", *args]  # fmt: skip
 
     def compose(self, *args: str, timeout: float = 180) -> str:
-        argv = [*COMPOSE, "-p", self.project, "-f", "compose.yaml", "-f", "compose.host.yaml",
-                "--profile", "cpu", *args]  # fmt: skip
-        done = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True,
-                              timeout=timeout)  # fmt: skip
+        done = subprocess.run(self.argv(*args), cwd=ROOT, env=self.env, capture_output=True,
+                              text=True, timeout=timeout)  # fmt: skip
         assert done.returncode == 0, f"{' '.join(args)}: {done.stderr[-3000:]}"
         return done.stdout
 
@@ -117,6 +124,15 @@ class Cluster:
             return {}
         return {r["name"].decode(): int(r["pending"]) for r in rows}
 
+    def pending_ids(self, stream: str, consumers: set[str]) -> set[str]:
+        """Entry ids pending on ``consumers`` in ``stream``'s work group."""
+        key, group = self.names.stream(stream), N.GROUP_OF_STREAM[stream]
+        return {
+            row["message_id"].decode()
+            for name in consumers
+            for row in self.redis.xpending_range(key, group, "-", "+", 1000, consumername=name)
+        }
+
     def groups(self) -> dict[str, tuple[int, int]]:
         """stream -> (lag, pending) of its work group."""
         out = {}
@@ -134,17 +150,20 @@ class Cluster:
             decode(f[b"d"], StepMetrics).groups
             for _, f in self.redis.xrange(self.names.stream(N.METRICS))
         )
-        dead_train = 0
-        for _, f in self.redis.xrange(self.names.stream(N.DEAD)):
-            letter = decode(f[b"d"], DeadLetter)
-            if _split(letter) != "eval":
-                dead_train += 1
         return {
             "admitted": int(self.redis.get(self.names.admitted) or 0),
             "trained": trained,
             "dropped_stale": int(self.redis.get(self.names.counter("dropped_stale")) or 0),
-            "dead_letters": dead_train,
+            "dead_letters": len(self.dead_letters()),
         }
+
+    def dead_letters(self) -> list[str]:
+        """Every dead letter of the run (any stage, any split), as "stream split: error"."""
+        out = []
+        for _, f in self.redis.xrange(self.names.stream(N.DEAD)):
+            letter = decode(f[b"d"], DeadLetter)
+            out.append(f"{letter.stream} {_split(letter)}: {letter.error[:300]}")
+        return out
 
 
 def _split(letter: DeadLetter) -> str:
@@ -181,17 +200,32 @@ def _wait(
     )
 
 
+def _events(text: str, event: str) -> list[dict[str, Any]]:
+    """The ``event`` lines of an actor's log (structlog JSON), each with ``t`` (epoch s)."""
+    out = []
+    for line in text.splitlines():
+        if f'"event": "{event}"' in line:
+            row = json.loads(line[line.index("{") :])
+            row["t"] = datetime.fromisoformat(row["timestamp"]).timestamp()
+            out.append(row)
+    return out
+
+
 def _first_event(container: str, event: str) -> float | None:
     """Wall time of the first ``event`` log line of a container (structlog JSON, UTC)."""
     out = subprocess.run(["docker", "logs", container], capture_output=True, text=True).stderr
-    for line in out.splitlines():
-        if f'"event": "{event}"' in line:
-            return datetime.fromisoformat(json.loads(line)["timestamp"]).timestamp()
-    return None
+    return next((row["t"] for row in _events(out, event)), None)
+
+
+def _started_at(container: str) -> float:
+    """When Docker started the container (epoch s)."""
+    at = _docker("inspect", "-f", "{{.State.StartedAt}}", container).strip()
+    whole, _, frac = at.rstrip("Z").partition(".")
+    return datetime.fromisoformat(f"{whole}.{(frac + '000000')[:6]}+00:00").timestamp()
 
 
 def _executor_owners(cluster: Cluster) -> set[str]:
-    """``host~pidns`` of every executor container: the owner label of its sandboxes."""
+    """``host~pidns`` of every running executor container: the owner label of its sandboxes."""
     owners = set()
     host = socket.gethostname()
     for cid in cluster.containers("executor", all_=True).values():
@@ -224,13 +258,12 @@ def cluster() -> Iterator[Cluster]:
     try:
         yield c
     finally:
-        owners = set()
         try:
-            owners = _executor_owners(c)
+            c.owners |= _executor_owners(c)
         finally:
             client.close()
             c.compose("down", "-v", "--timeout", "30", timeout=300)
-        _assert_nothing_left(project, owners)
+        _assert_nothing_left(project, c.owners)
 
 
 def _assert_nothing_left(project: str, owners: set[str]) -> None:
@@ -250,34 +283,116 @@ def _assert_nothing_left(project: str, owners: set[str]) -> None:
     assert ours == [], f"sandbox containers of the project's executors left: {ours}"
 
 
-def test_cluster_trains_scales_and_survives_killed_replicas(cluster: Cluster) -> None:
+SCALE = ("--scale", "generator=2", "--scale", "verifier=2")  # kept: an unnamed service goes to 1
+
+
+def _scale_up_executors(cluster: Cluster) -> tuple[set[str], set[str]]:
+    """Scale the executor 1 -> 3; returns the new containers and their consumer names."""
+    before = set(cluster.consumers(N.ROLLOUTS))
+    old = set(cluster.containers("executor").values())
+    t_scale = time.time()
+    cluster.compose("up", "-d", "--no-recreate", "--scale", "executor=3", *SCALE)
+    cluster.figures["scale_command_s"] = round(time.time() - t_scale, 1)
+    new = set(cluster.containers("executor").values()) - old
+    assert len(new) == 2
+    _wait("the new executors to join the executor group", cluster,
+          lambda: len(set(cluster.consumers(N.ROLLOUTS)) - before) >= 2 or None, 120,
+          poll_s=0.2)  # fmt: skip
+    cluster.figures["scale_to_joined_s"] = round(time.time() - t_scale, 1)
+    firsts = _wait("a new executor to handle a message", cluster,
+                   lambda: {c: t for c in new if (t := _first_event(c, "executed"))},
+                   120)  # fmt: skip
+    c = min(firsts, key=firsts.__getitem__)  # the replica that handled first
+    cluster.figures["scale_to_first_handled_s"] = round(firsts[c] - t_scale, 1)
+    # where its time went: Docker, imports + config, Redis + context, set-up, first message
+    events = ("config", "actor started", "actor ready", "executed")
+    marks = [t_scale, _started_at(c), *(_first_event(c, e) or float("nan") for e in events)]
+    phases = ("to_container_started", "start_to_config_logged", "config_to_actor_started",
+              "actor_started_to_ready", "ready_to_first_handled")  # fmt: skip
+    cluster.figures["scale_phases_s"] = {
+        phase: round(b - a, 1) for phase, (a, b) in zip(phases, pairwise(marks), strict=True)
+    }
+    ready = min(t for c in new if (t := _first_event(c, "actor ready")))
+    cluster.figures["scale_to_actor_ready_s"] = round(ready - t_scale, 1)
+    return new, set(cluster.consumers(N.ROLLOUTS)) - before
+
+
+def _scale_down_executors(
+    cluster: Cluster, removed: set[str], gone: set[str], log_dir: Path
+) -> None:
+    """Scale the executor 3 -> 1 while it holds work: docker-compose removes the two new
+    containers (highest numbers) with SIGTERM; every entry pending on their consumers
+    (``gone``) must be settled within the stop grace period, by their drain or by the
+    survivor's reclaim. Records which, and how long it took."""
+    assert set(cluster.containers("executor").values()) - {cluster.containers("executor")[1]} \
+        == removed, "docker-compose 1.29 removes the highest-numbered replicas"  # fmt: skip
+    cluster.owners |= _executor_owners(cluster)  # their sandboxes must be gone at the end too
+    held = _wait_or_none(lambda: cluster.pending_ids(N.ROLLOUTS, gone), 60)
+    logs = {c: log_dir / f"{c[:12]}.log" for c in removed}  # they are gone after the command
+    followers = []
+    for c, path in logs.items():
+        with path.open("w") as f:
+            followers.append(subprocess.Popen(["docker", "logs", "-f", c], stdout=f,
+                                              stderr=subprocess.STDOUT))  # fmt: skip
+    t_down = time.time()
+    argv = cluster.argv("up", "-d", "--no-recreate", "--scale", "executor=1", *SCALE)
+    down = subprocess.Popen(argv, cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    settled_at = done_at = None
+    while done_at is None or settled_at is None:
+        if settled_at is None and not cluster.pending_ids(N.ROLLOUTS, gone):
+            settled_at = time.time()
+        if done_at is None and down.poll() is not None:
+            done_at = time.time()
+        assert time.time() - t_down < 150, "scale-down: removed executors still hold entries"
+        time.sleep(0.1)
+    out = down.communicate()[0]
+    assert down.returncode == 0, out[-3000:]
+    for follower in followers:
+        follower.wait(timeout=30)
+    survivor = cluster.containers("executor")
+    assert list(survivor) == [1] and not removed & set(survivor.values()), survivor
+    survivor_log = subprocess.run(["docker", "logs", survivor[1]], capture_output=True,
+                                  text=True).stderr  # fmt: skip
+    reclaimed = {r["entry_id"] for r in _events(survivor_log, "reclaimed") if r["t"] >= t_down}
+    drained = {}
+    for c, path in logs.items():
+        text = path.read_text()
+        drain = _events(text, "draining")
+        assert drain and _events(text, "actor stopped"), f"{c} did not drain: {text[-2000:]}"
+        drained[c] = sum(r["samples"] for r in _events(text, "executed") if r["t"] >= drain[0]["t"])
+    cluster.figures["scale_down"] = {
+        "pending_on_removed_at_signal": len(held),
+        "to_pending_settled_s": round(settled_at - t_down, 1),
+        "command_s": round(done_at - t_down, 1),
+        "samples_executed_while_draining": sum(drained.values()),
+        "reclaimed_by_survivor": len(held & reclaimed),
+    }
+    assert all(cluster.consumers(N.ROLLOUTS).get(g, 0) == 0 for g in gone)
+
+
+def _wait_or_none(predicate: Any, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while (value := predicate()) == set() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return value
+
+
+def test_cluster_trains_scales_and_survives_killed_replicas(
+    cluster: Cluster, tmp_path: Path
+) -> None:
     started = time.monotonic()
+    (ROOT / "runs").mkdir(exist_ok=True)
     # Given the cluster with two generators and two verifiers
-    cluster.compose("up", "-d", "--scale", "generator=2", "--scale", "verifier=2", timeout=300)
+    cluster.compose("up", "-d", *SCALE, timeout=300)
     cluster.figures["up_s"] = round(time.monotonic() - started, 1)
     _wait("two learner steps", cluster, lambda: cluster.version() >= 2, 240)
     cluster.figures["first_steps_s"] = round(time.monotonic() - started, 1)
 
     # When the executor is scaled from 1 to 3 while training runs
-    before = set(cluster.consumers(N.ROLLOUTS))
-    old = set(cluster.containers("executor").values())
-    t_scale = time.time()
-    cluster.compose("up", "-d", "--no-recreate", "--scale", "executor=3", "--scale",
-                    "generator=2", "--scale", "verifier=2")  # fmt: skip
-    cluster.figures["scale_command_s"] = round(time.time() - t_scale, 1)
-    new = set(cluster.containers("executor").values()) - old
-    assert len(new) == 2
-    joined = _wait("the new executors to join the executor group", cluster,
-                   lambda: len(set(cluster.consumers(N.ROLLOUTS)) - before) >= 2 or None, 120,
-                   poll_s=0.2)  # fmt: skip
-    cluster.figures["scale_to_joined_s"] = round(time.time() - t_scale, 1)
-    assert joined
-    first = _wait("a new executor to handle a message", cluster,
-                  lambda: min((t for c in new if (t := _first_event(c, "executed"))),
-                              default=None), 120)  # fmt: skip
-    cluster.figures["scale_to_first_handled_s"] = round(first - t_scale, 1)
-    ready = min(t for c in new if (t := _first_event(c, "actor ready")))
-    cluster.figures["scale_to_actor_ready_s"] = round(ready - t_scale, 1)
+    new, joined = _scale_up_executors(cluster)
+    # and back to 1: the two new replicas leave
+    _scale_down_executors(cluster, new, joined, tmp_path)
 
     # and a generator and a verifier are killed
     steps_at_kill = cluster.version()
@@ -287,7 +402,7 @@ def test_cluster_trains_scales_and_survives_killed_replicas(cluster: Cluster) ->
     # Then training continues
     _wait("two more learner steps", cluster, lambda: cluster.version() >= steps_at_kill + 2, 180)
 
-    # and every admitted group is accounted for, nothing pending
+    # and every admitted group is trained or dropped as stale, nothing dead-lettered or pending
     limit = 40  # scheduler.max_train_groups in configs/compose-host.toml
 
     def settled() -> dict[str, int] | None:
@@ -298,11 +413,14 @@ def test_cluster_trains_scales_and_survives_killed_replicas(cluster: Cluster) ->
         return ledger if ledger["admitted"] == limit and done >= limit and idle else None
 
     ledger = _wait("every admitted group trained or dead-lettered", cluster, settled, 240)
-    assert ledger["trained"] + ledger["dropped_stale"] + ledger["dead_letters"] == limit, ledger
+    assert ledger["dead_letters"] == 0, cluster.dead_letters()
+    assert ledger["trained"] + ledger["dropped_stale"] == limit, ledger
     assert all(pending == 0 for _, pending in cluster.groups().values()), cluster.groups()
     assert ledger["trained"] > 0
+    # and no consumer holds anything: the removed and killed replicas' entries were taken over
+    held = {(s, name): n for s in PIPELINE for name, n in cluster.consumers(s).items() if n}
+    assert held == {}, held
     cluster.figures.update(ledger, steps=cluster.version(), steps_at_kill=steps_at_kill)
     cluster.figures["wall_s_before_down"] = round(time.monotonic() - started, 1)
-    (ROOT / "runs").mkdir(exist_ok=True)
     (ROOT / "runs" / "compose-test.json").write_text(json.dumps(cluster.figures, indent=2))
     print("compose test figures:", json.dumps(cluster.figures))
