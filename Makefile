@@ -20,7 +20,7 @@ demo: venv
 	$(BIN)/streamrl up --config configs/demo.toml --fresh --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
 
 test: venv
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 lint: venv
 	$(BIN)/ruff check queues actors sandbox learner domains inference tests benchmarks
