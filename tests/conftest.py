@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from queues.acl import apply_acls, role_url
 from queues.client import RedisClient
 from queues.names import Names
 from queues.server import ClusterProcess, ServerProcess, find_server_binary
+from tests.helpers import role_credentials
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +57,16 @@ def client(redis_url: str) -> Iterator[RedisClient]:
     c = RedisClient(redis_url)
     yield c
     c.close()
+
+
+@pytest.fixture
+async def roles(client: RedisClient, names: Names) -> AsyncIterator[dict[str, RedisClient]]:
+    """A client per ACL role, each connected as that role's user of this test's run; the
+    users are deleted afterwards."""
+    credentials = role_credentials(names)
+    await apply_acls(client, names, credentials)
+    clients = {r: RedisClient(role_url(client.url.url, c)) for r, c in credentials.items()}
+    yield clients
+    for c in clients.values():
+        c.close()
+    client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))

@@ -6,11 +6,8 @@ role's ACL user."""
 
 from __future__ import annotations
 
-import secrets
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import pytest
 import trio
 
 from actors.config import load_config
@@ -20,7 +17,6 @@ from actors.policies import Policies, Reject
 from actors.runtime import ActorRuntime, Output, RuntimeSettings
 from actors.scheduler import Scheduler
 from queues import names as N
-from queues.acl import ROLES, Credentials, apply_acls, role_url
 from queues.client import RedisClient
 from queues.messages import Sampling, Task, encode, new_id, now
 from queues.streams import ConsumerSettings, Producer, open_stream_consumer
@@ -43,19 +39,6 @@ class Refusing:
 
     async def handle(self, task: Task) -> list[Output]:
         raise Reject("cannot serve this task")
-
-
-@pytest.fixture
-async def roles(client: RedisClient, names: N.Names) -> AsyncIterator[dict[str, RedisClient]]:
-    credentials = {
-        r: Credentials(f"streamrl-{names.run}-{r}", secrets.token_hex(16)) for r in ROLES
-    }
-    await apply_acls(client, names, credentials)
-    clients = {r: RedisClient(role_url(client.url.url, c)) for r, c in credentials.items()}
-    yield clients
-    for c in clients.values():
-        c.close()
-    client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
 
 
 async def _dead_letter_all(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -25,25 +25,10 @@ from queues.streams import (
     ensure_group,
     open_stream_consumer,
 )
+from tests.helpers import role_credentials
 
 LIMITS = PayloadLimits(claim_check_bytes=64)  # payloads over 64 bytes go through blob keys
 BIG = b"x" * 200
-
-
-def _credentials(names: N.Names) -> dict[str, Credentials]:
-    return {r: Credentials(f"streamrl-{names.run}-{r}", secrets.token_hex(16)) for r in ROLES}
-
-
-@pytest.fixture
-async def roles(client: RedisClient, names: N.Names) -> AsyncIterator[dict[str, RedisClient]]:
-    """A client per role, each connected as that role's user of this run."""
-    credentials = _credentials(names)
-    await apply_acls(client, names, credentials)
-    clients = {r: RedisClient(role_url(client.url.url, c)) for r, c in credentials.items()}
-    yield clients
-    for c in clients.values():
-        c.close()
-    client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
 
 
 async def _denied(call: Callable[[], Awaitable[Any]]) -> None:
@@ -287,7 +272,7 @@ async def test_sharded_run_each_role_reaches_every_shard(
     client: RedisClient, names: N.Names
 ) -> None:
     # Given a run whose work streams are split in two shards, and its users
-    credentials = _credentials(names)
+    credentials = role_credentials(names)
     await apply_acls(client, names, credentials, shards=2)
     gen = RedisClient(role_url(client.url.url, credentials["generator"]))
     learner = RedisClient(role_url(client.url.url, credentials["learner"]))
@@ -328,7 +313,7 @@ async def test_sharded_run_each_role_reaches_every_shard(
 async def test_role_users_on_a_redis_cluster(redis_cluster: ClusterProcess, names: N.Names) -> None:
     # Given the users created through a cluster client (ACL SETUSER goes to every node)
     admin = RedisClient(redis_cluster.url)
-    credentials = _credentials(names)
+    credentials = role_credentials(names)
     try:
         await apply_acls(admin, names, credentials)
         await Producer(admin, names).publish(N.TASKS, [b"task"])
@@ -447,7 +432,7 @@ async def test_users_survive_a_restart_of_the_embedded_server(tmp_path: Any) -> 
     from queues.server import ServerProcess
 
     names = N.Names(run="restart")
-    credentials = _credentials(names)
+    credentials = role_credentials(names)
     with ServerProcess(tmp_path / "redis") as server:
         admin = RedisClient(server.url)
         try:
