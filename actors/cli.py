@@ -19,11 +19,12 @@ import json
 import signal
 import sys
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import trio
 
-from actors.config import Config, ConfigError, load_config, to_dict
+from actors.config import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
 from actors.logs import configure_logging, get_logger
 from actors.ops_cli import OPS_COMMANDS, add_ops_parsers, run_ops_command
 from queues.client import RedisURL
@@ -104,6 +105,39 @@ async def apply_acl(config: Config) -> int:
     return 0
 
 
+def warn_password_on_command_line(overrides: list[str]) -> bool:
+    """Warn (stderr, in words and as a structlog event) when a ``--set run.redis_url=``
+    override holds a password: a command line is visible to every user of the machine
+    (``ps``, ``/proc/<pid>/cmdline``) for as long as the process runs. The secret is not
+    repeated. True when it warned."""
+    import structlog
+
+    from actors.config import _parse_value
+
+    for item in overrides:
+        key, _, value = item.partition("=")
+        url = _parse_value(value.strip()) if key.strip() == "run.redis_url" else None
+        if not (isinstance(url, str) and urlsplit(url).password):
+            continue
+        print(
+            "streamrl: warning: the Redis password given with --set run.redis_url is visible "
+            "to other users of this machine (ps); give the URL in the environment instead: "
+            f"${ENV_REDIS_URL}=redis://:PASSWORD@HOST:PORT/0",
+            file=sys.stderr,
+            flush=True,
+        )
+        logger = structlog.wrap_logger(
+            structlog.PrintLogger(sys.stderr),
+            processors=[structlog.processors.add_log_level,
+                        structlog.processors.TimeStamper(fmt="iso", utc=True),
+                        structlog.processors.JSONRenderer()],
+        )
+        logger.warning("redis password on the command line", override="run.redis_url",
+                       use=ENV_REDIS_URL)
+        return True
+    return False
+
+
 def _public(config: Config) -> dict[str, Any]:
     """The config as printed and logged: the Redis URL without its password."""
     data = to_dict(config)
@@ -179,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         from actors.config_doc import main as config_doc
 
         return config_doc()
+    warn_password_on_command_line(args.overrides)
     try:
         config = load_config(args.config, args.overrides)
     except (ConfigError, OSError) as exc:
