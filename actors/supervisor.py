@@ -41,7 +41,7 @@ from actors.scheduler import eval_round_size, publish_eval_round
 from queues.acl import Credentials
 from queues.client import RedisClient, RedisURL
 from queues.names import Names
-from queues.server import ServerProcess
+from queues.server import ServerProcess, find_server_binary
 
 log = get_logger()
 
@@ -275,9 +275,11 @@ async def _up(
     print(f"streamrl: preparing model {config.model.spec!r} ...", flush=True)
     await trio.to_thread.run_sync(resolve_model, config.model.spec)
     if not url:
-        server = ServerProcess(data_dir=run_dir / "redis").start()
+        binary = find_server_binary(config.run.redis_server)
+        server = ServerProcess(data_dir=run_dir / "redis", binary=binary).start()
         url = server.url
-        print(f"streamrl: embedded Redis on 127.0.0.1:{server.port} (AOF, password)", flush=True)
+        print(f"streamrl: embedded Redis ({binary}) on 127.0.0.1:{server.port} (AOF, password)",
+              flush=True)
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else math.inf
     admin_url = url
     try:

