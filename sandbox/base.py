@@ -7,7 +7,10 @@ Guarantees every backend keeps:
   :class:`SandboxUnavailable`, which is retryable: the caller's message is retried later
   with a fresh sandbox;
 - nothing the backend started for the code outlives the call (single runs) or the session
-  (sessions); a backend with a warm pool keeps clean, reset sandboxes between calls.
+  (sessions); a backend with a warm pool keeps clean, reset sandboxes between calls;
+- every backend says how strongly it isolates (``isolation``, one of :data:`ISOLATION_LEVELS`,
+  weakest first) and what that does not isolate (:data:`NOT_ISOLATED`); a caller that needs
+  at least some level checks it with :func:`require_isolation` before running anything.
 """
 
 from __future__ import annotations
@@ -15,11 +18,47 @@ from __future__ import annotations
 import math
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Literal, Protocol
+
+IsolationLevel = Literal["none", "unshare", "bwrap", "docker"]
+ISOLATION_LEVELS: tuple[IsolationLevel, ...] = ("none", "unshare", "bwrap", "docker")
+"""Isolation levels, weakest first: a plain process (uid switch + rlimits), util-linux
+``unshare`` namespaces on the host's file system, a bubblewrap sandbox (its own read-only
+root and tmpfs mounts), a hardened container (adds seccomp and cgroup limits)."""
+
+NOT_ISOLATED: dict[str, str] = {
+    "none": "NOT isolated: the host network, the host file system (every readable file; "
+    "world-writable dirs such as /tmp writable), /proc and the host's processes; the kernel",
+    "unshare": "NOT isolated: the host file system (every readable host file can be read, "
+    "world-writable dirs such as /tmp, /dev/shm, /var/tmp written); nested user namespaces; "
+    "the kernel; CPU time and memory only per process (no cgroups)",
+    "bwrap": "not isolated: the kernel (shared, no seccomp filter); CPU time and memory only "
+    "per process (no cgroups)",
+    "docker": "not isolated: the kernel (shared, default seccomp; gVisor only with "
+    "runtime='runsc')",
+}
+"""What each level does not isolate, as logged and printed when a backend is opened."""
 
 
 class SandboxUnavailable(RuntimeError):
     """The sandbox could not be provided (infrastructure failure, retryable)."""
+
+
+class IsolationTooWeak(RuntimeError):
+    """A backend isolates less than required (a configuration error: never retried)."""
+
+
+def require_isolation(isolation: str, minimum: str, what: str = "the sandbox") -> None:
+    """Raise :class:`IsolationTooWeak` when ``isolation`` is below ``minimum`` (a level not in
+    :data:`ISOLATION_LEVELS` counts as ``none``)."""
+    if minimum not in ISOLATION_LEVELS:
+        raise ValueError(f"unknown isolation level {minimum!r}; known: {ISOLATION_LEVELS}")
+    rank = ISOLATION_LEVELS.index(isolation) if isolation in ISOLATION_LEVELS else 0
+    if rank < ISOLATION_LEVELS.index(minimum):
+        raise IsolationTooWeak(
+            f"{what} isolates only as {isolation!r}, below the required {minimum!r} "
+            f"({NOT_ISOLATED.get(isolation, 'unknown isolation')})"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,6 +146,7 @@ class Sandbox(Protocol):
     """
 
     name: str
+    isolation: IsolationLevel
 
     async def run(self, request: ExecRequest, label: str = "") -> ExecResult: ...
 

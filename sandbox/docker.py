@@ -57,7 +57,7 @@ from typing import Any, TypeVar
 import structlog
 import trio
 
-from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from sandbox.base import ExecRequest, ExecResult, IsolationLevel, Limits, SandboxUnavailable
 from sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
 log = structlog.get_logger()
@@ -92,6 +92,7 @@ class DockerSandbox:
     """
 
     name = "docker"
+    isolation: IsolationLevel = "docker"
 
     def __init__(
         self,
@@ -178,6 +179,11 @@ class DockerSandbox:
         if self._started:
             with trio.CancelScope(shield=True):
                 await self._stopped.wait()
+
+    @property
+    def detail(self) -> str:
+        """How this sandbox isolates, in words (logged when the executor opens it)."""
+        return f"hardened containers of {self.image} (runtime {self._runtime or 'default'})"
 
     def statistics(self) -> DockerStatistics:
         ready = sum(1 for pool in self._pools.values() for box in pool.ready if box.gone is None)

