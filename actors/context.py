@@ -59,6 +59,7 @@ class ActorContext:
             limits=self.payload_limits(),
             trim_interval_s=q.trim_interval_s,
             retain_acked=q.retain_acked,
+            max_deliveries=q.max_deliveries,
         )
 
     def producer(self) -> Producer:

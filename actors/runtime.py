@@ -31,7 +31,7 @@ import trio
 from actors import metrics
 from actors.policies import Policies, Reject, Retry, Unavailable
 from queues.messages import Message, MessageError, decode, encode, training_group
-from queues.payloads import PayloadTooLarge
+from queues.payloads import REF_PREFIX, PayloadTooLarge
 from queues.shards import Consumer
 from queues.stats import group_state
 from queues.streams import Delivery, Handoff
@@ -177,7 +177,11 @@ class ActorRuntime:
     async def _process_one(self, delivery: Delivery) -> None:
         started = trio.current_time()
         if delivery.payload is None:
-            return await self._dead_letter(delivery, delivery.error or "entry has no payload")
+            return await self._dead_letter(
+                delivery,
+                delivery.error or "entry has no payload",
+                peek(delivery, self.actor.input_type),
+            )
         try:
             message = decode(delivery.payload, self.actor.input_type)
         except MessageError as exc:
@@ -253,6 +257,20 @@ class ActorRuntime:
         await self.consumer.dead_letter(delivery, reason, group=group)
         self._dead += 1
         metrics.record_dead(self.consumer.names.run, self.actor.stage, reason)
+
+
+def peek(delivery: Delivery, kind: type[Any]) -> Message | None:
+    """The message of an entry past its delivery limit, if it is held inline (no I/O: a
+    claim-check blob is not fetched), so that its dead letter still frees an admitted
+    group's slot; None for anything else."""
+    raw = delivery.raw
+    if not delivery.past_limit or raw is None or raw.startswith(REF_PREFIX):
+        return None
+    try:
+        message: Message = decode(raw, kind)
+    except MessageError:
+        return None
+    return message
 
 
 async def serve_actor(

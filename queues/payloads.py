@@ -94,17 +94,29 @@ class Resolved:
 _KEEP_OF_OVERSIZE = 64 * 1024
 
 
+def blob_prefix(stream_key: str) -> str:
+    """The prefix every claim-check blob of ``stream_key`` has (:func:`prepare`)."""
+    return f"{stream_key}:blob:"
+
+
 def resolve(
-    sync: Any, entries: list[tuple[str, bytes | None]], limits: PayloadLimits
+    sync: Any,
+    entries: list[tuple[str, bytes | None]],
+    limits: PayloadLimits,
+    *,
+    stream_key: str | None = None,
 ) -> list[Resolved]:
     """Payloads of ``entries`` (id, field value) with references fetched (one round trip for
-    all blobs of the batch) and limits checked. ``sync`` is a redis-py client."""
-    refs = [
-        p[len(REF_PREFIX) :].decode("utf-8", "replace")
-        for _, p in entries
-        if p is not None and _is_ref(p)
-    ]
-    blobs = iter(_get_all(sync, refs) if refs else [])
+    all blobs of the batch) and limits checked. ``sync`` is a redis-py client.
+
+    Never raises for what an entry holds: a reference that names no blob of ``stream_key``
+    (another key of the run, a counter, another stream's blob) is refused without being
+    read, and a blob that cannot be read (missing, of another type, not permitted to this
+    user) is an error of that entry alone; the other entries of the batch are unaffected."""
+    prefix = blob_prefix(stream_key) if stream_key is not None else None
+    named = {_ref_key(p) for _, p in entries if p is not None and _is_ref(p)}
+    refs = sorted(k for k in named if prefix is None or k.startswith(prefix))
+    blobs = dict(zip(refs, _get_all(sync, refs), strict=True)) if refs else {}
     out = []
     for _, payload in entries:
         if payload is None:
@@ -112,11 +124,23 @@ def resolve(
             continue
         raw = payload
         if _is_ref(payload):
-            key = payload[len(REF_PREFIX) :].decode("utf-8", "replace")
-            payload = next(blobs)
-            if payload is None:
+            key = _ref_key(payload)
+            if key not in blobs:
+                error = (
+                    f"claim-check reference refused: {key!r} is not a blob of {stream_key} "
+                    f"(a reference must name a key under {prefix!r})"
+                )
+                out.append(Resolved(None, error, raw))
+                continue
+            blob = blobs[key]
+            if isinstance(blob, Exception):
+                error = f"claim-check blob {key} could not be read: {type(blob).__name__}: {blob}"
+                out.append(Resolved(None, error, raw))
+                continue
+            if blob is None:
                 out.append(Resolved(None, f"claim-check blob {key} is missing (expired?)", raw))
                 continue
+            payload = blob
         if len(payload) > limits.max_bytes:
             error = (
                 f"payload of {len(payload)} bytes is over the limit of {limits.max_bytes} "
@@ -128,12 +152,18 @@ def resolve(
     return out
 
 
+def _ref_key(payload: bytes) -> str:
+    return payload[len(REF_PREFIX) :].decode("utf-8", "replace")
+
+
 def _is_ref(payload: bytes | None) -> bool:
     return payload is not None and payload.startswith(REF_PREFIX)
 
 
-def _get_all(sync: Any, keys: list[str]) -> list[bytes | None]:
+def _get_all(sync: Any, keys: list[str]) -> list[bytes | Exception | None]:
+    """GET of every key; a key that cannot be read comes back as its error (WRONGTYPE,
+    NOPERM), not raised: connection errors still raise (the client reconnects and retries)."""
     pipe = sync.pipeline(transaction=False)
     for key in keys:
         pipe.get(key)
-    return list(pipe.execute())
+    return list(pipe.execute(raise_on_error=False))

@@ -38,6 +38,7 @@ from queues import names as N
 from queues.client import RedisClient
 from queues.messages import DeadLetter, encode, now
 from queues.payloads import REF_PREFIX, Blob, PayloadLimits, prepare_many, resolve, store_blobs
+from queues.stats import repair_lag
 
 _HANDOFF = resources.files("queues").joinpath("handoff.lua").read_text()
 _DEADLETTER = resources.files("queues").joinpath("deadletter.lua").read_text()
@@ -65,6 +66,7 @@ class Delivery:
     deliveries: int
     error: str | None = None  # why the payload is None; the caller dead-letters the entry
     raw: bytes | None = None  # what the entry held (for the dead letter when payload is None)
+    past_limit: bool = False  # delivered more than max_deliveries times: payload not resolved
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,9 @@ class ConsumerSettings:
     """Most entries deleted per trim script call (bounds the time Redis is busy)."""
     forget_consumers_idle_ms: int = 3_600_000
     """Trimming also drops consumers idle this long with nothing pending (0: never)."""
+    max_deliveries: int = 0
+    """An entry delivered more often than this is handed out unresolved (no blob fetched,
+    ``payload`` None, ``past_limit``) for the caller to dead-letter (0: no limit here)."""
 
 
 def _decode_entries(raw: Any) -> list[tuple[str, bytes | None]]:
@@ -209,16 +214,35 @@ class StreamConsumer:
     async def _deliveries(
         self, entries: list[tuple[str, bytes | None]], counts: dict[str, int] | None
     ) -> list[Delivery]:
-        """Claim-check references swapped for their blobs, limits checked (queues.payloads)."""
-        limits = self.settings.limits
-        if any(p is not None and p.startswith(REF_PREFIX) for _, p in entries):
-            resolved = await self.client.call(resolve, self.client.sync, entries, limits)
+        """Claim-check references swapped for their blobs, limits checked (queues.payloads).
+        The delivery limit comes first: an entry past ``max_deliveries`` is handed out with
+        its error and nothing of its payload fetched (a blob that kills its reader cannot keep
+        it alive), and no entry's payload can fail the read of the batch."""
+        counts = counts or {}
+        limit = self.settings.max_deliveries
+        past = {eid for eid, _ in entries if limit and counts.get(eid, 1) > limit}
+        todo = [(eid, p) for eid, p in entries if eid not in past]
+        limits, key = self.settings.limits, self.stream
+        if any(p is not None and p.startswith(REF_PREFIX) for _, p in todo):
+            resolved = await self.client.call(
+                resolve, self.client.sync, todo, limits, stream_key=key
+            )
         else:
-            resolved = resolve(None, entries, limits)  # no blob to fetch: no I/O
-        return [
-            Delivery(eid, r.payload, counts.get(eid, 1) if counts else 1, r.error, r.raw)
-            for (eid, _), r in zip(entries, resolved, strict=True)
-        ]
+            resolved = resolve(None, todo, limits, stream_key=key)  # no blob to fetch: no I/O
+        by_id = dict(zip((eid for eid, _ in todo), resolved, strict=True))
+        out = []
+        for eid, raw in entries:
+            n = counts.get(eid, 1)
+            if eid in past:
+                error = (
+                    f"delivered {n} times (> {limit}): its handler's process died or hung, or"
+                    " its infrastructure was unavailable, every time"
+                )
+                out.append(Delivery(eid, None, n, error, raw, past_limit=True))
+            else:
+                r = by_id[eid]
+                out.append(Delivery(eid, r.payload, n, r.error, r.raw))
+        return out
 
     async def _delivery_counts(self, entry_ids: list[str]) -> dict[str, int]:
         """Delivery counts of entries pending in this consumer: one XPENDING over their id
@@ -421,12 +445,29 @@ class StreamConsumer:
             if deleted < s.trim_batch:
                 return total
 
+    async def repair_lag(self) -> None:
+        """Set this group's ``entries-read`` right where the server lost it (Redis 7.0 after
+        loading a rewritten AOF; :func:`queues.stats.repair_lag`), so its lag heals."""
+        repaired = await repair_lag(self.client, self.stream, self.group)
+        if repaired is not None:
+            log.warning(
+                "consumer group lag repaired", stream=self.stream_name, group=self.group,
+                entries_read_was=repaired.entries_read_was, entries_read=repaired.entries_read,
+                lag=repaired.lag,
+            )  # fmt: skip
+
     async def serve_trimmer(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Housekeeping every ``trim_interval_s`` (0: none): repair the group's lag (at start
+        too), trim acknowledged entries."""
         task_status.started()
         interval = self.settings.trim_interval_s
         if interval <= 0:
             return
         while True:
+            try:
+                await self.repair_lag()
+            except redis.RedisError as exc:  # housekeeping must never stop the actor
+                log.warning("lag repair failed", stream=self.stream_name, error=str(exc))
             await trio.sleep(interval)
             try:
                 await self.trim()

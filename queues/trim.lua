@@ -10,13 +10,16 @@
 -- The boundary is the lowest of, over every consumer group: its oldest pending entry, or,
 -- with nothing pending, its last delivered id (everything below it was acknowledged). A
 -- stream without groups is left alone. Entries below the boundary are deleted (XTRIM
--- MINID, exact) together with their claim-check blobs.
+-- MINID, exact) together with their claim-check blobs: only a reference naming a blob of
+-- this stream (<stream>:blob:...) has its key deleted; a forged one naming any other key
+-- (a counter, another stream's blob) is trimmed with its entry, the key left alone.
 -- Returns the number of entries deleted.
 local stream = KEYS[1]
 local retain = tonumber(ARGV[1])
 local limit = tonumber(ARGV[2])
 local prefix = ARGV[3]
 local forget_idle_ms = tonumber(ARGV[4])
+local blobs = stream .. ':blob:'
 
 local function parse(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
@@ -64,7 +67,10 @@ for _, entry in ipairs(doomed) do
   local fields = entry[2]
   for i = 1, #fields, 2 do
     local v = fields[i + 1]
-    if string.sub(v, 1, #prefix) == prefix then redis.call('DEL', string.sub(v, #prefix + 1)) end
+    if string.sub(v, 1, #prefix) == prefix then
+      local key = string.sub(v, #prefix + 1)
+      if string.sub(key, 1, #blobs) == blobs then redis.call('DEL', key) end
+    end
   end
 end
 local last = doomed[#doomed][1]

@@ -121,13 +121,14 @@ async def test_claim_check_roundtrip_and_blob_deleted_with_its_entry(
 async def test_unusable_entries_carry_a_reason(client: RedisClient, names: N.Names) -> None:
     key = names.stream(N.TASKS)
     await client.call(client.sync.xadd, key, {b"d": b"z" * 1500})  # a foreign oversize write
-    await client.call(client.sync.xadd, key, {b"d": REF_PREFIX + b"gone"})  # blob expired
+    gone = f"{key}:blob:gone"
+    await client.call(client.sync.xadd, key, {b"d": REF_PREFIX + gone.encode()})  # expired
     await client.call(client.sync.xadd, key, {b"other": b"1"})  # no payload field
     settings = ConsumerSettings(trim_interval_s=0, limits=SMALL)
     async with open_stream_consumer(client, names, N.TASKS, stage="g", settings=settings) as c:
         oversize, missing, nofield = await c.read(3)
         assert oversize.payload is None and "over the limit of 1000" in (oversize.error or "")
-        assert missing.payload is None and "blob gone is missing" in (missing.error or "")
+        assert missing.payload is None and f"blob {gone} is missing" in (missing.error or "")
         assert nofield.payload is None and "no payload" in (nofield.error or "")
         await c.dead_letter(oversize, oversize.error or "")
     [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.DEAD))
