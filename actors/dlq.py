@@ -10,7 +10,9 @@ Guarantees:
 - ``purge`` deletes only the letters it listed (letters dead-lettered meanwhile stay), and
   only after confirmation (``--yes`` for scripts);
 - nothing here decodes more than it shows: a payload that does not decode as its stream's
-  message is shown as bytes with the decoding error.
+  message is shown as bytes with the decoding error;
+- ``show --out FILE`` writes one letter's whole payload, byte for byte, however large (a
+  claim-check reference resolved to its blob, which must be one of the letter's own stream).
 
 Sharded runs (``queues.shards`` > 1): every shard has its own dead-letter stream (in the
 slot of the streams whose letters it holds); every command covers all of them, and a dead
@@ -40,7 +42,7 @@ from queues.messages import (
     Trajectory,
     decode,
 )
-from queues.payloads import PayloadLimits
+from queues.payloads import REF_PREFIX, PayloadLimits
 from queues.shards import qualify, split_qualified
 from queues.streams import requeue_dead_letter
 
@@ -153,6 +155,24 @@ def decoded_payload(letter: DeadLetter) -> dict[str, Any]:
         message, builtin_types=(bytes,)))}
 
 
+async def full_payload(client: RedisClient, names: N.Names, entry: DeadEntry) -> bytes:
+    """The whole payload of a dead letter: a claim-check reference resolved to its blob.
+    :class:`LookupError` if the blob is gone or is not one of the letter's own stream."""
+    if entry.letter is None:
+        raise LookupError(f"dead letter {entry.dead_id} does not decode: no payload")
+    payload = entry.letter.payload
+    if not payload.startswith(REF_PREFIX):
+        return payload
+    key = payload[len(REF_PREFIX) :].decode("utf-8", "replace")
+    layout, _ = _locate(names, entry.dead_id)
+    if not key.startswith(layout.stream(entry.letter.stream) + ":blob:"):
+        raise LookupError(f"claim-check reference {key!r} names no blob of {entry.letter.stream}")
+    blob: Any = await client.call(client.sync.get, key)
+    if blob is None:
+        raise LookupError(f"claim-check blob {key} is gone (expired or trimmed)")
+    return bytes(blob)
+
+
 async def requeue(
     client: RedisClient,
     names: N.Names,
@@ -217,6 +237,19 @@ def _print_table(entries: list[DeadEntry]) -> None:
     print(f"{len(entries)} dead letter(s)")
 
 
+async def _write_payload(client: RedisClient, names: N.Names, entry: DeadEntry, out: str) -> int:
+    try:
+        payload = await full_payload(client, names, entry)
+    except LookupError as exc:
+        print(f"streamrl dlq show --out: {exc}; nothing written", file=sys.stderr)
+        return 1
+    with open(out, "wb") as f:
+        f.write(payload)
+    print(f"streamrl dlq show: wrote {len(payload)} bytes of {entry.dead_id}'s payload to {out}",
+          file=sys.stderr)
+    return 0
+
+
 async def run_dlq(
     client: RedisClient,
     names: N.Names,
@@ -227,13 +260,19 @@ async def run_dlq(
     yes: bool = False,
     limits: PayloadLimits | None = None,
     confirm: Any = input,
+    out: str | None = None,
 ) -> int:
-    """The body of ``streamrl dlq ACTION``; returns the exit status."""
+    """The body of ``streamrl dlq ACTION``; returns the exit status. ``out``: ``show``
+    also writes the letter's whole payload to this file."""
     if action in ("requeue", "purge", "show") and selection.empty:
         print(f"streamrl dlq {action}: name letter ids, --stream, --error or --all",
               file=sys.stderr)
         return 2
     entries = await list_dead(client, names, selection)
+    if out is not None and (action != "show" or len(entries) != 1):
+        print(f"streamrl dlq {action} --out: takes `show` of exactly one letter "
+              f"({len(entries)} match)", file=sys.stderr)
+        return 2
     if action == "list":
         if as_json:
             print(json.dumps([e.summary() for e in entries], indent=2))
@@ -246,6 +285,8 @@ async def run_dlq(
             for e in entries
         ]
         print(json.dumps(shown, indent=2, default=str))
+        if out is not None:
+            return await _write_payload(client, names, entries[0], out)
         return 0 if entries else 1
     if not entries:
         print(f"streamrl dlq {action}: no dead letter matches", file=sys.stderr)

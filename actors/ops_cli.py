@@ -1,7 +1,7 @@
 """The operator subcommands of ``streamrl``: ``dlq``, ``replay``, ``report``.
 
     streamrl dlq list|show|requeue|purge [IDS...] [--stream S] [--error REGEX] [--all]
-                 [--json] [--yes] --config FILE
+                 [--json] [--yes] [--out FILE] --config FILE
     streamrl replay list|show|rescore|retrain|export [selection] --config FILE
     streamrl report --out DIR --config FILE
 
@@ -34,6 +34,8 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
     dlq.add_argument("--all", action="store_true", help="every letter")
     dlq.add_argument("--json", action="store_true")
     dlq.add_argument("--yes", action="store_true", help="purge without asking")
+    dlq.add_argument("--out", metavar="FILE",
+                     help="show: write the letter's whole payload to FILE (blob resolved)")
     common(dlq)
 
     replay = sub.add_parser("replay", help="select, show, rescore, retrain, export trajectories")
@@ -89,7 +91,8 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
             selection = Selection(tuple(args.ids), args.stream, args.error, args.all)
             return trio.run(
                 lambda: run_dlq(
-                    client, names, args.action, selection, as_json=args.json, yes=args.yes
+                    client, names, args.action, selection, as_json=args.json, yes=args.yes,
+                    out=args.out,
                 )
             )
         if args.command == "replay":

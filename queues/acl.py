@@ -261,9 +261,9 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
 def _admin(n: N.Names) -> list[Grant]:
     """The operator commands (actors/status.py, dlq.py, replay.py, report.py): observe every
     queue, read the dead letters, the trajectories, the policy version and the learner's
-    metrics; requeue a dead letter (requeue.lua: XRANGE and XDEL of the letter, XADD of its
-    payload, claim-check blob first) and purge one (XDEL). No consumer group, no counter, no
-    flag, no deletion of anything but dead letters."""
+    metrics, the claim-check blobs of every work stream; requeue a dead letter (requeue.lua:
+    XRANGE and XDEL of the letter, XADD of its payload, claim-check blob first) and purge one
+    (XDEL). No consumer group, no counter, no flag, no deletion of anything but dead letters."""
     work = tuple(_stream(n, s) for s in N.WORK_STREAMS)
     dead, dead_groups = _stream(n, N.DEAD), _glob(n.dead_groups)
     return [
@@ -271,8 +271,9 @@ def _admin(n: N.Names) -> list[Grant]:
         Grant((*OBSERVE, "xpending", "xinfo|consumers"), read=(*work, dead)),
         # status, report, replay retrain: the policy version, the learner's step metrics
         Grant(("xrange", "xrevrange"), read=tuple(_stream(n, s) for s in N.RUN_GLOBAL_STREAMS)),
-        # replay, report: trajectories stored behind a claim check
-        Grant(("get",), read=tuple(_blobs(n, s) for s in (N.TRAJECTORIES, N.EVALS))),
+        # replay, report: trajectories stored behind a claim check; dlq show --out: the
+        # blob a dead letter's claim-check reference names
+        Grant(("get",), read=tuple(_blobs(n, s) for s in N.WORK_STREAMS)),
         # dlq requeue (a training group's letter takes its admission slot back), purge
         Grant(SCRIPTS, rw=(dead, dead_groups, *work)),
         Grant(("decr",), rw=(dead_groups,)),
