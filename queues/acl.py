@@ -21,8 +21,10 @@ caller could do directly.
 
 Not covered (ACL rules do not see arguments): a role that may XADD to a stream may also trim
 it (``XADD ... MAXLEN``); a consumer may acknowledge entries of its group it never handled;
-``CLIENT UNBLOCK`` accepts any client id; the ``admin`` role, which requeues dead letters,
-may add any entry to the run's work streams.
+``CLIENT UNBLOCK`` accepts any client id; a consumer may move its input stream's group
+cursors with ``XGROUP SETID`` (granted for repair_lag.lua, which sets only ``ENTRIESREAD`` at the
+group's own id; reading and acknowledging could skip entries anyway); the ``admin`` role,
+which requeues dead letters, may add any entry to the run's work streams.
 
 Two users are not alike: the ``admin`` *role* is the operator's user of one run, for the
 operator commands (``streamrl status``, ``dlq``, ``replay``, ``report``); creating users
@@ -95,8 +97,12 @@ SCRIPTS = ("evalsha", "eval")
 """The Lua scripts (EVAL: scripts in a cluster pipeline are sent with their text)."""
 FOLLOW = ("xread", "xrevrange")
 """queues.streams.EventReader: the latest event, then every new one."""
-OBSERVE = ("xlen", "xinfo|groups", "xrange")
-"""queues.stats: length, lag and pending of a group (XRANGE counts the lag after deletions)."""
+OBSERVE = ("exists", "xlen", "xinfo|groups", "xinfo|stream", "xrange", "evalsha_ro", "eval_ro")
+"""queues.stats: length, lag and pending of a group (backlog.lua, a read-only script: XRANGE
+checks the reported lag and counts it where the server's figure is impossible)."""
+REPAIR = ("xinfo|stream", "xgroup|setid")
+"""queues/repair_lag.lua, run by the consumers of a stream: set their group's entries-read
+right again (at the group's own last-delivered id) where the server lost it."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +152,7 @@ def _consume(names: N.Names, stream: str, stage: str, outputs: tuple[str, ...] =
     out_blobs = tuple(_blobs(names, s) for s in outputs)
     dedup = (_glob(names.dedup(stage, "")) + "*",) if outputs else ()
     grants = [
-        Grant(CONSUME + TRIM, rw=(source,)),
+        Grant(CONSUME + TRIM + REPAIR, rw=(source,)),
         Grant(("get", "del"), rw=(blobs,)),  # claim checks: fetched, deleted by the trim
         Grant(SCRIPTS, rw=(source, blobs, dead, dead_groups, *outs, *dedup, *out_blobs)),
         Grant(("xadd",), write=(dead, *outs)),

