@@ -9,9 +9,10 @@
 -- less the entries after the group's last-delivered id; it is set with XGROUP SETID at that
 -- same id (atomically: the group cannot move meanwhile), so nothing is delivered again or
 -- skipped. Left alone: a group whose range after its last-delivered id had entries deleted
--- (XDEL: entries-read cannot be told), and a missing stream or group.
+-- (XDEL: entries-read cannot be told), a group without entries-read yet, and a missing stream
+-- or group.
 --
--- Returns {} when nothing was wrong, else {entries-read before (-1: none), after, lag now}.
+-- Returns {} when nothing was wrong, else {entries-read before, after, lag now}.
 local stream = KEYS[1]
 local group = ARGV[1]
 
@@ -37,19 +38,16 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
   if info['name'] == group then
     local cursor = info['last-delivered-id']
     if deleted ~= '0-0' and not less(deleted, cursor) then return {} end
-    local read = info['entries-read']  -- false when Redis has none
-    local expected = read and (added - read) or nil
-    local after
-    if expected and expected >= 0 then  -- the count, read no further than needed
-      after = #redis.call('XRANGE', stream, '(' .. cursor, '+', 'COUNT', expected + 1)
-      if after > expected then after = #redis.call('XRANGE', stream, '(' .. cursor, '+') end
-    else
-      after = #redis.call('XRANGE', stream, '(' .. cursor, '+')
-    end
+    local read = info['entries-read']
+    if not read then return {} end  -- none yet (a new group): Redis estimates the lag itself
+    local expected = added - read
+    -- the entries after the cursor, counted no further than needed
+    local after = #redis.call('XRANGE', stream, '(' .. cursor, '+', 'COUNT', expected + 1)
+    if after > expected then after = #redis.call('XRANGE', stream, '(' .. cursor, '+') end
     local want = added - after
     if read == want then return {} end
     redis.call('XGROUP', 'SETID', stream, group, cursor, 'ENTRIESREAD', want)
-    return {read or -1, want, after}
+    return {read, want, after}
   end
 end
 return {}

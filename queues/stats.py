@@ -107,7 +107,7 @@ async def _group_state(client: RedisClient, names: N.Names, stream: str, group: 
 class LagRepair:
     stream: str
     group: str
-    entries_read_was: int | None
+    entries_read_was: int
     entries_read: int
     lag: int
 
@@ -122,7 +122,7 @@ async def repair_lag(client: RedisClient, stream_key: str, group: str) -> LagRep
     if not row:
         return None
     was, now, lag = (int(x) for x in row)
-    return LagRepair(stream_key, group, None if was < 0 else was, now, lag)
+    return LagRepair(stream_key, group, was, now, lag)
 
 
 async def pipeline_state(client: RedisClient, names: N.Names) -> list[GroupState]:
