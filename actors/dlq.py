@@ -195,6 +195,7 @@ async def requeue(
             entry.letter.payload,
             limits,
             layout.dead_groups,
+            layout.admitted_groups,
         )
         done.append((entry.dead_id, new_id))
     return done

@@ -42,6 +42,7 @@ import trio
 from actors.config import Config
 from actors.context import ActorContext
 from actors.metrics import record_dropped_stale, record_learner_step, record_policy_version
+from actors.runtime import peek
 from learner import distributed as dist_util
 from learner.batch import build_batch, group_staleness
 from learner.checkpoint import (
@@ -69,7 +70,7 @@ from queues.messages import (
 )
 from queues.shards import Consumer
 from queues.stats import group_state
-from queues.streams import Delivery, Handoff
+from queues.streams import Delivery
 
 log = structlog.get_logger()
 
@@ -265,19 +266,26 @@ class Learner:
         check staleness against ``version``; anything not trainable is settled (acknowledged
         or dead-lettered) here."""
         if d.payload is None:
-            await self.consumer.dead_letter(d, d.error or "entry has no payload")
+            past = peek(d, Trajectory)
+            group = training_group(past) if past is not None else None
+            await self.consumer.dead_letter(d, d.error or "entry has no payload", group=group)
             return None
         try:
             traj = decode(d.payload, Trajectory)
         except MessageError as exc:
             await self.consumer.dead_letter(d, f"malformed message: {exc}")
             return None
+        group = training_group(traj)
+        if group is None:  # an evaluation result, or a task of another split
+            task = traj.rollout.task
+            await self.consumer.dead_letter(
+                d, f"not a training group: split {task.split!r}, eval round {task.eval_round}"
+            )
+            return None
         try:  # what the training step would refuse (killing the learner), refused here alone
             build_batch([traj])
         except ValueError as exc:
-            await self.consumer.dead_letter(
-                d, f"malformed group: {exc}", group=training_group(traj)
-            )
+            await self.consumer.dead_letter(d, f"malformed group: {exc}", group=group)
             return None
         seen = self.ledger.consumed, self.claimed, in_batch
         if any(traj.episode_id in ids for ids in seen):
@@ -285,9 +293,7 @@ class Learner:
             await self.ctx.client.call(
                 self.ctx.client.sync.incr, self.ctx.names.counter("duplicates_skipped")
             )
-            await self.consumer.complete(
-                Handoff(d.entry_id, self.consumer.names.dedup("l", traj.id))
-            )
+            await self._settle(d, traj)
             log.warning("skipped group already trained", episode_id=traj.episode_id)
             return None
         staleness = group_staleness(traj, version)
@@ -297,12 +303,16 @@ class Learner:
             await self.ctx.client.call(
                 self.ctx.client.sync.incr, self.ctx.names.counter("dropped_stale")
             )
-            await self.consumer.complete(
-                Handoff(d.entry_id, self.consumer.names.dedup("l", traj.id))
-            )
+            await self._settle(d, traj)
             log.warning("dropped stale group", episode_id=traj.episode_id, staleness=staleness)
             return None
         return traj
+
+    async def _settle(self, d: Delivery, traj: Trajectory) -> None:
+        """Acknowledge a group that is not trained (a duplicate, stale), taking it out of the
+        admission record with its acknowledgement."""
+        dedup = self.consumer.names.dedup("l", traj.id)
+        await self.consumer.ack_many([d.entry_id], dedup, [], settled=[traj.episode_id])
 
     def _snapshot(self) -> dict[str, Any] | None:
         if self.snapshot is None:
@@ -343,7 +353,7 @@ class Learner:
             wait_seconds=waited,
         )
         path = await trio.to_thread.run_sync(self._checkpoint, record, metrics, state)
-        await self._announce(version, str(path), record.entry_ids, metrics)
+        await self._announce(version, str(path), record.entry_ids, metrics, record.episode_ids)
         record_learner_step(
             self.ctx.names.run, metrics, [t for _, t in batch], staleness,
             kl_ref=stats.kl_ref, approx_kl=stats.approx_kl,
@@ -388,8 +398,15 @@ class Learner:
         return path
 
     async def _announce(
-        self, version: int, path: str, entry_ids: list[str], metrics: StepMetrics | None
+        self,
+        version: int,
+        path: str,
+        entry_ids: list[str],
+        metrics: StepMetrics | None,
+        groups: list[str],
     ) -> None:
+        """Publish the step's weights event and metrics and acknowledge its groups (taken
+        out of the admission record with their acknowledgement), once."""
         event = WeightsPublished(
             id=new_id(), created_at=now(), policy_version=version, version=version, path=path
         )
@@ -397,7 +414,10 @@ class Learner:
         if metrics is not None:
             outputs.append((self.ctx.names.stream(N.METRICS), encode(metrics)))
         await self.consumer.ack_many(
-            entry_ids, self.ctx.names.dedup("learner", f"step-{version}"), outputs
+            entry_ids,
+            self.ctx.names.dedup("learner", f"step-{version}"),
+            outputs,
+            settled=list(groups) if groups else None,
         )
 
     async def _trim_events(self) -> None:
@@ -417,11 +437,13 @@ class Learner:
         if not self.version:
             return
         last = self.ledger.last()
-        entry_ids = last.entry_ids if last is not None and last.version == self.version else []
+        current = last is not None and last.version == self.version
+        entry_ids = last.entry_ids if last is not None and current else []
+        groups = last.episode_ids if last is not None and current else []
         path = version_dir(self.root, self.version)
         saved = path / STEP_METRICS_FILE
         metrics = decode(saved.read_bytes(), StepMetrics) if saved.exists() else None
-        await self._announce(self.version, str(path), entry_ids, metrics)
+        await self._announce(self.version, str(path), entry_ids, metrics, groups)
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -250,10 +250,10 @@ class ActorRuntime:
     async def _dead_letter(
         self, delivery: Delivery, reason: str, message: Message | None = None
     ) -> None:
-        """Dead-letter ``delivery``; a decoded ``message`` of an admitted training group frees
-        the group's admission slot with the letter (:func:`queues.messages.training_group`)."""
-        log.error("dead-lettered", entry_id=delivery.entry_id, reason=reason[:500])
-        group = message is not None and training_group(message)
+        """Dead-letter ``delivery`` (the consumer logs it with the reason); a decoded
+        ``message`` of an admitted training group frees the group's admission slot with the
+        letter (:func:`queues.messages.training_group`)."""
+        group = training_group(message) if message is not None else None
         await self.consumer.dead_letter(delivery, reason, group=group)
         self._dead += 1
         metrics.record_dead(self.consumer.names.run, self.actor.stage, reason)

@@ -244,11 +244,13 @@ class Scheduler:
                 admitted,
                 c.payload_limits(),
                 dedup_ttl_s=c.config.queues.dedup_ttl_s,
+                record=True,
             )
         else:
             tasks = [encode(t) for t in sampled]
             added = await c.producer().publish_counted(
-                N.TASKS, tasks, c.names.admitted, admitted
+                N.TASKS, tasks, c.names.admitted, admitted,
+                members=[t.episode_id for t in sampled],
             )
         if added:  # all of them or none
             metrics.record_admitted(c.names.run, (t.domain for t in sampled))

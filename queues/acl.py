@@ -148,15 +148,22 @@ def _consume(names: N.Names, stream: str, stage: str, outputs: tuple[str, ...] =
     backlog of the work streams it feeds (producer-side backpressure)."""
     source, blobs = _stream(names, stream), _blobs(names, stream)
     dead, dead_groups = _stream(names, N.DEAD), _glob(names.dead_groups)
+    admitted_groups = _glob(names.admitted_groups)
     outs = tuple(_stream(names, s) for s in outputs)
     out_blobs = tuple(_blobs(names, s) for s in outputs)
     dedup = (_glob(names.dedup(stage, "")) + "*",) if outputs else ()
     grants = [
         Grant(CONSUME + TRIM + REPAIR, rw=(source,)),
         Grant(("get", "del"), rw=(blobs,)),  # claim checks: fetched, deleted by the trim
-        Grant(SCRIPTS, rw=(source, blobs, dead, dead_groups, *outs, *dedup, *out_blobs)),
+        Grant(
+            SCRIPTS,
+            rw=(source, blobs, dead, dead_groups, admitted_groups, *outs, *dedup, *out_blobs),
+        ),
         Grant(("xadd",), write=(dead, *outs)),
         Grant(("incr",), rw=(dead_groups,)),  # deadletter.lua: a training group's slot freed
+        # ... if the group is in the admission record (once); the learner's hand-off takes
+        # the groups it trained or dropped out of it
+        Grant(("srem",), rw=(admitted_groups,)),
     ]
     if outputs:
         grants.append(Grant(("set",), write=(*dedup, *out_blobs)))
@@ -186,17 +193,20 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
         admitted = _glob(n.admitted)
         admissions = _glob(n.admissions)
         admit_dedup = _glob(n.dedup("admit", "")) + "*"
+        admitted_groups = _glob(n.admitted_groups)  # the admission record, per shard
         return [
             *_follow(n, N.WEIGHTS),  # the policy version
             Grant(OBSERVE, read=(tasks,)),  # the generator group's backlog
             *_produce(n, N.TASKS),  # evaluation rounds
-            Grant(SCRIPTS, rw=(tasks, admitted)),  # publish_counted.lua: admission
+            # publish_counted.lua: admission, the admitted groups recorded with it
+            Grant(SCRIPTS, rw=(tasks, admitted, admitted_groups)),
+            Grant(("sadd",), write=(admitted_groups,)),
             Grant(("get", "incrby"), rw=(admitted,)),
             # sharded runs (queues.shards): reserve_counted.lua in the run's slot, then
             # publish_once.lua into each shard, then the record is deleted
             Grant(SCRIPTS, rw=(admitted, admissions)),
             Grant(("hget", "hset", "hgetall", "hdel"), rw=(admissions,)),
-            Grant(SCRIPTS, rw=(tasks, admit_dedup, _blobs(n, N.TASKS))),
+            Grant(SCRIPTS, rw=(tasks, admit_dedup, _blobs(n, N.TASKS), admitted_groups)),
             Grant(("set",), write=(admit_dedup,)),
             Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
             Grant(("exists",), read=(_glob(n.stop),)),
@@ -272,6 +282,7 @@ def _admin(n: N.Names) -> list[Grant]:
     (XDEL). No consumer group, no counter, no flag, no deletion of anything but dead letters."""
     work = tuple(_stream(n, s) for s in N.WORK_STREAMS)
     dead, dead_groups = _stream(n, N.DEAD), _glob(n.dead_groups)
+    admitted_groups = _glob(n.admitted_groups)
     return [
         # status: length, lag, pending entries and consumers of every group; dead letters
         Grant((*OBSERVE, "xpending", "xinfo|consumers"), read=(*work, dead)),
@@ -281,8 +292,10 @@ def _admin(n: N.Names) -> list[Grant]:
         # blob a dead letter's claim-check reference names
         Grant(("get",), read=tuple(_blobs(n, s) for s in N.WORK_STREAMS)),
         # dlq requeue (a training group's letter takes its admission slot back), purge
-        Grant(SCRIPTS, rw=(dead, dead_groups, *work)),
+        # (and goes back into the admission record)
+        Grant(SCRIPTS, rw=(dead, dead_groups, admitted_groups, *work)),
         Grant(("decr",), rw=(dead_groups,)),
+        Grant(("sadd",), write=(admitted_groups,)),
         Grant(("xdel",), write=(dead,)),
         Grant(("xadd",), write=work),
         Grant(("set",), write=tuple(_blobs(n, s) for s in N.WORK_STREAMS)),

@@ -226,10 +226,11 @@ class StepMetrics(Message, frozen=True, kw_only=True):
     wait_seconds: float
 
 
-def training_group(message: msgspec.Struct) -> bool:
-    """Whether ``message`` carries an admitted training group (a ``Task`` of split "train",
-    or a rollout, executed result or trajectory of one): its dead letter frees the group's
-    admission slot (``queues/deadletter.lua``)."""
+def training_group(message: msgspec.Struct) -> str | None:
+    """The group id (episode id) if ``message`` carries a training group (a ``Task`` of split
+    "train", or a rollout, executed result or trajectory of one), else None. Its dead letter
+    frees the group's admission slot if that group was admitted and is not settled yet
+    (``queues/deadletter.lua``, :attr:`queues.names.Names.admitted_groups`)."""
     task: Task | None = None
     if isinstance(message, Task):
         task = message
@@ -237,7 +238,9 @@ def training_group(message: msgspec.Struct) -> bool:
         task = message.task
     elif isinstance(message, (Executed, Trajectory)):
         task = message.rollout.task
-    return task is not None and task.split == "train" and task.eval_round < 0
+    if task is None or task.split != "train" or task.eval_round >= 0:
+        return None
+    return task.episode_id
 
 
 class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):

@@ -181,3 +181,14 @@ class Names:
         adds one with the letter, ``queues/requeue.lua`` takes it back): each frees its slot
         in the scheduler's staleness admission, like a group dropped as stale."""
         return f"{self.shard_prefix}count:dead_groups"
+
+    @property
+    def admitted_groups(self) -> str:
+        """Set of the ids of the training groups admitted into this shard and not settled yet
+        (the admission record, in the slot of the shard's streams and dead letters): added
+        with the admission (``queues/publish_counted.lua``, or ``publish_once.lua`` per shard),
+        removed when the group is trained or dropped (the learner's hand-off) or
+        dead-lettered (``deadletter.lua``, which counts it in :attr:`dead_groups` only if it
+        was still here), added back by a requeue (``requeue.lua``). A dead letter frees an
+        admission slot only for a group in this set, so once."""
+        return f"{self.shard_prefix}admitted_groups"

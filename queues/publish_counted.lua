@@ -4,14 +4,21 @@
 --
 -- KEYS[1]  the stream
 -- KEYS[2]  the counter
+-- KEYS[3]  (when m > 0) a set the members are added to with the entries (admission record)
 -- ARGV[1]  the value the counter must hold (a missing counter holds 0)
--- ARGV[2..] payloads (field "d")
+-- ARGV[2]  m: number of members
+-- ARGV[3..2+m]  members
+-- ARGV[3+m..]   payloads (field "d")
 --
 -- Returns the number of entries added: #payloads, or 0 when the counter had moved.
 local current = tonumber(redis.call('GET', KEYS[2]) or '0')
 if current ~= tonumber(ARGV[1]) then return 0 end
-for i = 2, #ARGV do
+local m = tonumber(ARGV[2])
+for i = 3 + m, #ARGV do
   redis.call('XADD', KEYS[1], '*', 'd', ARGV[i])
 end
-redis.call('INCRBY', KEYS[2], #ARGV - 1)
-return #ARGV - 1
+if m > 0 then
+  redis.call('SADD', KEYS[3], unpack(ARGV, 3, 2 + m))
+end
+redis.call('INCRBY', KEYS[2], #ARGV - 2 - m)
+return #ARGV - 2 - m

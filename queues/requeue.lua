@@ -4,20 +4,22 @@
 -- KEYS[1]  the dead-letter stream
 -- KEYS[2]  the original stream
 -- KEYS[3]  counter of dead-lettered training groups (names.dead_groups)
+-- KEYS[4]  set of admitted, unsettled training groups (names.admitted_groups)
 -- ARGV[1]  the dead entry's id
 -- ARGV[2]  the payload (or its claim-check reference)
 --
 -- Returns the new entry id, or false if the letter was no longer there (already requeued
 -- or purged): then nothing is added, so a repeated or concurrent requeue adds it once.
--- A training group's letter (field "group", see deadletter.lua) takes its admission slot
--- back: the group is in flight again.
+-- A letter that freed a group's admission slot (field "group", the group id, see
+-- deadletter.lua) takes the slot back: the group is admitted and in flight again.
 local found = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
 if #found == 0 then
   return false
 end
 local fields = found[1][2]
 for i = 1, #fields, 2 do
-  if fields[i] == 'group' and fields[i + 1] == '1' then
+  if fields[i] == 'group' and fields[i + 1] ~= '' then
+    redis.call('SADD', KEYS[4], fields[i + 1])
     redis.call('DECR', KEYS[3])
   end
 end

@@ -187,7 +187,9 @@ class ShardedConsumer:
         dedup, outs = self._localize(shard, handoff.dedup_id, handoff.outputs)
         await consumer.complete(Handoff(eid, dedup, outs))
 
-    async def dead_letter(self, delivery: Delivery, error: str, *, group: bool = False) -> None:
+    async def dead_letter(
+        self, delivery: Delivery, error: str, *, group: str | None = None
+    ) -> None:
         _, consumer, eid = self._split(delivery.entry_id)
         await consumer.dead_letter(dataclasses.replace(delivery, entry_id=eid), error, group=group)
 
@@ -196,9 +198,16 @@ class ShardedConsumer:
             await self.consumers[shard].ack(eids)
 
     async def ack_many(
-        self, entry_ids: list[str], dedup_id: str, outputs: list[tuple[str, bytes]]
+        self,
+        entry_ids: list[str],
+        dedup_id: str,
+        outputs: list[tuple[str, bytes]],
+        *,
+        settled: list[str | None] | None = None,
     ) -> None:
-        """Acknowledge entries of any shards and publish ``outputs`` once.
+        """Acknowledge entries of any shards and publish ``outputs`` once; ``settled`` (one
+        per entry: its group id, or None) leave the admission record of the entry's shard
+        with its acknowledgement (:meth:`StreamConsumer.ack_many`).
 
         Atomic (one script) when the entries are of one shard and the localized dedup key and
         outputs are in its slot. Otherwise (entries of several shards, or run-global outputs
@@ -208,12 +217,16 @@ class ShardedConsumer:
         the call publishes nothing and acknowledges them.
         """
         by_shard = self._by_shard(entry_ids)
+        groups: dict[int, list[str]] = defaultdict(list)
+        for qualified, g in zip(entry_ids, settled or [None] * len(entry_ids), strict=True):
+            if g:
+                groups[unqualify(qualified)[0]].append(g)
         if len(by_shard) == 1:
             [(shard, eids)] = by_shard.items()
             dedup, outs = self._localize(shard, dedup_id, outputs)
             consumer = self.consumers[shard]
             if N.one_slot([consumer.stream, dedup, *(k for k, _ in outs)]):
-                await consumer.ack_many(eids, dedup, outs)
+                await consumer.ack_many(eids, dedup, outs, settled=groups[shard])
                 return
         if outputs:
             await Producer(self.client, self.names, self.settings.limits).publish_once(
@@ -221,7 +234,9 @@ class ShardedConsumer:
                 [(self.names.short(k), p) for k, p in outputs],
                 dedup_ttl_s=self.settings.dedup_ttl_s,
             )
-        await self.ack(entry_ids)
+        for shard, eids in by_shard.items():  # per shard: acknowledged and settled together
+            dedup, _ = self._localize(shard, dedup_id, [])
+            await self.consumers[shard].ack_many(eids, dedup, [], settled=groups[shard])
 
 
 @asynccontextmanager
@@ -289,6 +304,7 @@ async def open_consumer(
 class _Admission(msgspec.Struct, array_like=True, frozen=True):
     stream: str
     items: list[tuple[str, bytes]]  # (routing key, payload)
+    record: bool = False  # routing keys join their shard's names.admitted_groups
 
 
 _TOKEN_LEN = 32  # uuid4().hex
@@ -304,10 +320,13 @@ async def publish_counted_routed(
     limits: PayloadLimits | None = None,
     *,
     dedup_ttl_s: int = 24 * 3600,
+    record: bool = False,
 ) -> int:
     """Publish ``items`` [(routing key, payload)] routed over ``names.shards`` shards and add
     their number to the run-global ``counter``, only if it still holds ``expected``; returns
-    how many were admitted (0 or ``len(items)``).
+    how many were admitted (0 or ``len(items)``). ``record``: each routing key (a group id)
+    joins its shard's admission record (:attr:`queues.names.Names.admitted_groups`) in the
+    same script that publishes its entry there.
 
     The entries (one slot per shard) and the counter (the run's slot) cannot move in one
     script on a cluster, so this is three idempotent steps: (1) ``reserve_counted.lua``, in
@@ -319,7 +338,9 @@ async def publish_counted_routed(
     publishes what is missing, so the counter and the published entries always end up
     agreeing: every counted entry is published exactly once, nothing uncounted is published.
     """
-    added = await reserve_admission(client, names, stream, items, counter, expected)
+    added = await reserve_admission(
+        client, names, stream, items, counter, expected, record=record
+    )
     await finish_admissions(client, names, limits, dedup_ttl_s=dedup_ttl_s)
     return added
 
@@ -333,6 +354,7 @@ async def reserve_admission(
     expected: int,
     *,
     token: str | None = None,
+    record: bool = False,
 ) -> int:
     """Step (1) of :func:`publish_counted_routed` alone: count ``items`` and record them,
     if ``counter`` still holds ``expected``; publishes nothing. Repeating it with the same
@@ -342,13 +364,13 @@ async def reserve_admission(
     token = token or uuid.uuid4().hex
     if len(token) != _TOKEN_LEN:
         raise ValueError(f"token must be {_TOKEN_LEN} characters")
-    record = msgspec.msgpack.encode(_Admission(stream, items))
+    encoded = msgspec.msgpack.encode(_Admission(stream, items, record))
     script = client.sync.register_script(_RESERVE_COUNTED)
     return int(
         await client.call(
             script,
             keys=[counter, names.admissions],
-            args=[expected, token, record, len(items)],
+            args=[expected, token, encoded, len(items)],
         )
     )
 
@@ -368,15 +390,16 @@ async def finish_admissions(
     for field_raw, value in sorted((raw or {}).items(), key=lambda kv: int(kv[0])):
         start = field_raw.decode() if isinstance(field_raw, bytes) else str(field_raw)
         admission = msgspec.msgpack.decode(value[_TOKEN_LEN:], type=_Admission)
-        by_shard: dict[int, list[bytes]] = defaultdict(list)
+        by_shard: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
         for key, payload in admission.items:
-            by_shard[N.shard_for(key, names.shards)].append(payload)
-        for shard, payloads in sorted(by_shard.items()):
+            by_shard[N.shard_for(key, names.shards)].append((key, payload))
+        for shard, shard_items in sorted(by_shard.items()):
             local = names.in_shard(shard) if names.sharded else names.in_shard(None)
             await Producer(client, local, limits).publish_once(
                 local.dedup("admit", start),
-                [(admission.stream, p) for p in payloads],
+                [(admission.stream, p) for _, p in shard_items],
                 dedup_ttl_s=dedup_ttl_s,
+                members=[k for k, _ in shard_items] if admission.record else None,
             )
         await client.call(client.sync.hdel, names.admissions, start)
         done += 1

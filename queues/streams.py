@@ -390,14 +390,24 @@ class StreamConsumer:
         await self.client.call(run)
 
     async def ack_many(
-        self, entry_ids: list[str], dedup_id: str, outputs: list[tuple[str, bytes]]
+        self,
+        entry_ids: list[str],
+        dedup_id: str,
+        outputs: list[tuple[str, bytes]],
+        *,
+        settled: list[str] | None = None,
     ) -> None:
-        """Acknowledge a batch of entries and publish ``outputs`` once, atomically."""
+        """Acknowledge a batch of entries and publish ``outputs`` once, atomically; the
+        ``settled`` members (group ids of the entries, trained or dropped) leave the shard's
+        admission record (:attr:`queues.names.Names.admitted_groups`) in the same step."""
         outputs, blobs = prepare_many(outputs, self.settings.limits)
         if blobs:
             await self._store_blobs(blobs)
-        keys = [self.stream, dedup_id] + [s for s, _ in outputs]
+        members = sorted(set(settled or ()))
+        record = [self.names.admitted_groups] if members else []
+        keys = [self.stream, dedup_id, *record] + [s for s, _ in outputs]
         args: list[Any] = [self.group, self.settings.dedup_ttl_s, len(entry_ids), *entry_ids]
+        args += [len(members), *members]
         args += [p for _, p in outputs]
         await self.client.call(self._handoff, keys=keys, args=args)
 
@@ -407,10 +417,14 @@ class StreamConsumer:
         if entry_ids:
             await self.client.call(self.client.sync.xack, self.stream, self.group, *entry_ids)
 
-    async def dead_letter(self, delivery: Delivery, error: str, *, group: bool = False) -> None:
+    async def dead_letter(
+        self, delivery: Delivery, error: str, *, group: str | None = None
+    ) -> None:
         """Move an entry to the dead-letter stream with its error; acknowledge it. ``group``:
-        the entry carries an admitted training group, whose admission slot is freed with the
-        letter (:attr:`queues.names.Names.dead_groups`; the scheduler admits a replacement)."""
+        the id of the training group the entry carries; if that group was admitted and is not
+        settled yet (:attr:`queues.names.Names.admitted_groups`), its admission slot is freed
+        with the letter, once (:attr:`queues.names.Names.dead_groups`; the scheduler admits a
+        replacement)."""
         letter = DeadLetter(
             stream=self.stream_name,
             group=self.group,
@@ -420,12 +434,19 @@ class StreamConsumer:
             payload=delivery.payload if delivery.payload is not None else delivery.raw or b"",
             at=now(),
         )
-        await self.client.call(
+        written = await self.client.call(
             self._deadletter,
-            keys=[self.stream, self.dead_stream, self.names.dead_groups],
-            args=[self.group, delivery.entry_id, encode(letter), error[:4000],
-                  "1" if group else "0"],
+            keys=[self.stream, self.dead_stream, self.names.dead_groups,
+                  self.names.admitted_groups],
+            args=[self.group, delivery.entry_id, encode(letter), error[:4000], group or ""],
         )
+        if written:
+            log.error("dead-lettered", stream=self.stream_name, key=self.stream,
+                      group=self.group, entry_id=delivery.entry_id,
+                      deliveries=delivery.deliveries, reason=error[:500])
+        else:
+            log.info("dead letter skipped: settled already", stream=self.stream_name,
+                     entry_id=delivery.entry_id, reason=error[:500])
         self.statistics_counts["dead"] += 1
 
     async def trim(self) -> int:
@@ -546,12 +567,20 @@ class Producer:
         return await self.client.call(run)
 
     async def publish_counted(
-        self, stream: str, payloads: list[bytes], counter: str, expected: int
+        self,
+        stream: str,
+        payloads: list[bytes],
+        counter: str,
+        expected: int,
+        *,
+        members: list[str] | None = None,
     ) -> int:
         """XADD ``payloads`` and add their number to the ``counter`` key, in one script, only
         if the counter still holds ``expected`` (compare-and-set). Safe to replay: after a
         lost reply, or when another producer moved the counter, it adds nothing. Returns the
-        number of entries added (0 or ``len(payloads)``)."""
+        number of entries added (0 or ``len(payloads)``). ``members`` (the group ids of the
+        entries) are added to the admission record :attr:`queues.names.Names.admitted_groups`
+        in the same step."""
         key = self.names.stream(stream)
         prepared, blobs = prepare_many([(key, p) for p in payloads], self.limits)
 
@@ -560,8 +589,10 @@ class Producer:
                 pipe = self.client.sync.pipeline(transaction=False)
                 store_blobs(pipe, blobs, self.limits)
                 pipe.execute()
-            args: list[Any] = [expected, *(p for _, p in prepared)]
-            return int(self._publish_counted(keys=[key, counter], args=args))
+            record = [self.names.admitted_groups] if members else []
+            args: list[Any] = [expected, len(members or ()), *(members or ())]
+            args += [p for _, p in prepared]
+            return int(self._publish_counted(keys=[key, counter, *record], args=args))
 
         return await self.client.call(run)
 
@@ -571,15 +602,18 @@ class Producer:
         outputs: list[tuple[str, bytes]],
         *,
         dedup_ttl_s: int = 24 * 3600,
+        members: list[str] | None = None,
     ) -> bool:
         """XADD ``outputs`` [(stream name, payload)] unless ``dedup_key`` exists, in one script;
         returns whether they were published. The dedup key and the streams must share a slot
         (e.g. run-global streams and a dedup key of the unsharded names). With
         :meth:`StreamConsumer.ack` after it, this is the cross-slot hand-off: not atomic, but
         idempotent (a crash in between leaves the input pending; handled again, the publish
-        adds nothing and the acknowledgement goes through)."""
+        adds nothing and the acknowledgement goes through). ``members`` are added to this
+        layout's admission record (:attr:`queues.names.Names.admitted_groups`) with them."""
         keys = [self.names.stream(s) for s, _ in outputs]
-        if not N.one_slot([dedup_key, *keys]):
+        record = [self.names.admitted_groups] if members else []
+        if not N.one_slot([dedup_key, *record, *keys]):
             raise ValueError(f"publish_once: {dedup_key} and {keys} are not in one hash slot")
         prepared, blobs = prepare_many(
             [(k, p) for k, (_, p) in zip(keys, outputs, strict=True)], self.limits
@@ -590,8 +624,9 @@ class Producer:
                 pipe = self.client.sync.pipeline(transaction=False)
                 store_blobs(pipe, blobs, self.limits)
                 pipe.execute()
-            args: list[Any] = [dedup_ttl_s, *(p for _, p in prepared)]
-            return bool(self._publish_once(keys=[dedup_key, *keys], args=args))
+            args: list[Any] = [dedup_ttl_s, len(members or ()), *(members or ())]
+            args += [p for _, p in prepared]
+            return bool(self._publish_once(keys=[dedup_key, *record, *keys], args=args))
 
         return await self.client.call(run)
 
@@ -635,11 +670,13 @@ async def requeue_dead_letter(
     payload: bytes,
     limits: PayloadLimits,
     dead_groups: str,
+    admitted_groups: str,
 ) -> str | None:
     """Put a dead letter's payload back on ``stream`` as a new entry and delete the letter
-    from ``dead_stream``, atomically (``requeue.lua``; all keys in one slot). A training
-    group's letter takes its admission slot back from ``dead_groups`` (the shard's
-    :attr:`queues.names.Names.dead_groups`). A payload over the claim-check size is stored
+    from ``dead_stream``, atomically (``requeue.lua``; all keys in one slot). A letter that
+    freed a training group's admission slot takes it back from ``dead_groups`` and puts the
+    group back in ``admitted_groups`` (the shard's :attr:`queues.names.Names.dead_groups`,
+    :attr:`queues.names.Names.admitted_groups`). A payload over the claim-check size is stored
     out of band first. Returns the new entry id, or None when the letter was gone already
     (requeued or purged): repeatable."""
     script = client.sync.register_script(_REQUEUE)
@@ -650,7 +687,8 @@ async def requeue_dead_letter(
             pipe = client.sync.pipeline(transaction=False)
             store_blobs(pipe, blobs, limits)
             pipe.execute()
-        return script(keys=[dead_stream, stream, dead_groups], args=[dead_id, prepared[0][1]])
+        keys = [dead_stream, stream, dead_groups, admitted_groups]
+        return script(keys=keys, args=[dead_id, prepared[0][1]])
 
     new_id = await client.call(run)
     if not new_id:

@@ -74,13 +74,17 @@ async def test_dead_lettered_training_groups_free_their_admission_slot(
         "learner.groups_per_step=1", "learner.max_staleness=0", "scheduler.max_backlog=10",
     ])
     scheduler = Scheduler(ActorContext(config, roles["scheduler"], names))
-    await client.call(client.sync.set, names.admitted, 1)
+    train_task = _task("train")
+    admitted = await Producer(roles["scheduler"], names).publish_counted(
+        N.TASKS, [encode(train_task)], names.admitted, 0, members=[train_task.episode_id]
+    )
+    assert admitted == 1
     assert (await scheduler.admissible(0))[0] == 0
 
     # When the generator dead-letters that training group, an evaluation task and garbage
     await _dead_letter_all(client, roles["generator"], names, [
-        encode(_task("train")), encode(_task("eval", eval_round=0)), b"\xc1 not msgpack",
-    ])
+        encode(_task("eval", eval_round=0)), b"\xc1 not msgpack",
+    ], expect=3)
 
     # Then only the training group frees its slot: one replacement may be admitted at v0
     assert int(await client.call(client.sync.get, names.dead_groups)) == 1

@@ -89,7 +89,10 @@ async def test_group_whose_sandbox_stays_unavailable_is_dropped_whole(
     ctx = ActorContext(config, client, names)
     broken = _train_rollout("code", "```python\ndef f(*a):\n    return 0\n```")
     healthy = _train_rollout("arith", "```python\nprint(1)\n```")
-    await Producer(client, names).publish(N.ROLLOUTS, [encode(broken), encode(healthy)])
+    await Producer(client, names).publish_counted(  # both admitted (the admission record)
+        N.ROLLOUTS, [encode(broken), encode(healthy)], names.admitted, 0,
+        members=[broken.episode_id, healthy.episode_id],
+    )
     dead_before = int(await client.call(client.sync.get, names.dead_groups) or 0)
 
     # When the executor and the verifier serve the run until the broken group is dead
