@@ -25,9 +25,11 @@ import msgspec
 import trio
 
 from actors.config import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
+from actors.lifeline import exit_with_supervisor
 from actors.logs import configure_logging, get_logger
 from actors.ops_cli import OPS_COMMANDS, add_ops_parsers, run_ops_command
 from queues.client import RedisURL
+from sandbox.base import IsolationTooWeak
 
 ACTORS = ("scheduler", "generator", "executor", "verifier", "learner", "archiver")
 
@@ -138,6 +140,17 @@ def warn_password_on_command_line(overrides: list[str]) -> bool:
     return False
 
 
+def _isolation_refusal(exc: BaseException) -> IsolationTooWeak | None:
+    """The executor's refusal to start with a weak sandbox (``executor.min_isolation``)."""
+    if isinstance(exc, IsolationTooWeak):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            if (found := _isolation_refusal(sub)) is not None:
+                return found
+    return None
+
+
 def _public(config: Config) -> dict[str, Any]:
     """The config as printed and logged: the Redis URL without its password."""
     data = to_dict(config)
@@ -203,6 +216,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    exit_with_supervisor()  # a child of `streamrl up` dies with it (actors/lifeline.py)
     if args.command == "serve-model":
         from inference.server import main_serve_model
 
@@ -229,6 +243,12 @@ def main(argv: list[str] | None = None) -> int:
             trio.run(run_actor, args.actor, config)
         except KeyboardInterrupt:
             return 130
+        except (IsolationTooWeak, BaseExceptionGroup) as exc:
+            refused = _isolation_refusal(exc)
+            if refused is None:
+                raise
+            print(f"streamrl: {args.actor}: {refused}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "status":
         from actors.status import print_status

@@ -15,6 +15,13 @@ Where each domain's code runs (:class:`Sandboxes`): the backend and image come f
 request's own.
 One backend instance per (backend, image), opened on first use, closed with the executor.
 
+Isolation is never silent: every backend opened is logged with its isolation level and what
+that does not isolate (a warning below ``bwrap``), and one below ``executor.min_isolation``
+is refused (:class:`IsolationTooWeak`). At start the executor opens the backend of every
+domain of the run that runs code (:meth:`Sandboxes.open_for`), so it refuses to start rather
+than to run a message; ``up`` prints the same lines (:func:`isolation_report`) before it
+starts anything.
+
 A multi-turn domain's rollout is one turn of an episode (:meth:`Executor.handle_turn`,
 :mod:`actors.episodes`): each live member's command runs in its own sandbox session, its
 observation is recorded, members that end get their hidden check as their outcome; out goes
@@ -23,7 +30,7 @@ the next turn (``tasks``) or, once every member ended, the whole episode (``exec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import replace as dc_replace
 from typing import Any
@@ -32,16 +39,23 @@ import msgspec
 import structlog
 import trio
 
-from actors.config import DomainConfig, DomainSandboxConfig
+from actors.config import Config, DomainConfig, DomainSandboxConfig
 from actors.context import ActorContext, domain_item
 from actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed
 from actors.policies import Reject, Unavailable
 from actors.runtime import Output
-from domains.base import is_multi_turn
+from domains.base import NO_SANDBOX, is_multi_turn
+from domains.registry import get_domain
 from queues import names as N
 from queues.messages import Episode, ExecOutcome, Executed, Rollout, new_id, now
 from sandbox import ExecRequest, ExecResult, Limits, Sandbox, SandboxUnavailable, open_sandbox
-from sandbox.base import SandboxSession
+from sandbox.base import (
+    ISOLATION_LEVELS,
+    NOT_ISOLATED,
+    IsolationTooWeak,
+    SandboxSession,
+    require_isolation,
+)
 
 log = structlog.get_logger()
 replace = msgspec.structs.replace
@@ -94,9 +108,13 @@ class Sandboxes:
         limits: dict[str, DomainConfig] | None = None,
         opener: Callable[..., Sandbox] = open_sandbox,
         pool_size: int = 4,
+        isolation: str = "auto",
+        min_isolation: str = "none",
     ) -> None:
         self.default_backend = default_backend
         self.pool_size = pool_size
+        self.isolation = isolation  # the process backend's mode
+        self.min_isolation = min_isolation
         self.domains = domains or {}
         self.limits = limits or {}
         self._open = opener
@@ -126,6 +144,26 @@ class Sandboxes:
         backend, image, request = self.choose(domain, base)
         return self._box(domain, backend, image).session(request.limits, label)
 
+    def open_for(self, domains: Iterable[Any]) -> list[str]:
+        """Open the backend of each domain that runs code (``NO_SANDBOX`` domains run none),
+        each logged and checked against ``min_isolation`` (:class:`IsolationTooWeak`); one
+        line per backend: which domains, its isolation, what that does not isolate."""
+        users: dict[tuple[str, str], list[str]] = {}
+        for domain in domains:
+            if getattr(domain, "sandbox", None) is NO_SANDBOX:
+                continue
+            backend, image, _ = self.choose(domain, ExecRequest(argv=[]))
+            self._box(domain, backend, image)
+            users.setdefault((backend, image), []).append(domain.name)
+        lines = []
+        for (backend, image), names in users.items():
+            box = self._boxes[(backend, image)]
+            isolation = getattr(box, "isolation", "unknown")
+            lines.append(f"sandbox {backend} for {', '.join(names)}: {isolation}, "
+                         f"{getattr(box, 'detail', '')}; "
+                         f"{NOT_ISOLATED.get(isolation, 'isolation unknown')}")
+        return lines
+
     def staged_files(self, domain: Any) -> dict[str, bytes]:
         return dict(getattr(getattr(domain, "sandbox", None), "files", {}))
 
@@ -142,10 +180,32 @@ class Sandboxes:
             if backend in POOLED:
                 cfg = self.domains.get(domain.name, DomainSandboxConfig())
                 options["pool_size"] = cfg.pool_size or self.pool_size
+            if backend == "process" and self.isolation != "auto":
+                options["isolation"] = self.isolation
             box = self._open(backend, **options)
+            self._check_isolation(box, backend, image, domain.name)
             self._boxes[(backend, image)] = box
-            log.info("sandbox backend opened", backend=backend, image=image, domain=domain.name)
         return box
+
+    def _check_isolation(self, box: Sandbox, backend: str, image: str, domain: str) -> None:
+        """Log how ``box`` isolates (a warning below bwrap); refuse it below the minimum."""
+        isolation = getattr(box, "isolation", "unknown")
+        fields = {"backend": backend, "image": image, "domain": domain, "isolation": isolation,
+                  "detail": getattr(box, "detail", ""),
+                  "not_isolated": NOT_ISOLATED.get(isolation, "isolation unknown")}
+        weak = isolation not in ISOLATION_LEVELS[ISOLATION_LEVELS.index("bwrap"):]
+        (log.warning if weak else log.info)("sandbox backend opened", **fields)
+        try:
+            require_isolation(isolation, self.min_isolation)
+        except IsolationTooWeak:
+            log.error("sandbox isolation too weak", min_isolation=self.min_isolation, **fields)
+            raise IsolationTooWeak(
+                f"refusing to start: executor.min_isolation = {self.min_isolation!r}, but the "
+                f"{backend!r} sandbox backend of domain {domain!r} isolates only as "
+                f"{isolation!r} ({fields['detail']}). {fields['not_isolated']}. Let bwrap run here "
+                f"(unprivileged user namespaces, executor.isolation = 'auto'), use a stronger "
+                f"backend (executor.backend), or accept it: executor.min_isolation = {isolation!r}"
+            ) from None
 
     async def aclose(self) -> None:
         boxes, self._boxes = list(self._boxes.values()), {}
@@ -292,12 +352,37 @@ class Executor:
             await self.sessions.release(ep.id, i)
 
 
+def sandboxes_for(config: Config) -> Sandboxes:
+    """The executor's sandbox backends as ``config`` sets them (none opened yet)."""
+    cfg = config.executor
+    return Sandboxes(cfg.backend, cfg.domains, config.domain, pool_size=cfg.pool_size,
+                     isolation=cfg.isolation, min_isolation=cfg.min_isolation)
+
+
+def run_domains(config: Config) -> list[Any]:
+    """The domains whose rollouts the executor of this run handles (trained and eval)."""
+    names = [*config.scheduler.domains, *config.scheduler.eval_domains]
+    return [get_domain(name) for name in dict.fromkeys(names)]
+
+
+async def isolation_report(config: Config) -> list[str]:
+    """What ``up`` prints at start: one line per sandbox backend the run's domains use, its
+    isolation and what that does not isolate; :class:`IsolationTooWeak` below
+    ``executor.min_isolation`` (nothing is left running either way)."""
+    sandboxes = sandboxes_for(config)
+    try:
+        return sandboxes.open_for(run_domains(config))
+    finally:
+        await sandboxes.aclose()
+
+
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.executor
-    sandboxes = Sandboxes(cfg.backend, cfg.domains, ctx.config.domain, pool_size=cfg.pool_size)
+    sandboxes = sandboxes_for(ctx.config)
     sessions = EpisodeSessions(sandboxes, snapshots=cfg.episode_snapshots,
                                idle_s=cfg.session_idle_s)
     try:
+        sandboxes.open_for(run_domains(ctx.config))  # refuses to start below min_isolation
         async with trio.open_nursery() as nursery:
             await nursery.start(sessions.serve_idle_release)
             await ctx.serve(

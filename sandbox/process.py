@@ -179,8 +179,9 @@ class ProcessSandbox:
             if self._bwrap_wanted:
                 origin = "configured"
             return f"{kind} ({self.bwrap}, {origin})"
-        tried = f"; not used: {'; '.join(self.problems)}" if self.problems else ""
-        return f"{self.isolation}{tried}"
+        if not self.problems:
+            return f"{self.isolation}, as asked"
+        return f"{self.isolation}; not used: {'; '.join(self.problems)}"
 
     # -- public API ---------------------------------------------------------------------
 
