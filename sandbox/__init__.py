@@ -2,14 +2,24 @@
 
 ``open_sandbox("process")`` gives the local process backend, ``open_sandbox("docker", image=...,
 pool_size=...)`` the Docker backend (imported on first use: aiodocker stays out of processes
-that do not need it).
+that do not need it). Each names its ``isolation`` level (:data:`ISOLATION_LEVELS`, weakest
+first) and :data:`NOT_ISOLATED` says what each level does not isolate.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from sandbox.base import ExecRequest, ExecResult, Limits, Sandbox, SandboxUnavailable
+from sandbox.base import (
+    ISOLATION_LEVELS,
+    NOT_ISOLATED,
+    ExecRequest,
+    ExecResult,
+    IsolationTooWeak,
+    Limits,
+    Sandbox,
+    SandboxUnavailable,
+)
 from sandbox.process import ProcessSandbox
 
 BACKENDS = ("process", "docker")
@@ -28,8 +38,11 @@ def open_sandbox(backend: str, **options: Any) -> Sandbox:
 
 __all__ = [
     "BACKENDS",
+    "ISOLATION_LEVELS",
+    "NOT_ISOLATED",
     "ExecRequest",
     "ExecResult",
+    "IsolationTooWeak",
     "Limits",
     "ProcessSandbox",
     "Sandbox",

