@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +36,7 @@ from actors.auth import apply_role_users, child_environment, credentials_for_up
 from actors.config import Config
 from actors.context import open_context
 from actors.executor import isolation_report
+from actors.lifeline import Lifeline, open_lifeline
 from actors.logs import configure_logging, get_logger
 from actors.monitor import Monitor, Summary
 from actors.scheduler import eval_round_size, publish_eval_round
@@ -68,6 +69,7 @@ class Child:
     health_url: str = ""  # started only once this answers 200 (serve-model)
     gave_up: str = ""
     """Why this child is no longer restarted (a crash loop); empty while it is kept up."""
+    pass_fds: tuple[int, ...] = ()  # the lifeline's read end (actors/lifeline.py)
 
     @property
     def name(self) -> str:
@@ -87,6 +89,7 @@ class Child:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,
+                    pass_fds=self.pass_fds,
                 )
             if not started:
                 started = True
@@ -127,6 +130,19 @@ class Child:
             return
         proc.kill()
         await proc.wait()
+
+    def kill(self) -> None:
+        self.stopping = True
+        if self.process is not None and self.process.returncode is None:
+            self.process.kill()
+
+
+def _on_lifeline(children: list[Child], lifeline: Lifeline) -> list[Child]:
+    """Every child dies with this process, however it ends (actors/lifeline.py)."""
+    for child in children:
+        child.env.update(lifeline.environment())
+        child.pass_fds = (lifeline.read_fd,)
+    return children
 
 
 async def _wait_healthy(url: str, process: trio.Process, timeout_s: float = 600.0) -> None:
@@ -302,6 +318,7 @@ async def _up(
         )
         children = _with_serve_models(config, _children(config, config_path, overrides,
                                                         credentials))
+        _on_lifeline(children, open_lifeline())  # closed by the kernel when this process exits
         own = credentials.get("monitor")  # this process: progress, evaluation rounds
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
             monitor = Monitor(ctx, run_dir, eval_round_size(config))
@@ -338,8 +355,8 @@ async def _up(
                         if not failed:
                             await _final_eval(ctx, children, monitor, config)
                         waiter.cancel_scope.cancel()
-                with trio.CancelScope(shield=True):
-                    await _stop_all(children)
+                    with trio.CancelScope(shield=True):
+                        await _stop_all(children, signals)
                 nursery.cancel_scope.cancel()
             summary = monitor.summary(config.run.name)
             print(_summary_text(summary, interrupted), flush=True)
@@ -408,10 +425,23 @@ async def _final_eval(ctx, children: list[Child], monitor: Monitor, config: Conf
     print("streamrl: final evaluation did not finish within 15 minutes", flush=True)
 
 
-async def _stop_all(children: list[Child]) -> None:
+async def _stop_all(children: list[Child], signals: AsyncIterator[int]) -> None:
+    """Stop every child (SIGINT, then SIGKILL after its grace period); a signal meanwhile (a
+    second Ctrl-C) SIGKILLs them all at once."""
+
+    async def kill_on_signal() -> None:
+        async for _ in signals:
+            print("streamrl: second signal, killing the actors", flush=True)
+            for child in children:
+                child.kill()
+            return
+
     async with trio.open_nursery() as nursery:
-        for child in children:
-            nursery.start_soon(child.stop)
+        nursery.start_soon(kill_on_signal)
+        async with trio.open_nursery() as stopping:
+            for child in children:
+                stopping.start_soon(child.stop)
+        nursery.cancel_scope.cancel()
 
 
 def _summary_text(s: Summary, interrupted: bool) -> str:
