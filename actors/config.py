@@ -354,6 +354,10 @@ class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     process this port + i (-1: the first ports free from 9400 up), printed at start."""
     metrics_addr: str = "127.0.0.1"
     """Address the metrics endpoint listens on (0.0.0.0 to be scraped from elsewhere)."""
+    stall_after_s: PosFloat = 120.0
+    """``streamrl status`` and ``up``'s progress line say "stalled", and why, when nothing was
+    acknowledged anywhere (no hand-off, dead letter, learner step or admission) this long
+    while work is queued."""
     archive: bool = True
     """``streamrl up`` starts the archiver (as its own ACL user with ``auth.enabled``)."""
     archive_dir: str = ""

@@ -20,6 +20,7 @@ import msgspec
 import trio
 
 from actors.context import ActorContext
+from actors.status import Stall, assess_stall, lag_flag
 from queues import names as N
 from queues.messages import MessageError, StepMetrics, Trajectory, decode
 from queues.stats import GroupState, pipeline_state, stream_length
@@ -103,6 +104,7 @@ class Monitor:
         self.rounds: dict[int, EvalRound] = {}
         self.steps: list[StepMetrics] = []
         self.queues: list[GroupState] = []
+        self.stall: Stall | None = None
         self.dead = 0
         self.started = time.monotonic()
         self._round_changed = trio.Event()
@@ -115,6 +117,11 @@ class Monitor:
             task_status.started()
             while True:
                 self.queues = await pipeline_state(self.ctx.client, self.ctx.names)
+                self.stall = await assess_stall(
+                    self.ctx.client, self.ctx.names, self.queues,
+                    stall_after_s=self.ctx.config.ops.stall_after_s,
+                    max_backlog=self.ctx.config.scheduler.max_backlog,
+                )  # fmt: skip
                 self.dead = await stream_length(self.ctx.client, self.ctx.names, N.DEAD)
                 await trio.sleep(1.0)
 
@@ -226,6 +233,8 @@ class Monitor:
             f"policy v{last.step if last else 0} | reward {reward:.2f} (last 5 steps) | "
             f"eval {evals} | {sps:.2f} samples/s | queues (lag+pending) {depth} | "
             f"dead {self.dead}"
+            + "".join(f" | {flag}" for q in self.queues if (flag := lag_flag(q)))
+            + (f" | {self.stall.describe()}" if self.stall else "")
         )
 
     def summary(self, run: str) -> Summary:

@@ -33,7 +33,7 @@ from actors.policies import Policies, Reject, Retry, Unavailable
 from queues.messages import Message, MessageError, decode, encode, training_group
 from queues.payloads import REF_PREFIX, PayloadTooLarge
 from queues.shards import Consumer
-from queues.stats import group_state
+from queues.stats import Paused, group_state, mark_paused
 from queues.streams import Delivery, Handoff
 
 log = structlog.get_logger()
@@ -139,6 +139,9 @@ class ActorRuntime:
             if not paused:
                 log.info("backpressure: paused reading", downstream=stream, backlog=state.backlog)
                 paused = True
+            held = Paused(self.actor.stage, stream, state.backlog, s.max_downstream_backlog)
+            ttl = max(2.0, 4 * s.backpressure_poll_s)  # `streamrl status` reads it (stalls)
+            await mark_paused(self.consumer.client, self.consumer.names, held, ttl_s=ttl)
             await trio.sleep(s.backpressure_poll_s)
 
     def drain(self) -> None:

@@ -39,7 +39,13 @@ from actors.config import Config
 from queues import names as N
 from queues.client import Reconnect, RedisClient, RedisURL
 from queues.messages import MessageError, WeightsPublished, decode
-from queues.stats import group_state, stream_length
+from queues.stats import (
+    GroupState,
+    group_state,
+    newest_entry_age_s,
+    paused_stages,
+    stream_length,
+)
 
 OPS_RECONNECT = Reconnect(timeout_s=3.0, backoff_s=0.1, max_backoff_s=0.5)
 """Operator commands give up on an unreachable Redis after about 3 s."""
@@ -49,6 +55,11 @@ SOCKET_TIMEOUT_S = 30.0
 """A reply may take this long (replay reads whole streams)."""
 PIPELINE = (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
 """The training path in order (``evals`` feeds the monitor, off the path)."""
+ACTIVITY = (*N.WORK_STREAMS, N.DEAD, N.METRICS)
+"""Streams that grow only as work gets done: hand-off outputs (each acknowledges its input),
+admissions, dead letters (each acknowledges its entry), learner steps."""
+PAUSABLE = ("generator", "executor", "verifier")
+"""Stages that pause on their downstream's backlog (actors.runtime, queues.stats.mark_paused)."""
 
 
 class RedisUnreachable(RuntimeError):
@@ -91,6 +102,81 @@ class GroupStatus:
     max_deliveries: int
     dead_letters: int
     consumers: list[Consumer] = field(default_factory=list)
+    reported_lag: int | None = None
+    """The lag Redis reported (None: it could not tell)."""
+    lag_flag: str | None = None
+    """Why Redis's lag was set aside (impossible for this stream), else None."""
+
+
+@dataclass(frozen=True)
+class Stall:
+    idle_s: float
+    """Since anything was last acknowledged anywhere (the server's clock)."""
+    queued: int
+    """Entries waiting or in progress on the training path."""
+    reasons: list[str]
+
+    def describe(self) -> str:
+        return (
+            f"STALLED: nothing acknowledged for {self.idle_s:.0f}s while {self.queued} entries"
+            f" are queued: {'; '.join(self.reasons)}"
+        )
+
+
+def lag_flag(state: GroupState) -> str | None:
+    """Why the lag Redis reported for ``state`` was set aside; None if it was not."""
+    if not state.lag_inconsistent or state.reported_lag is None:
+        return None
+    reported = state.reported_lag
+    why = (
+        f"more than the stream's {state.length} entries"
+        if reported > state.length
+        else f"but {state.lag} entries follow its last-delivered id"
+    )
+    return f"{state.stream}: Redis reports lag {reported}, {why} (lag counted from the stream)"
+
+
+async def assess_stall(
+    client: RedisClient,
+    names: N.Names,
+    groups: Sequence[GroupState],
+    *,
+    stall_after_s: float,
+    max_backlog: int = 0,
+) -> Stall | None:
+    """A :class:`Stall` when work is queued on the training path and nothing was acknowledged
+    for ``stall_after_s`` (no entry added to any of :data:`ACTIVITY`), with the reasons: the
+    stages paused on backpressure (on what, with which backlog), the scheduler held by its
+    ``max_backlog``, lags Redis got wrong, groups with work and no consumer or only work in
+    progress."""
+    queued = sum(g.backlog for g in groups if g.stream in PIPELINE)
+    if not queued:
+        return None
+    idle = await newest_entry_age_s(client, names, ACTIVITY)
+    if idle is None or idle < stall_after_s:
+        return None
+    paused = await paused_stages(client, names, list(PAUSABLE))
+    reasons = [
+        f"{p.stage} paused on backpressure: {p.downstream} backlog {p.backlog} > {p.limit}"
+        for p in paused
+    ]
+    by_stream = {g.stream: g for g in groups}
+    tasks = by_stream.get(N.TASKS)
+    if tasks is not None and max_backlog and tasks.backlog >= max_backlog:
+        reasons.append(
+            f"scheduler not admitting: tasks backlog {tasks.backlog} >= scheduler.max_backlog"
+            f" {max_backlog}"
+        )
+    reasons += [flag for g in groups if (flag := lag_flag(g))]
+    held = {p.stage for p in paused}
+    for g in groups:
+        if g.stream not in PIPELINE or not g.backlog or g.group in held:
+            continue
+        if not g.consumers:
+            reasons.append(f"{g.group}: {g.backlog} entries and no consumer")
+        elif g.pending and not g.lag:
+            reasons.append(f"{g.group}: {g.pending} entries in progress, none acknowledged")
+    return Stall(round(idle, 1), queued, reasons or ["no stage paused on backpressure"])
 
 
 @dataclass(frozen=True)
@@ -107,6 +193,8 @@ class Snapshot:
     """Backlog change per stream across the samples the bottleneck was judged on."""
     shards: int = 1
     """Work-path shards of the run (``queues.shards``); the figures are their sums."""
+    stall: Stall | None = None
+    """Set when nothing was acknowledged for ``ops.stall_after_s`` while work is queued."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -188,22 +276,30 @@ async def _learner(client: RedisClient, names: N.Names) -> tuple[int, float | No
     return version, rate
 
 
-async def snapshot(client: RedisClient, names: N.Names) -> Snapshot:
+async def snapshot(
+    client: RedisClient, names: N.Names, *, stall_after_s: float = 120.0, max_backlog: int = 0
+) -> Snapshot:
     total_dead, dead = await _dead_by_stream(client, names)
-    groups = []
+    groups, states = [], []
     for stream in N.WORK_STREAMS:
         group = N.GROUP_OF_STREAM[stream]
         state = await group_state(client, names, stream, group)
+        states.append(state)
         oldest, max_deliveries, consumers = await _group_detail(client, names, stream, group)
         groups.append(
             GroupStatus(
                 stream, group, state.length, state.lag, state.pending, state.backlog, oldest,
-                max_deliveries, dead.get(stream, 0), consumers,
+                max_deliveries, dead.get(stream, 0), consumers, state.reported_lag,
+                lag_flag(state),
             )
         )
     version, rate = await _learner(client, names)
+    stall = await assess_stall(
+        client, names, states, stall_after_s=stall_after_s, max_backlog=max_backlog
+    )
     return Snapshot(
-        names.run, time.time(), version, rate, total_dead, groups, shards=names.shards
+        names.run, time.time(), version, rate, total_dead, groups, shards=names.shards,
+        stall=stall,
     )
 
 
@@ -228,14 +324,15 @@ def bottleneck(samples: Sequence[Snapshot]) -> tuple[str | None, dict[str, int]]
 
 
 async def sample(
-    client: RedisClient, names: N.Names, samples: int, interval_s: float
+    client: RedisClient, names: N.Names, samples: int, interval_s: float, **kw: Any
 ) -> Snapshot:
-    """``samples`` snapshots ``interval_s`` apart; the last one, with the bottleneck judged."""
+    """``samples`` snapshots ``interval_s`` apart; the last one, with the bottleneck judged
+    (``kw``: :func:`snapshot`'s stall settings)."""
     taken = []
     for i in range(samples):
         if i:
             await trio.sleep(interval_s)
-        taken.append(await snapshot(client, names))
+        taken.append(await snapshot(client, names, **kw))
     stage, growth = bottleneck(taken)
     last = taken[-1]
     return Snapshot(**{**last.__dict__, "bottleneck": stage, "growth": growth})
@@ -253,10 +350,14 @@ def render(s: Snapshot) -> str:
     for g in s.groups:
         oldest = f"{g.oldest_pending_age_s:.0f}s" if g.oldest_pending_age_s is not None else "-"
         consumers = ", ".join(f"{c.name} ({c.pending}/{c.idle_s:.0f}s)" for c in g.consumers)
+        lag = f"{g.lag}!" if g.lag_flag else str(g.lag)
         lines.append(
-            f"{g.stream:<14}{g.group:<11}{g.length:>8}{g.lag:>7}{g.pending:>9}{oldest:>9}"
+            f"{g.stream:<14}{g.group:<11}{g.length:>8}{lag:>7}{g.pending:>9}{oldest:>9}"
             f"{g.max_deliveries:>8}{g.dead_letters:>6}  {consumers or '-'}"
         )
+    lines += [f"! {g.lag_flag}" for g in s.groups if g.lag_flag]
+    if s.stall is not None:
+        lines.insert(1, s.stall.describe())
     return "\n".join(lines)
 
 
@@ -275,13 +376,17 @@ async def print_status(
         print(f"streamrl status: {exc}", file=sys.stderr)
         return 2
     try:
+        stall: dict[str, Any] = {
+            "stall_after_s": config.ops.stall_after_s,
+            "max_backlog": config.scheduler.max_backlog,
+        }
         if not watch:
-            snap = await sample(client, names, max(1, samples), interval_s)
+            snap = await sample(client, names, max(1, samples), interval_s, **stall)
             print(json.dumps(snap.to_json(), indent=2) if as_json else render(snap))
             return 0
         history: list[Snapshot] = []
         while True:  # --watch: one snapshot per interval, bottleneck over the last ten
-            history = [*history[-9:], await snapshot(client, names)]
+            history = [*history[-9:], await snapshot(client, names, **stall)]
             stage, growth = bottleneck(history)
             snap = Snapshot(**{**history[-1].__dict__, "bottleneck": stage, "growth": growth})
             if as_json:

@@ -97,9 +97,12 @@ SCRIPTS = ("evalsha", "eval")
 """The Lua scripts (EVAL: scripts in a cluster pipeline are sent with their text)."""
 FOLLOW = ("xread", "xrevrange")
 """queues.streams.EventReader: the latest event, then every new one."""
-OBSERVE = ("exists", "xlen", "xinfo|groups", "xinfo|stream", "xrange", "evalsha_ro", "eval_ro")
-"""queues.stats: length, lag and pending of a group (backlog.lua, a read-only script: XRANGE
-checks the reported lag and counts it where the server's figure is impossible)."""
+OBSERVE = (
+    "exists", "xlen", "xinfo|groups", "xinfo|stream", "xrange", "time", "evalsha_ro", "eval_ro"
+)
+"""queues.stats: length, lag and pending of a group, when the newest entry was added, on the
+server's clock (backlog.lua, a read-only script: XRANGE checks the reported lag and counts it
+where the server's figure is impossible)."""
 REPAIR = ("xinfo|stream", "xgroup|setid")
 """queues/repair_lag.lua, run by the consumers of a stream: set their group's entries-read
 right again (at the group's own last-delivered id) where the server lost it."""
@@ -168,8 +171,9 @@ def _consume(names: N.Names, stream: str, stage: str, outputs: tuple[str, ...] =
     if outputs:
         grants.append(Grant(("set",), write=(*dedup, *out_blobs)))
     fed = tuple(_stream(names, s) for s in outputs if s in N.WORK_STREAMS)
-    if fed:  # backpressure: the backlog of the groups it feeds
+    if fed:  # backpressure: the backlog of the groups it feeds; say it is paused on it
         grants.append(Grant(OBSERVE, read=fed))
+        grants.append(Grant(("set",), write=(_glob(names.paused(stage)),)))
     return grants
 
 
@@ -250,11 +254,12 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
             Grant(("xtrim",), write=(_stream(n, N.WEIGHTS), _stream(n, N.METRICS))),
         ]
     if role == "monitor":
-        observed = tuple(_stream(n, s) for s in (*N.WORK_STREAMS, N.DEAD))
+        observed = tuple(_stream(n, s) for s in (*N.WORK_STREAMS, N.DEAD, N.METRICS))
         return [
             *_consume(n, N.EVALS, role),  # record held-out results, acknowledge
             *_follow(n, N.METRICS, N.WEIGHTS),
             Grant(OBSERVE, read=observed),
+            Grant(("get", "mget"), read=(_glob(n.paused("")) + "*",)),  # stall: who is paused
             # the final evaluation of `streamrl up`: stop admission, publish one more round
             Grant(("set",), write=(_glob(n.stop),)),
             Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
@@ -286,6 +291,9 @@ def _admin(n: N.Names) -> list[Grant]:
     return [
         # status: length, lag, pending entries and consumers of every group; dead letters
         Grant((*OBSERVE, "xpending", "xinfo|consumers"), read=(*work, dead)),
+        # status, stalls: when the learner last stepped, which stages are paused
+        Grant(OBSERVE, read=(_stream(n, N.METRICS),)),
+        Grant(("get", "mget"), read=(_glob(n.paused("")) + "*",)),
         # status, report, replay retrain: the policy version, the learner's step metrics
         Grant(("xrange", "xrevrange"), read=tuple(_stream(n, s) for s in N.RUN_GLOBAL_STREAMS)),
         # replay, report: trajectories stored behind a claim check; dlq show --out: the

@@ -14,11 +14,13 @@
 -- replaced by the count of entries after the last-delivered id.
 --
 -- Returns {length, found (0/1), reported lag (-1: none), lag, pending, consumers,
---          last-generated id}. A missing stream: zeros and '0-0'.
+--          last-generated id, the server's time in ms}. A missing stream: zeros and '0-0'.
 local stream = KEYS[1]
 local group = ARGV[1]
 
-if redis.call('EXISTS', stream) == 0 then return {0, 0, -1, 0, 0, 0, '0-0'} end
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+if redis.call('EXISTS', stream) == 0 then return {0, 0, -1, 0, 0, 0, '0-0', now_ms} end
 local length = redis.call('XLEN', stream)
 local sinfo = redis.call('XINFO', 'STREAM', stream)
 local last_generated = '0-0'
@@ -40,7 +42,8 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     else
       lag = #redis.call('XRANGE', stream, after, '+')
     end
-    return {length, 1, reported or -1, lag, pending, tonumber(info['consumers']), last_generated}
+    return {length, 1, reported or -1, lag, pending, tonumber(info['consumers']), last_generated,
+            now_ms}
   end
 end
-return {length, 0, -1, length, 0, 0, last_generated}
+return {length, 0, -1, length, 0, 0, last_generated, now_ms}

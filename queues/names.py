@@ -175,6 +175,11 @@ class Names:
     def counter(self, name: str) -> str:
         return f"{self.prefix}count:{name}"
 
+    def paused(self, stage: str) -> str:
+        """Set (with a short expiry) while a process of ``stage`` is paused on backpressure,
+        renewed each time it looks again: which downstream, its backlog and the bound."""
+        return f"{self.prefix}paused:{stage}"
+
     @property
     def dead_groups(self) -> str:
         """Counter of training groups dead-lettered in this shard (``queues/deadletter.lua``

@@ -17,8 +17,10 @@ group's ``entries-read`` right again, so the server's own figure heals too.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -93,7 +95,7 @@ def _run_read_only(client: RedisClient, key: str, *args: Any) -> Any:
 
 async def _group_state(client: RedisClient, names: N.Names, stream: str, group: str) -> GroupState:
     row = await client.call(_run_read_only, client, names.stream(stream), group)
-    length, found, reported, lag, pending, consumers, last_id = row
+    length, found, reported, lag, pending, consumers, last_id, _ = row
     last_ms = int(_as_str(last_id).split("-")[0])
     if not found:
         return GroupState(stream, group, int(length), int(length), 0, 0, None, last_ms)
@@ -134,3 +136,51 @@ async def stream_length(client: RedisClient, names: N.Names, stream: str) -> int
     if spans_shards(names, stream):
         return sum([await stream_length(client, n, stream) for n in names.layouts()])
     return int(await client.call(client.sync.xlen, names.stream(stream)))
+
+
+@dataclass(frozen=True)
+class Paused:
+    """A stage paused on backpressure (:func:`mark_paused`): what it waits on."""
+
+    stage: str
+    downstream: str
+    backlog: int
+    limit: int
+
+
+async def mark_paused(
+    client: RedisClient, names: N.Names, paused: Paused, *, ttl_s: float
+) -> None:
+    """Say that a process of ``paused.stage`` is paused; it expires ``ttl_s`` after the last
+    call (a stage that resumes, or dies, stops renewing it)."""
+    value = json.dumps(asdict(paused))
+    ttl_ms = max(1, int(ttl_s * 1000))
+    await client.call(client.sync.set, names.paused(paused.stage), value, px=ttl_ms)
+
+
+async def paused_stages(client: RedisClient, names: N.Names, stages: list[str]) -> list[Paused]:
+    """The stages among ``stages`` that are paused on backpressure now."""
+    if not stages:
+        return []
+    raw = await client.call(client.sync.mget, [names.paused(s) for s in stages])
+    out = []
+    for value in raw:
+        if value:
+            with contextlib.suppress(ValueError, TypeError):
+                out.append(Paused(**json.loads(value)))
+    return out
+
+
+async def newest_entry_age_s(
+    client: RedisClient, names: N.Names, streams: tuple[str, ...]
+) -> float | None:
+    """Seconds (on the server's clock) since an entry was last added to any of ``streams``
+    (every shard of the work streams); None when none ever was."""
+    newest, now_ms = 0, 0
+    for stream in streams:
+        layouts = names.layouts() if spans_shards(names, stream) else [names]
+        for layout in layouts:
+            row = await client.call(_run_read_only, client, layout.stream(stream), "")
+            newest = max(newest, int(_as_str(row[6]).split("-")[0]))
+            now_ms = max(now_ms, int(row[7]))
+    return max(0.0, (now_ms - newest) / 1000) if newest else None

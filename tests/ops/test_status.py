@@ -23,12 +23,12 @@ NUM = (int, float)
 GROUP_SCHEMA = {
     "stream": str, "group": str, "length": int, "lag": int, "pending": int, "backlog": int,
     "oldest_pending_age_s": (float, type(None)), "max_deliveries": int, "dead_letters": int,
-    "consumers": list,
+    "consumers": list, "reported_lag": (int, type(None)), "lag_flag": (str, type(None)),
 }
 TOP_SCHEMA = {
     "run": str, "at": float, "policy_version": int, "steps_per_min": (float, type(None)),
     "dead_letters": int, "groups": list, "bottleneck": (str, type(None)), "growth": dict,
-    "shards": int,
+    "shards": int, "stall": (dict, type(None)),
 }
 
 
