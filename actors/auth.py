@@ -19,9 +19,13 @@ import os
 import secrets
 from collections.abc import Mapping
 
+import redis
+import trio
+
 from actors.config import ENV_REDIS_URL, Config, ConfigError
-from queues.acl import OPERATOR_ROLES, ROLES, Credentials, apply_acls, role_url
-from queues.client import RedisClient
+from actors.logs import get_logger
+from queues.acl import OPERATOR_ROLES, ROLES, Credentials, apply_acls, missing_users, role_url
+from queues.client import Reconnect, RedisClient
 from queues.names import Names
 
 
@@ -98,6 +102,48 @@ async def apply_role_users(
         await apply_acls(
             admin, Names(config.run.name), credentials, shards=shards if shards > 1 else 0
         )
+    finally:
+        admin.close()
+
+
+ROLE_USERS_CHECK_S = 2.0
+"""How often ``streamrl up`` checks that the run's role users still exist: well inside the
+actors' reconnect window (``Reconnect.timeout_s``, 60 s), one ``ACL USERS`` each time."""
+
+
+async def serve_role_users(
+    config: Config,
+    admin_url: str,
+    credentials: Mapping[str, Credentials],
+    *,
+    interval_s: float = ROLE_USERS_CHECK_S,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Keep this run's role users on the server for as long as ``up`` runs: every
+    ``interval_s`` check they exist (admin URL) and, where any is missing, create them all
+    again (:func:`apply_role_users`). A Redis without an ACL file keeps users in memory only,
+    so its restart loses them; the actors' logins are refused until they are back, which
+    the actors ride out (an ``AuthenticationError`` is retried like a lost connection,
+    queues/client.py) and then go on where they were. Redis unreachable or refusing: tried
+    again at the next interval; this loop never ends the run."""
+    log = get_logger()
+    users = [c.user for c in credentials.values()]
+    admin = RedisClient(admin_url, max_connections=2, reconnect=Reconnect(timeout_s=0.0))
+    try:
+        task_status.started()
+        while True:
+            await trio.sleep(interval_s)
+            try:
+                missing = await missing_users(admin, users)
+                if missing:
+                    await apply_role_users(config, admin_url, credentials)
+            except (redis.RedisError, RuntimeError) as exc:  # down, loading; apply refused
+                log.info("role users not checked", error=f"{type(exc).__name__}: {exc}")
+                continue
+            if missing:
+                log.warning("role users were missing, created again", users=missing)
+                print(f"streamrl: Redis had lost {len(missing)} of the run's ACL users "
+                      "(restarted without an ACL file?): created them again", flush=True)
     finally:
         admin.close()
 

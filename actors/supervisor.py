@@ -32,7 +32,12 @@ from pathlib import Path
 import msgspec
 import trio
 
-from actors.auth import apply_role_users, child_environment, credentials_for_up
+from actors.auth import (
+    apply_role_users,
+    child_environment,
+    credentials_for_up,
+    serve_role_users,
+)
 from actors.config import Config
 from actors.context import open_context
 from actors.executor import isolation_report
@@ -325,6 +330,8 @@ async def _up(
             interrupted = False
             failed: list[str] = []
             async with trio.open_nursery() as nursery:
+                if credentials:  # created again if Redis loses them (no ACL file)
+                    await nursery.start(serve_role_users, config, admin_url, credentials)
                 await nursery.start(monitor.serve)
                 for child in children:
                     await nursery.start(child.serve)

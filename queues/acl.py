@@ -381,6 +381,22 @@ async def apply_acls(
     await client.call(_save_if_aclfile, client.sync, cluster)
 
 
+async def missing_users(client: RedisClient, users: list[str]) -> list[str]:
+    """Those of ``users`` the server does not know (on a cluster: some node does not); one
+    ``ACL USERS`` per node. ``client`` connects as an admin (``ACL`` allowed)."""
+
+    def missing() -> list[str]:
+        cluster = client.url.cluster
+        reply = client.sync.execute_command(
+            "ACL", "USERS", **({"target_nodes": "all"} if cluster else {})
+        )
+        per_node = list(reply.values()) if isinstance(reply, dict) else [reply]
+        known = [{u.decode() if isinstance(u, bytes) else u for u in node} for node in per_node]
+        return [u for u in users if not all(u in node for node in known)]
+
+    return await client.call(missing)
+
+
 def _save_if_aclfile(sync: redis.Redis, cluster: bool) -> bool:
     """``ACL SAVE`` on every node that has an ``aclfile``; True when at least one did."""
     on_all = {"target_nodes": "all"} if cluster else {}
