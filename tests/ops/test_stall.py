@@ -15,10 +15,11 @@ from actors.context import open_context
 from actors.monitor import Monitor
 from actors.policies import Policies
 from actors.runtime import ActorRuntime, Output, RuntimeSettings
-from actors.status import render, snapshot
+from actors.status import assess_stall, render, snapshot
 from queues import names as N
 from queues.client import RedisClient
 from queues.messages import Task, encode
+from queues.stats import pipeline_state
 from queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 from tests.actors.test_runtime import _task
 from tests.ops.helpers import config
@@ -80,6 +81,10 @@ async def test_a_stalled_pipeline_is_reported_with_its_reason(
             with trio.move_on_after(1.5):
                 await monitor.serve()
             line = monitor.progress_line()
+        # and the operator's and the monitor's own roles may see all of it
+        as_admin = await snapshot(roles["admin"], names, stall_after_s=1)
+        states = await pipeline_state(roles["monitor"], names)
+        as_monitor = await assess_stall(roles["monitor"], names, states, stall_after_s=1)
         nursery.cancel_scope.cancel()
 
     # Then status says it is stalled, and why: the generator is paused on the rollouts
@@ -94,6 +99,9 @@ async def test_a_stalled_pipeline_is_reported_with_its_reason(
     stall = json.loads(as_json.stdout)["stall"]
     assert stall["queued"] == 8 and stall["idle_s"] >= 1.0
     assert any("generator paused" in r for r in stall["reasons"])
+    for seen in (as_admin.stall, as_monitor):
+        assert seen is not None
+        assert "generator paused on backpressure: rollouts backlog 3 > 2" in seen.reasons
     # and so does up's progress line
     print(line)
     assert "STALLED: nothing acknowledged for" in line
