@@ -37,7 +37,6 @@ from queues.messages import (
     Sampling,
     Task,
     WeightsPublished,
-    decode,
     floats_to_bytes,
     ids_to_bytes,
     new_id,
@@ -163,9 +162,8 @@ async def serve_weight_updates(
     advance ``gate`` to each version served)."""
     reader = EventReader(ctx.client, ctx.names, N.WEIGHTS, block_ms=ctx.config.queues.block_ms)
     try:
-        latest = await reader.latest()
-        if latest:
-            event = decode(latest[1], WeightsPublished)
+        event = await reader.latest_event(WeightsPublished)
+        if event is not None:
             try:
                 await engine.update_weights(event.path, event.version)
                 log.info("weights loaded", policy_version=event.version)
@@ -175,7 +173,7 @@ async def serve_weight_updates(
             gate.advance(engine.weight_version)
         task_status.started()
         while True:
-            events = [decode(raw, WeightsPublished) for _, raw in await reader.read()]
+            events = await reader.read_events(WeightsPublished)
             if events:
                 newest = max(events, key=lambda e: e.version)
                 if newest.version > engine.weight_version:

@@ -45,7 +45,7 @@ from actors.context import ActorContext
 from actors.scheduling import FairShare, Share
 from domains.registry import get_domain
 from queues import names as N
-from queues.messages import Sampling, Task, WeightsPublished, decode, encode, new_id, now
+from queues.messages import Sampling, Task, WeightsPublished, encode, new_id, now
 from queues.shards import finish_admissions, publish_counted_routed
 from queues.stats import group_state
 from queues.streams import EventReader
@@ -131,8 +131,8 @@ async def publish_eval_round(ctx: ActorContext, round_no: int, version: int) -> 
 
 
 async def latest_version(reader: EventReader) -> int:
-    latest = await reader.latest()
-    return decode(latest[1], WeightsPublished).version if latest else 0
+    latest = await reader.latest_event(WeightsPublished)
+    return latest.version if latest else 0
 
 
 class Scheduler:
@@ -283,8 +283,8 @@ class Scheduler:
                 if count and await self.admit(count, version, admitted):
                     log.info("admitted", groups=count, policy_version=version)
                 # Wait for the next policy version (or re-check the backlog after block_ms).
-                for _, raw in await reader.read():
-                    version = max(version, decode(raw, WeightsPublished).version)
+                for event in await reader.read_events(WeightsPublished):
+                    version = max(version, event.version)
                 next_eval = await self._eval_if_due(version, next_eval)
         finally:
             reader.close()

@@ -1,0 +1,64 @@
+"""Event streams (weights) have no consumer group and no dead letters: a forged or garbage
+event written by a role that may add to one is logged and passed over by its followers (the
+scheduler's admission and the generator's weight updates), never raised to them."""
+
+from __future__ import annotations
+
+import structlog
+import trio
+
+from actors.scheduler import latest_version
+from queues import names as N
+from queues.client import RedisClient
+from queues.messages import WeightsPublished, encode
+from queues.payloads import REF_PREFIX
+from queues.streams import EventReader, Producer
+
+
+def _weights(version: int) -> bytes:
+    return encode(
+        WeightsPublished(
+            id=f"w{version}", created_at=0.0, policy_version=version, version=version,
+            path=f"/w/v{version}",
+        )
+    )
+
+
+async def test_a_forged_latest_event_is_passed_over(
+    roles: dict[str, RedisClient], names: N.Names
+) -> None:
+    # Given version 3 published, then garbage and a forged claim-check reference on top of it
+    # (written as the learner, the one role that may add to the weights stream)
+    forged = REF_PREFIX + names.admitted.encode()
+    await Producer(roles["learner"], names).publish(N.WEIGHTS, [_weights(3), b"\xc1junk", forged])
+    # When the scheduler (its own ACL user) reads the policy version at start
+    reader = EventReader(roles["scheduler"], names, N.WEIGHTS, block_ms=100)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            version = await latest_version(reader)
+    finally:
+        reader.close()
+    # Then it is the newest event that decodes, and the bad one is logged
+    assert version == 3
+    assert [e["event"] for e in logs] == ["undecodable event skipped"]
+    assert "WeightsPublished" in logs[0]["reason"]
+
+
+async def test_followers_skip_bad_events_and_keep_following(
+    roles: dict[str, RedisClient], names: N.Names
+) -> None:
+    producer = Producer(roles["learner"], names)
+    reader = EventReader(roles["generator"], names, N.WEIGHTS, block_ms=100)
+    try:
+        # Given a follower at the start of the stream
+        assert await reader.latest_event(WeightsPublished) is None
+        # When a good event, garbage and another good event arrive
+        await producer.publish(N.WEIGHTS, [_weights(1), b"\x00not msgpack", _weights(2)])
+        with structlog.testing.capture_logs() as logs:
+            with trio.fail_after(5):
+                events = await reader.read_events(WeightsPublished)
+        # Then both good ones are read, in order, and the bad one is logged with its id
+        assert [e.version for e in events] == [1, 2]
+        assert len(logs) == 1 and logs[0]["log_level"] == "error" and logs[0]["entry_id"]
+    finally:
+        reader.close()
