@@ -311,7 +311,7 @@ class Learner:
     async def _settle(self, d: Delivery, traj: Trajectory) -> None:
         """Acknowledge a group that is not trained (a duplicate, stale), taking it out of the
         admission record with its acknowledgement."""
-        dedup = self.consumer.names.dedup("learner", f"settle-{traj.id}")  # granted: dedup:learner:*
+        dedup = self.consumer.names.dedup("learner", f"settle-{traj.id}")  # dedup:learner:*
         await self.consumer.ack_many([d.entry_id], dedup, [], settled=[traj.episode_id])
 
     def _snapshot(self) -> dict[str, Any] | None:
