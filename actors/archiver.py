@@ -24,14 +24,13 @@ from typing import Any
 
 import structlog
 import trio
-
-from actors import metrics
-from actors.context import ActorContext
-from queues import names as N
-from queues.messages import MessageError, StepMetrics, Trajectory, decode
-from queues.shards import Consumer
-from queues.stats import pipeline_state
-from queues.streams import Delivery, EventReader
+from streamrl.actors import metrics
+from streamrl.actors.context import ActorContext
+from streamrl.queues import names as N
+from streamrl.queues.messages import MessageError, StepMetrics, Trajectory, decode
+from streamrl.queues.shards import Consumer
+from streamrl.queues.stats import pipeline_state
+from streamrl.queues.streams import Delivery, EventReader
 
 log = structlog.get_logger()
 

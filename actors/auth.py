@@ -21,12 +21,18 @@ from collections.abc import Mapping
 
 import redis
 import trio
-
-from actors.config import ENV_REDIS_URL, Config, ConfigError
-from actors.logs import get_logger
-from queues.acl import OPERATOR_ROLES, ROLES, Credentials, apply_acls, missing_users, role_url
-from queues.client import Reconnect, RedisClient
-from queues.names import Names
+from streamrl.actors.config import ENV_REDIS_URL, Config, ConfigError
+from streamrl.actors.logs import get_logger
+from streamrl.queues.acl import (
+    OPERATOR_ROLES,
+    ROLES,
+    Credentials,
+    apply_acls,
+    missing_users,
+    role_url,
+)
+from streamrl.queues.client import Reconnect, RedisClient
+from streamrl.queues.names import Names
 
 
 def role_credentials(

@@ -16,64 +16,19 @@ import argparse
 import contextlib
 import functools
 import json
-import signal
 import sys
 from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 import trio
-
-from actors.config import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
-from actors.lifeline import exit_with_supervisor
-from actors.logs import configure_logging, get_logger
-from actors.ops_cli import OPS_COMMANDS, add_ops_parsers, run_ops_command
-from queues.client import RedisURL
-from sandbox.base import IsolationTooWeak
-
-ACTORS = ("scheduler", "generator", "executor", "verifier", "learner", "archiver")
-
-
-def _serve_function(actor: str) -> Any:
-    import importlib
-
-    return importlib.import_module(f"actors.{actor}").serve
-
-
-async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -> None:
-    """Serve one actor; SIGINT/SIGTERM drains it (work in hand settles), a second one stops it."""
-    from actors.context import open_context
-
-    serve = _serve_function(actor)
-    log = get_logger()
-    if config.ops.metrics_port:
-        from actors.metrics import start_metrics_server
-
-        start_metrics_server(config.ops.metrics_port, config.ops.metrics_addr)
-    async with open_context(config, actor) as ctx:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-
-                async def serve_and_finish(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-                    await serve(ctx, task_status=task_status)
-                    nursery.cancel_scope.cancel()
-
-                async def on_signals() -> None:
-                    async for signum in signals:
-                        if ctx.shutdown.is_set():
-                            break
-                        log.info("draining", signal=signum)
-                        ctx.shutdown.set()
-                        if actor in ("scheduler", "learner"):
-                            break  # nothing in hand worth finishing: stop now
-                        nursery.cancel_scope.deadline = trio.current_time() + drain_timeout_s
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(on_signals)
-                log.info("actor started", run=config.run.name)
-                await nursery.start(serve_and_finish)
-                log.info("actor ready", run=config.run.name)  # set up, taking work
-        log.info("actor stopped")
+from streamrl.actors.config import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
+from streamrl.actors.lifeline import exit_with_supervisor
+from streamrl.actors.logs import configure_logging, get_logger
+from streamrl.actors.ops_cli import OPS_COMMANDS, add_ops_parsers, run_ops_command
+from streamrl.actors.process import ACTORS, run_actor
+from streamrl.queues.client import RedisURL
+from streamrl.sandbox.base import IsolationTooWeak
 
 
 async def apply_acl(config: Config) -> int:
@@ -81,8 +36,8 @@ async def apply_acl(config: Config) -> int:
     connected with the admin credentials of run.redis_url, the role passwords taken from the
     environment (the operator's ``admin`` role only where its password is set). Prints no
     secret."""
-    from actors.auth import apply_role_users, credentials_for_apply
-    from queues.acl import OPERATOR_ROLES
+    from streamrl.actors.auth import apply_role_users, credentials_for_apply
+    from streamrl.queues.acl import OPERATOR_ROLES
 
     if not config.auth.enabled:
         print("streamrl: auth.enabled is false in this config: no users to create", file=sys.stderr)
@@ -113,8 +68,7 @@ def warn_password_on_command_line(overrides: list[str]) -> bool:
     (``ps``, ``/proc/<pid>/cmdline``) for as long as the process runs. The secret is not
     repeated. True when it warned."""
     import structlog
-
-    from actors.config import _parse_value
+    from streamrl.actors.config import _parse_value
 
     for item in overrides:
         key, _, value = item.partition("=")
@@ -218,13 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     exit_with_supervisor()  # a child of `streamrl up` dies with it (actors/lifeline.py)
     if args.command == "serve-model":
-        from inference.server import main_serve_model
+        from streamrl.inference.server import main_serve_model
 
         configure_logging(actor="serve-model")
         return main_serve_model(args.model, args.host, args.port, args.max_batch, args.threads,
                                 args.weight_version)
     if args.command == "config-doc":
-        from actors.config_doc import main as config_doc
+        from streamrl.actors.config_doc import main as config_doc
 
         return config_doc()
     warn_password_on_command_line(args.overrides)
@@ -251,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "status":
-        from actors.status import print_status
+        from streamrl.actors.status import print_status
 
         configure_logging(actor="status", level="warning")
         return trio.run(
@@ -266,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "acl":
         return trio.run(apply_acl, config)
     if args.command == "up":
-        from actors.supervisor import run_up
+        from streamrl.actors.supervisor import run_up
 
         summary = run_up(
             config, args.config, args.overrides, max_minutes=args.max_minutes, fresh=args.fresh

@@ -119,7 +119,7 @@ class QueueConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True
     changing it strands the entries of the old layout."""
 
     def __post_init__(self) -> None:
-        from queues.names import WORK_STREAMS
+        from streamrl.queues.names import WORK_STREAMS
 
         unknown = set(self.reclaim_min_idle_ms_by_stream) - set(WORK_STREAMS)
         if unknown:
@@ -272,7 +272,7 @@ class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     refuse to start, naming what the weaker mode does not isolate."""
 
     def __post_init__(self) -> None:
-        from sandbox import BACKENDS
+        from streamrl.sandbox import BACKENDS
 
         for where, name in [("backend", self.backend)] + [
             (f"domains.{d}.backend", c.backend) for d, c in self.domains.items() if c.backend

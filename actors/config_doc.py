@@ -16,8 +16,7 @@ import typing
 from typing import Any
 
 import msgspec
-
-from actors import config as C
+from streamrl.actors import config as C
 
 HEADER = """\
 # Configuration reference

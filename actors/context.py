@@ -15,20 +15,19 @@ from typing import Any
 
 import msgspec
 import trio
-
-from actors.auth import actor_url
-from actors.config import Config
-from actors.policies import Policies, Reject, RetryPolicy
-from actors.runtime import Actor, RuntimeSettings, serve_actor
-from domains.base import Domain
-from domains.registry import get_domain
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Task
-from queues.names import Names
-from queues.payloads import PayloadLimits
-from queues.shards import Consumer, open_consumer, publish_routed
-from queues.streams import ConsumerSettings, Producer
+from streamrl.actors.auth import actor_url
+from streamrl.actors.config import Config
+from streamrl.actors.policies import Policies, Reject, RetryPolicy
+from streamrl.actors.runtime import Actor, RuntimeSettings, serve_actor
+from streamrl.domains.base import Domain
+from streamrl.domains.registry import get_domain
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Task
+from streamrl.queues.names import Names
+from streamrl.queues.payloads import PayloadLimits
+from streamrl.queues.shards import Consumer, open_consumer, publish_routed
+from streamrl.queues.streams import ConsumerSettings, Producer
 
 DOWNSTREAM = {N.TASKS: N.ROLLOUTS, N.ROLLOUTS: N.EXECUTED, N.EXECUTED: N.TRAJECTORIES}
 """The work stream each handle-style stage feeds (producer-side backpressure)."""

@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import (
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import (
     DeadLetter,
     Executed,
     MessageError,
@@ -42,9 +41,9 @@ from queues.messages import (
     Trajectory,
     decode,
 )
-from queues.payloads import REF_PREFIX, PayloadLimits
-from queues.shards import qualify, split_qualified
-from queues.streams import requeue_dead_letter
+from streamrl.queues.payloads import REF_PREFIX, PayloadLimits
+from streamrl.queues.shards import qualify, split_qualified
+from streamrl.queues.streams import requeue_dead_letter
 
 MESSAGE_OF_STREAM: dict[str, type[msgspec.Struct]] = {
     N.TASKS: Task,

@@ -55,9 +55,8 @@ import msgspec
 import numpy as np
 import structlog
 import trio
-
-from domains.base import chat_observation_ids
-from queues.messages import (
+from streamrl.domains.base import chat_observation_ids
+from streamrl.queues.messages import (
     Episode,
     ExecOutcome,
     Sample,
@@ -69,7 +68,7 @@ from queues.messages import (
     floats_to_bytes,
     ids_to_bytes,
 )
-from sandbox.base import ExecRequest, ExecResult, SandboxSession
+from streamrl.sandbox.base import ExecRequest, ExecResult, SandboxSession
 
 log = structlog.get_logger()
 

@@ -38,18 +38,24 @@ from typing import Any
 import msgspec
 import structlog
 import trio
-
-from actors.config import Config, DomainConfig, DomainSandboxConfig
-from actors.context import ActorContext, domain_item
-from actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed
-from actors.policies import Reject, Unavailable
-from actors.runtime import Output
-from domains.base import NO_SANDBOX, is_multi_turn
-from domains.registry import get_domain
-from queues import names as N
-from queues.messages import Episode, ExecOutcome, Executed, Rollout, new_id, now
-from sandbox import ExecRequest, ExecResult, Limits, Sandbox, SandboxUnavailable, open_sandbox
-from sandbox.base import (
+from streamrl.actors.config import Config, DomainConfig, DomainSandboxConfig
+from streamrl.actors.context import ActorContext, domain_item
+from streamrl.actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed
+from streamrl.actors.policies import Reject, Unavailable
+from streamrl.actors.runtime import Output
+from streamrl.domains.base import NO_SANDBOX, is_multi_turn
+from streamrl.domains.registry import get_domain
+from streamrl.queues import names as N
+from streamrl.queues.messages import Episode, ExecOutcome, Executed, Rollout, new_id, now
+from streamrl.sandbox import (
+    ExecRequest,
+    ExecResult,
+    Limits,
+    Sandbox,
+    SandboxUnavailable,
+    open_sandbox,
+)
+from streamrl.sandbox.base import (
     ISOLATION_LEVELS,
     NOT_ISOLATED,
     IsolationTooWeak,

@@ -21,17 +21,16 @@ from typing import Any
 
 import structlog
 import trio
-
-from actors.config import GeneratorConfig
-from actors.context import ActorContext, domain_item
-from actors.episodes import generate_turn
-from actors.policies import Reject, Unavailable
-from actors.runtime import Output
-from domains.base import is_multi_turn
-from inference.engine import Completion, Engine
-from inference.sglang_client import ServerUnavailable, SGLangEngine
-from queues import names as N
-from queues.messages import (
+from streamrl.actors.config import GeneratorConfig
+from streamrl.actors.context import ActorContext, domain_item
+from streamrl.actors.episodes import generate_turn
+from streamrl.actors.policies import Reject, Unavailable
+from streamrl.actors.runtime import Output
+from streamrl.domains.base import is_multi_turn
+from streamrl.inference.engine import Completion, Engine
+from streamrl.inference.sglang_client import ServerUnavailable, SGLangEngine
+from streamrl.queues import names as N
+from streamrl.queues.messages import (
     Rollout,
     Sample,
     Sampling,
@@ -42,7 +41,7 @@ from queues.messages import (
     new_id,
     now,
 )
-from queues.streams import EventReader
+from streamrl.queues.streams import EventReader
 
 log = structlog.get_logger()
 
@@ -194,21 +193,21 @@ async def serve_weight_updates(
 def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextManager[Engine]:
     """The engine ``generator.engine`` names: in-process transformers, or SGLang servers."""
     if cfg.engine == "sglang":
-        from inference.sglang_client import open_sglang_engine
+        from streamrl.inference.sglang_client import open_sglang_engine
 
         return open_sglang_engine(
             cfg.server_urls, router_url=cfg.router_url, health_interval_s=cfg.health_interval_s,
             request_timeout_s=cfg.request_timeout_s, pause_mode=cfg.pause_mode,
             interrupt=cfg.interrupt,
         )
-    from inference.transformers_engine import open_transformers_engine
+    from streamrl.inference.transformers_engine import open_transformers_engine
 
     return open_transformers_engine(model_dir, max_batch=cfg.max_batch,
                                     threads=cfg.threads or None)
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    from learner.model import load_tokenizer, resolve_model
+    from streamrl.learner.model import load_tokenizer, resolve_model
 
     cfg = ctx.config.generator
     model_dir = resolve_model(ctx.config.model.spec)

@@ -38,14 +38,13 @@ from typing import Any
 import structlog
 import torch
 import trio
-
-from actors.config import Config
-from actors.context import ActorContext
-from actors.metrics import record_dropped_stale, record_learner_step, record_policy_version
-from actors.runtime import peek
-from learner import distributed as dist_util
-from learner.batch import build_batch, group_staleness
-from learner.checkpoint import (
+from streamrl.actors.config import Config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.metrics import record_dropped_stale, record_learner_step, record_policy_version
+from streamrl.actors.runtime import peek
+from streamrl.learner import distributed as dist_util
+from streamrl.learner.batch import build_batch, group_staleness
+from streamrl.learner.checkpoint import (
     Ledger,
     Snapshot,
     StepRecord,
@@ -53,11 +52,11 @@ from learner.checkpoint import (
     prune_trainer_states,
     save_state_dict,
 )
-from learner.model import resolve_model
-from learner.train import StepStats, TrainConfig, Trainer, rng_state
-from learner.weights import latest_version, save_weights, version_dir
-from queues import names as N
-from queues.messages import (
+from streamrl.learner.model import resolve_model
+from streamrl.learner.train import StepStats, TrainConfig, Trainer, rng_state
+from streamrl.learner.weights import latest_version, save_weights, version_dir
+from streamrl.queues import names as N
+from streamrl.queues.messages import (
     MessageError,
     StepMetrics,
     Trajectory,
@@ -68,9 +67,9 @@ from queues.messages import (
     now,
     training_group,
 )
-from queues.shards import Consumer
-from queues.stats import group_state
-from queues.streams import Delivery
+from streamrl.queues.shards import Consumer
+from streamrl.queues.stats import group_state
+from streamrl.queues.streams import Delivery
 
 log = structlog.get_logger()
 
@@ -455,16 +454,16 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``torchrun --nproc-per-node N -m actors.learner --config FILE [--set k=v ...]``: rank
+    """``torchrun --nproc-per-node N -m streamrl.actors.learner --config FILE [--set k=v]``: rank
     0 is the learner actor (Redis, checkpoints, publishing), the other ranks follow it.
     Without torchrun it is the plain single-process learner."""
     import argparse
 
-    from actors.cli import run_actor
-    from actors.config import load_config
-    from actors.logs import configure_logging
+    from streamrl.actors.config import load_config
+    from streamrl.actors.logs import configure_logging
+    from streamrl.actors.process import run_actor
 
-    parser = argparse.ArgumentParser(prog="python -m actors.learner")
+    parser = argparse.ArgumentParser(prog="python -m streamrl.actors.learner")
     parser.add_argument("--config", default=None)
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     args = parser.parse_args(argv)

@@ -34,8 +34,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import structlog
-
-from queues.messages import Executed, StepMetrics, Trajectory
+from streamrl.queues.messages import Executed, StepMetrics, Trajectory
 
 log = structlog.get_logger()
 

@@ -18,13 +18,12 @@ from typing import Any
 
 import msgspec
 import trio
-
-from actors.context import ActorContext
-from actors.status import Stall, assess_stall, lag_flag
-from queues import names as N
-from queues.messages import MessageError, StepMetrics, Trajectory, decode
-from queues.stats import GroupState, pipeline_state, stream_length
-from queues.streams import EventReader, Handoff
+from streamrl.actors.context import ActorContext
+from streamrl.actors.status import Stall, assess_stall, lag_flag
+from streamrl.queues import names as N
+from streamrl.queues.messages import MessageError, StepMetrics, Trajectory, decode
+from streamrl.queues.stats import GroupState, pipeline_state, stream_length
+from streamrl.queues.streams import EventReader, Handoff
 
 
 @dataclass

@@ -19,8 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
-
-from actors.config import Config
+from streamrl.actors.config import Config
 
 OPS_COMMANDS = ("dlq", "replay", "report")
 
@@ -68,15 +67,14 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def run_ops_command(args: argparse.Namespace, config: Config) -> int:
     import redis
-
-    from actors.status import RedisUnreachable, ops_client
-    from queues.client import RedisURL
-    from queues.names import Names
+    from streamrl.actors.status import RedisUnreachable, ops_client
+    from streamrl.queues.client import RedisURL
+    from streamrl.queues.names import Names
 
     names = Names(config.run.name, shards=config.queues.shards)
     if args.command == "replay" and args.source == "archive" and not config.run.redis_url:
         # the archive alone needs no Redis (e.g. an embedded run's server is gone)
-        from actors.replay import run_replay
+        from streamrl.actors.replay import run_replay
 
         return trio.run(run_replay, None, names, config, args)
     try:
@@ -86,7 +84,7 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
         return 2
     try:
         if args.command == "dlq":
-            from actors.dlq import Selection, run_dlq
+            from streamrl.actors.dlq import Selection, run_dlq
 
             selection = Selection(tuple(args.ids), args.stream, args.error, args.all)
             return trio.run(
@@ -96,11 +94,11 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
                 )
             )
         if args.command == "replay":
-            from actors.replay import run_replay
+            from streamrl.actors.replay import run_replay
 
             return trio.run(run_replay, client, names, config, args)
         if args.command == "report":
-            from actors.report import run_report
+            from streamrl.actors.report import run_report
 
             return trio.run(run_report, client, names, config, args)
     except redis.RedisError as exc:  # unreachable, refused, not Redis: say so, briefly

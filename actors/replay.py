@@ -32,12 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from actors.archiver import COLUMNS, archive_dir, row, write_parquet
-from actors.config import Config
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import (
+from streamrl.actors.archiver import COLUMNS, archive_dir, row, write_parquet
+from streamrl.actors.config import Config
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import (
     MessageError,
     StepMetrics,
     Trajectory,
@@ -45,8 +44,8 @@ from queues.messages import (
     bytes_to_ids,
     decode,
 )
-from queues.payloads import PayloadLimits, resolve
-from queues.shards import qualify, split_qualified
+from streamrl.queues.payloads import PayloadLimits, resolve
+from streamrl.queues.shards import qualify, split_qualified
 
 
 def _id_key(entry_id: str, default_seq: int) -> tuple[int, int]:
@@ -220,8 +219,8 @@ class RewardChange:
 
 def rescore(found: Iterable[Found]) -> tuple[int, list[RewardChange]]:
     """(samples scored, rewards that differ) with the domains' verifiers as they are now."""
-    from actors.context import domain_item
-    from actors.executor import from_outcome
+    from streamrl.actors.context import domain_item
+    from streamrl.actors.executor import from_outcome
 
     scored, changes = 0, []
     for f in found:
@@ -257,8 +256,8 @@ class Retrained:
 
 def recorded_step(config: Config, step: int) -> StepMetrics | None:
     """The metrics the learner recorded for ``step`` in its version directory."""
-    from actors.learner import STEP_METRICS_FILE
-    from learner.weights import version_dir
+    from streamrl.actors.learner import STEP_METRICS_FILE
+    from streamrl.learner.weights import version_dir
 
     path = version_dir(config.run.path / "weights", step) / STEP_METRICS_FILE
     return decode(path.read_bytes(), StepMetrics) if path.exists() else None
@@ -284,10 +283,10 @@ def retrain(
 ) -> tuple[float, float]:
     """Loss and gradient norm of one step on ``groups`` from ``checkpoint`` (default: the
     version before ``step``), with the learner's training config."""
-    from actors.learner import train_config
-    from learner.model import resolve_model
-    from learner.train import Trainer
-    from learner.weights import version_dir
+    from streamrl.actors.learner import train_config
+    from streamrl.learner.model import resolve_model
+    from streamrl.learner.train import Trainer
+    from streamrl.learner.weights import version_dir
 
     base = resolve_model(config.model.spec)
     if checkpoint is None:
@@ -301,7 +300,7 @@ def retrain(
 
 def ledger_groups(config: Config, step: int) -> list[str]:
     """Trajectory ids step ``step`` trained, in the learner's order (the ledger)."""
-    from learner.checkpoint import Ledger
+    from streamrl.learner.checkpoint import Ledger
 
     root = config.run.path / "weights"
     for record in Ledger.open(root, latest=10**9).records:

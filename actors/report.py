@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from actors.archiver import archive_dir
-from actors.config import Config
-from actors.replay import Query, select
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import MessageError, StepMetrics, decode
-from queues.stats import stream_length
+from streamrl.actors.archiver import archive_dir
+from streamrl.actors.config import Config
+from streamrl.actors.replay import Query, select
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import MessageError, StepMetrics, decode
+from streamrl.queues.stats import stream_length
 
 PRODUCED_BY = {
     N.TASKS: "scheduler", N.ROLLOUTS: "generator", N.EXECUTED: "executor",

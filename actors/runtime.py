@@ -27,14 +27,13 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 import structlog
 import trio
-
-from actors import metrics
-from actors.policies import Policies, Reject, Retry, Unavailable
-from queues.messages import Message, MessageError, decode, encode, training_group
-from queues.payloads import REF_PREFIX, PayloadTooLarge
-from queues.shards import Consumer
-from queues.stats import Paused, group_state, mark_paused
-from queues.streams import Delivery, Handoff
+from streamrl.actors import metrics
+from streamrl.actors.policies import Policies, Reject, Retry, Unavailable
+from streamrl.queues.messages import Message, MessageError, decode, encode, training_group
+from streamrl.queues.payloads import REF_PREFIX, PayloadTooLarge
+from streamrl.queues.shards import Consumer
+from streamrl.queues.stats import Paused, group_state, mark_paused
+from streamrl.queues.streams import Delivery, Handoff
 
 log = structlog.get_logger()
 

@@ -38,17 +38,16 @@ from typing import Any
 import msgspec
 import structlog
 import trio
-
-from actors import metrics
-from actors.config import Config
-from actors.context import ActorContext
-from actors.scheduling import FairShare, Share
-from domains.registry import get_domain
-from queues import names as N
-from queues.messages import Sampling, Task, WeightsPublished, encode, new_id, now
-from queues.shards import finish_admissions, publish_counted_routed
-from queues.stats import group_state
-from queues.streams import EventReader
+from streamrl.actors import metrics
+from streamrl.actors.config import Config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.scheduling import FairShare, Share
+from streamrl.domains.registry import get_domain
+from streamrl.queues import names as N
+from streamrl.queues.messages import Sampling, Task, WeightsPublished, encode, new_id, now
+from streamrl.queues.shards import finish_admissions, publish_counted_routed
+from streamrl.queues.stats import group_state
+from streamrl.queues.streams import EventReader
 
 log = structlog.get_logger()
 

@@ -34,12 +34,11 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import trio
-
-from actors.config import Config
-from queues import names as N
-from queues.client import Reconnect, RedisClient, RedisURL
-from queues.messages import MessageError, WeightsPublished, decode
-from queues.stats import (
+from streamrl.actors.config import Config
+from streamrl.queues import names as N
+from streamrl.queues.client import Reconnect, RedisClient, RedisURL
+from streamrl.queues.messages import MessageError, WeightsPublished, decode
+from streamrl.queues.stats import (
     GroupState,
     group_state,
     newest_entry_age_s,
@@ -70,7 +69,7 @@ def ops_client(config: Config) -> RedisClient:
     """A client for operator commands: as the ``admin`` role where its password is set
     (actors/auth.py ``ops_url``), else ``run.redis_url`` as given (the operator's own
     credentials); short socket timeouts, a reconnect window of a few seconds."""
-    from actors.auth import ops_url
+    from streamrl.actors.auth import ops_url
 
     url = ops_url(config)
     if not url:
@@ -249,7 +248,7 @@ async def _shard_detail(
 
 
 async def _dead_by_stream(client: RedisClient, names: N.Names) -> tuple[int, dict[str, int]]:
-    from actors.dlq import list_dead
+    from streamrl.actors.dlq import list_dead
 
     total = await stream_length(client, names, N.DEAD)
     counts: dict[str, int] = {}

@@ -31,25 +31,24 @@ from pathlib import Path
 
 import msgspec
 import trio
-
-from actors.auth import (
+from streamrl.actors.auth import (
     apply_role_users,
     child_environment,
     credentials_for_up,
     serve_role_users,
 )
-from actors.config import Config
-from actors.context import open_context
-from actors.executor import isolation_report
-from actors.lifeline import Lifeline, open_lifeline
-from actors.logs import configure_logging, get_logger
-from actors.monitor import Monitor, Summary
-from actors.scheduler import eval_round_size, publish_eval_round
-from queues.acl import Credentials
-from queues.client import RedisClient, RedisURL
-from queues.names import Names
-from queues.server import ServerProcess, find_server_binary
-from sandbox.base import IsolationTooWeak
+from streamrl.actors.config import Config
+from streamrl.actors.context import open_context
+from streamrl.actors.executor import isolation_report
+from streamrl.actors.lifeline import Lifeline, open_lifeline
+from streamrl.actors.logs import configure_logging, get_logger
+from streamrl.actors.monitor import Monitor, Summary
+from streamrl.actors.scheduler import eval_round_size, publish_eval_round
+from streamrl.queues.acl import Credentials
+from streamrl.queues.client import RedisClient, RedisURL
+from streamrl.queues.names import Names
+from streamrl.queues.server import ServerProcess, find_server_binary
+from streamrl.sandbox.base import IsolationTooWeak
 
 log = get_logger()
 
@@ -167,7 +166,7 @@ async def _wait_healthy(url: str, process: trio.Process, timeout_s: float = 600.
 
 def _with_serve_models(config: Config, children: list[Child]) -> list[Child]:
     """``up.serve_models`` serve-model children first, and every generator pointed at them."""
-    from inference.server import free_port
+    from streamrl.inference.server import free_port
 
     n = config.up.serve_models
     if not n:
@@ -179,7 +178,7 @@ def _with_serve_models(config: Config, children: list[Child]) -> list[Child]:
     env["OMP_NUM_THREADS"] = str(config.generator.threads or os.cpu_count() or 1)
     servers = [
         Child("serve-model", i,
-              [sys.executable, "-m", "actors.cli", "serve-model", "--model", config.model.spec,
+              [sys.executable, "-m", "streamrl", "serve-model", "--model", config.model.spec,
                "--host", "127.0.0.1", "--port", str(port),
                "--max-batch", str(config.generator.max_batch),
                "--threads", str(config.generator.threads)],
@@ -223,7 +222,7 @@ def _children(
     children = []
     for actor, n in counts.items():
         for i in range(n):
-            argv = [sys.executable, "-m", "actors.cli", "run", actor]
+            argv = [sys.executable, "-m", "streamrl", "run", actor]
             if config_path:
                 argv += ["--config", config_path]
             for o in overrides:
@@ -278,7 +277,7 @@ async def _up(
     config: Config, config_path: str | None, overrides: list[str], max_minutes: float,
     fresh: bool = False,
 ) -> Summary:
-    from learner.model import resolve_model
+    from streamrl.learner.model import resolve_model
 
     run_dir = config.run.path
     server = None
@@ -380,7 +379,7 @@ async def _reopen_if_stopped(config: Config, admin_url: str) -> None:
     """An earlier ``up`` of this run ended by setting the run's stop flag (no more
     admissions): this ``up`` resumes the run, so it clears the flag and says so. The weights,
     the ledger and the queued work of the run are kept (``--fresh`` starts over)."""
-    from learner.weights import latest_version
+    from streamrl.learner.weights import latest_version
 
     names = Names(config.run.name, shards=config.queues.shards)
     client = RedisClient(admin_url)

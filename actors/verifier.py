@@ -20,13 +20,12 @@ from typing import Any
 
 import structlog
 import trio
-
-from actors.context import ActorContext, domain_item
-from actors.executor import from_outcome
-from actors.policies import Reject
-from actors.runtime import Output
-from queues import names as N
-from queues.messages import Executed, Trajectory, new_id, now
+from streamrl.actors.context import ActorContext, domain_item
+from streamrl.actors.executor import from_outcome
+from streamrl.actors.policies import Reject
+from streamrl.actors.runtime import Output
+from streamrl.queues import names as N
+from streamrl.queues.messages import Executed, Trajectory, new_id, now
 
 log = structlog.get_logger()
 

@@ -65,18 +65,18 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors import learner as learner_actor
-from actors import scheduler as scheduler_actor
-from actors.config import load_config
-from actors.context import ActorContext
-from actors.generator import Generator, VersionGate, serve_weight_updates
-from actors.logs import configure_logging
-from actors.runtime import Output
-from inference.engine import Completion
-from learner.model import load_tokenizer, resolve_model
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import (
+from streamrl.actors import learner as learner_actor
+from streamrl.actors import scheduler as scheduler_actor
+from streamrl.actors.config import load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.generator import Generator, VersionGate, serve_weight_updates
+from streamrl.actors.logs import configure_logging
+from streamrl.actors.runtime import Output
+from streamrl.inference.engine import Completion
+from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import (
     Rollout,
     Sampling,
     StepMetrics,
@@ -85,8 +85,8 @@ from queues.messages import (
     new_id,
     now,
 )
-from queues.names import Names
-from queues.server import ServerProcess
+from streamrl.queues.names import Names
+from streamrl.queues.server import ServerProcess
 
 
 class LongTailEngine:

@@ -34,12 +34,11 @@ from typing import Any
 import numpy as np
 import torch
 import trio
-
-from domains.registry import get_domain
-from inference.transformers_engine import TransformersEngine, open_transformers_engine
-from learner.model import resolve_model
-from queues.messages import Sampling
-from sandbox.process import ProcessSandbox
+from streamrl.domains.registry import get_domain
+from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
+from streamrl.learner.model import resolve_model
+from streamrl.queues.messages import Sampling
+from streamrl.sandbox.process import ProcessSandbox
 
 
 async def score_all(domain: Any, box: ProcessSandbox, pairs: list[tuple[Any, str]]

@@ -26,12 +26,11 @@ from collections import deque
 from typing import Any
 
 import msgspec
-
-from actors.scheduler import make_task
-from actors.scheduling import FairShare, Share
-from domains.base import NO_SANDBOX, SINGLE_TURN
-from domains.registry import get_domain, register
-from queues.messages import Sampling, encode
+from streamrl.actors.scheduler import make_task
+from streamrl.actors.scheduling import FairShare, Share
+from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN
+from streamrl.domains.registry import get_domain, register
+from streamrl.queues.messages import Sampling, encode
 
 
 class GenItem(msgspec.Struct, frozen=True, kw_only=True):

@@ -31,23 +31,22 @@ from typing import Any
 
 import numpy as np
 import trio
-
-from actors.config import DomainConfig
-from actors.episodes import EpisodeSessions
-from actors.executor import Executor, Sandboxes
-from actors.generator import Generator
-from actors.policies import Policies, RetryPolicy
-from actors.runtime import ActorRuntime, RuntimeSettings
-from actors.scheduler import make_task
-from actors.verifier import Verifier
-from domains.registry import get_domain
-from inference.engine import Completion
-from learner.model import load_tokenizer, resolve_model
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Sampling, Trajectory, decode, encode
-from queues.server import server_url
-from queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
+from streamrl.actors.config import DomainConfig
+from streamrl.actors.episodes import EpisodeSessions
+from streamrl.actors.executor import Executor, Sandboxes
+from streamrl.actors.generator import Generator
+from streamrl.actors.policies import Policies, RetryPolicy
+from streamrl.actors.runtime import ActorRuntime, RuntimeSettings
+from streamrl.actors.scheduler import make_task
+from streamrl.actors.verifier import Verifier
+from streamrl.domains.registry import get_domain
+from streamrl.inference.engine import Completion
+from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Sampling, Trajectory, decode, encode
+from streamrl.queues.server import server_url
+from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
 
 STEP = "```sh\necho step >> log.txt; wc -l < log.txt\n```"
 

@@ -72,10 +72,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from queues import names as N
-from queues.client import RedisClient
-from queues.server import server_url
-from queues.streams import (
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.server import server_url
+from streamrl.queues.streams import (
     ConsumerSettings,
     Delivery,
     Handoff,

@@ -38,9 +38,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import trio
-
-from sandbox import ExecRequest, Limits, ProcessSandbox
-from sandbox.process import RUNNER_SOURCE, _child_setup
+from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox
+from streamrl.sandbox.process import RUNNER_SOURCE, _child_setup
 
 ARGV = ["/usr/bin/python3", "-c", "print(1)"]
 CONCURRENCY = (1, 2, 8)
@@ -205,7 +204,7 @@ if __name__ == "__main__":
     )  # fmt: skip
     args = parser.parse_args()
     if args.docker:
-        from actors.logs import configure_logging
+        from streamrl.actors.logs import configure_logging
 
         configure_logging(actor="benchmark", level="warning")  # logs to stderr, not the JSON
     trio.run(main, args.runs, args.json, args.docker)

@@ -36,10 +36,9 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sandbox_latency import CONCURRENCY, Call, bare, measure
-
-from actors.logs import configure_logging
-from sandbox import ExecRequest, ProcessSandbox
-from sandbox.docker import DEFAULT_IMAGE, DockerSandbox
+from streamrl.actors.logs import configure_logging
+from streamrl.sandbox import ExecRequest, ProcessSandbox
+from streamrl.sandbox.docker import DEFAULT_IMAGE, DockerSandbox
 
 ARGV = ["python3", "-c", "print(1)"]
 HOST_ARGV = ["/usr/bin/python3", "-c", "print(1)"]  # what sandbox_latency runs on the host

@@ -34,13 +34,12 @@ from pathlib import Path
 from typing import Any
 
 import trio
-
-from queues import names as N
-from queues.client import RedisClient
-from queues.server import ClusterProcess
-from queues.shards import Consumer, open_consumer, publish_counted_routed, publish_routed
-from queues.stats import group_state, stream_length
-from queues.streams import ConsumerSettings, Handoff, Producer
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.server import ClusterProcess
+from streamrl.queues.shards import Consumer, open_consumer, publish_counted_routed, publish_routed
+from streamrl.queues.stats import group_state, stream_length
+from streamrl.queues.streams import ConsumerSettings, Handoff, Producer
 
 
 def payload(i: int, size: int) -> bytes:

@@ -41,21 +41,21 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.config import load_config
-from actors.context import ActorContext
-from actors.generator import serve_weight_updates
-from actors.logs import configure_logging
-from inference.server import free_port, start_serve_model, wait_healthy
-from inference.sglang_client import WeightBroadcaster, open_sglang_engine
-from inference.transformers_engine import open_transformers_engine
-from learner.model import load_model, resolve_model
-from learner.weights import save_weights
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import WeightsPublished, encode, new_id, now
-from queues.names import Names
-from queues.server import ServerProcess
-from queues.streams import FIELD
+from streamrl.actors.config import load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.generator import serve_weight_updates
+from streamrl.actors.logs import configure_logging
+from streamrl.inference.server import free_port, start_serve_model, wait_healthy
+from streamrl.inference.sglang_client import WeightBroadcaster, open_sglang_engine
+from streamrl.inference.transformers_engine import open_transformers_engine
+from streamrl.learner.model import load_model, resolve_model
+from streamrl.learner.weights import save_weights
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import WeightsPublished, encode, new_id, now
+from streamrl.queues.names import Names
+from streamrl.queues.server import ServerProcess
+from streamrl.queues.streams import FIELD
 
 
 async def serving(url: str, version: int, client: httpx.AsyncClient) -> None:

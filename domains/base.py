@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import msgspec
-
-from sandbox.base import ExecRequest, ExecResult, Limits
+from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 T = TypeVar("T")
 

@@ -3,7 +3,7 @@
 Every domain, built-in or third-party, is declared the same way, in its package's metadata::
 
     [project.entry-points."streamrl.domains"]
-    math = "domains.math:Math"          # name = "module:factory" (a class or a function)
+    math = "streamrl.domains.math:Math"          # name = "module:factory" (a class or a function)
 
 :func:`get_domain` looks the name up in that group (``importlib.metadata``; after editing
 entry points, reinstall: ``pip install --no-deps -e .``), calls the factory once per process
@@ -18,7 +18,7 @@ import importlib.metadata
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from domains.base import Domain
+from streamrl.domains.base import Domain
 
 ENTRY_POINT_GROUP = "streamrl.domains"
 

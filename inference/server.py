@@ -56,10 +56,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
-from inference.engine import Completion
-from inference.transformers_engine import EngineClosed, TransformersEngine
-from queues.messages import Sampling
+from streamrl.inference.engine import Completion
+from streamrl.inference.transformers_engine import EngineClosed, TransformersEngine
+from streamrl.queues.messages import Sampling
 
 log = structlog.get_logger()
 PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose HTTP shapes this server answers
@@ -443,7 +442,7 @@ def _fail(message: str) -> Response:
 
 async def init_weights_update_group(request: Request) -> Response:
     """Join the learner's weight-update group as rank ``rank_offset`` (gloo only: CPU)."""
-    from inference.sglang_client import open_process_group
+    from streamrl.inference.sglang_client import open_process_group
 
     state: ServerState = request.app.state.server
     body = await _body(request)
@@ -470,8 +469,7 @@ async def update_weights_from_distributed(request: Request) -> Response:
     (The tensors pass through a safetensors file in /dev/shm to reuse the engine's loader.)"""
     import torch
     from safetensors.torch import save_file
-
-    from inference.sglang_client import broadcast_tensor
+    from streamrl.inference.sglang_client import broadcast_tensor
 
     state: ServerState = request.app.state.server
     body = await _body(request)
@@ -593,7 +591,7 @@ async def serve_model(
 def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: int,
                      weight_version: str) -> int:
     """The ``streamrl serve-model`` command (blocks until interrupted)."""
-    from learner.model import resolve_model
+    from streamrl.learner.model import resolve_model
 
     model_dir = resolve_model("smollm2-135m" if model == "smollm2" else model)
     try:
@@ -635,7 +633,7 @@ def start_serve_model(log_dir: Path, model: str = "tiny", port: int | None = Non
     log = log_dir / f"serve-model-{port}.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "serve-model", "--model", model,
+        [sys.executable, "-m", "streamrl", "serve-model", "--model", model,
          "--host", "127.0.0.1", "--port", str(port), "--weight-version", weight_version],
         cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )

@@ -50,9 +50,8 @@ import msgspec
 import numpy as np
 import structlog
 import trio
-
-from inference.engine import Completion
-from queues.messages import Sampling
+from streamrl.inference.engine import Completion
+from streamrl.queues.messages import Sampling
 
 log = structlog.get_logger()
 

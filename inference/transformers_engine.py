@@ -45,11 +45,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import trio
-
-from inference.decode import Row, RowResult, decode_batch
-from inference.engine import Completion
-from learner.model import load_model, load_tokenizer
-from queues.messages import Sampling
+from streamrl.inference.decode import Row, RowResult, decode_batch
+from streamrl.inference.engine import Completion
+from streamrl.learner.model import load_model, load_tokenizer
+from streamrl.queues.messages import Sampling
 
 
 class EngineClosed(RuntimeError):

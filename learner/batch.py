@@ -29,12 +29,11 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
+from streamrl.learner.loss import group_advantages
 from torch import Tensor
 
-from learner.loss import group_advantages
-
 if TYPE_CHECKING:
-    from queues.messages import Trajectory
+    from streamrl.queues.messages import Trajectory
 
 # The wire types are imported where they are used, so that ``Batch`` and the training step
 # on a ready batch need only torch (benchmarks/gpu/check.py runs without msgspec).
@@ -121,7 +120,7 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
     one, an empty prompt, or a sampling temperature <= 0 (greedy decoding has no logprobs to
     train on).
     """
-    from queues.messages import bytes_to_floats, bytes_to_ids
+    from streamrl.queues.messages import bytes_to_floats, bytes_to_ids
 
     rows: list[tuple[Tensor, Tensor, Tensor, Tensor, float, float, float]] = []
     for traj in trajectories:
@@ -201,7 +200,7 @@ def make_trajectory(
     Only the fields the learner reads carry meaning; the rest (domain, texts, outcomes) are
     placeholders.
     """
-    from queues.messages import (
+    from streamrl.queues.messages import (
         Rollout,
         Sample,
         Sampling,

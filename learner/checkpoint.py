@@ -29,8 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from learner.weights import list_versions, version_dir
+from streamrl.learner.weights import list_versions, version_dir
 
 LEDGER_FILE = "consumed.jsonl"
 TRAINER_STATE_FILE = "trainer_state.pt"

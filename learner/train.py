@@ -40,15 +40,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from streamrl.learner import distributed as dist_util
+from streamrl.learner.batch import Batch, build_batch, has_signal
+from streamrl.learner.loss import policy_loss
+from streamrl.learner.model import load_model
 from torch import Tensor
 
-from learner import distributed as dist_util
-from learner.batch import Batch, build_batch, has_signal
-from learner.loss import policy_loss
-from learner.model import load_model
-
 if TYPE_CHECKING:
-    from queues.messages import Trajectory
+    from streamrl.queues.messages import Trajectory
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,8 @@ from dataclasses import dataclass, field
 from urllib.parse import quote
 
 import redis
-
-from queues import names as N
-from queues.client import RedisClient, RedisURL
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient, RedisURL
 
 ROLES = (
     "scheduler", "generator", "executor", "verifier", "learner", "monitor", "archiver", "admin"

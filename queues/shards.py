@@ -40,11 +40,10 @@ from typing import Any
 
 import msgspec
 import trio
-
-from queues import names as N
-from queues.client import RedisClient
-from queues.payloads import PayloadLimits
-from queues.streams import (
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.payloads import PayloadLimits
+from streamrl.queues.streams import (
     ConsumerSettings,
     Delivery,
     Handoff,
@@ -53,7 +52,7 @@ from queues.streams import (
     open_stream_consumer,
 )
 
-_RESERVE_COUNTED = resources.files("queues").joinpath("reserve_counted.lua").read_text()
+_RESERVE_COUNTED = resources.files("streamrl.queues").joinpath("reserve_counted.lua").read_text()
 
 
 def qualify(shard: int, entry_id: str) -> str:

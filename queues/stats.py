@@ -25,12 +25,11 @@ from importlib import resources
 from typing import Any
 
 import redis
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
 
-from queues import names as N
-from queues.client import RedisClient
-
-_BACKLOG = resources.files("queues").joinpath("backlog.lua").read_text()
-_REPAIR_LAG = resources.files("queues").joinpath("repair_lag.lua").read_text()
+_BACKLOG = resources.files("streamrl.queues").joinpath("backlog.lua").read_text()
+_REPAIR_LAG = resources.files("streamrl.queues").joinpath("repair_lag.lua").read_text()
 _BACKLOG_SHA = hashlib.sha1(_BACKLOG.encode()).hexdigest()
 
 

@@ -33,20 +33,26 @@ from typing import Any
 import redis
 import structlog
 import trio
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import DeadLetter, M, MessageError, decode, encode, now
+from streamrl.queues.payloads import (
+    REF_PREFIX,
+    Blob,
+    PayloadLimits,
+    prepare_many,
+    resolve,
+    store_blobs,
+)
+from streamrl.queues.stats import repair_lag
 
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import DeadLetter, M, MessageError, decode, encode, now
-from queues.payloads import REF_PREFIX, Blob, PayloadLimits, prepare_many, resolve, store_blobs
-from queues.stats import repair_lag
-
-_HANDOFF = resources.files("queues").joinpath("handoff.lua").read_text()
-_DEADLETTER = resources.files("queues").joinpath("deadletter.lua").read_text()
-_TRIM = resources.files("queues").joinpath("trim.lua").read_text()
-_HANDOFF_BATCH = resources.files("queues").joinpath("handoff_batch.lua").read_text()
-_PUBLISH_COUNTED = resources.files("queues").joinpath("publish_counted.lua").read_text()
-_PUBLISH_ONCE = resources.files("queues").joinpath("publish_once.lua").read_text()
-_REQUEUE = resources.files("queues").joinpath("requeue.lua").read_text()
+_HANDOFF = resources.files("streamrl.queues").joinpath("handoff.lua").read_text()
+_DEADLETTER = resources.files("streamrl.queues").joinpath("deadletter.lua").read_text()
+_TRIM = resources.files("streamrl.queues").joinpath("trim.lua").read_text()
+_HANDOFF_BATCH = resources.files("streamrl.queues").joinpath("handoff_batch.lua").read_text()
+_PUBLISH_COUNTED = resources.files("streamrl.queues").joinpath("publish_counted.lua").read_text()
+_PUBLISH_ONCE = resources.files("streamrl.queues").joinpath("publish_once.lua").read_text()
+_REQUEUE = resources.files("streamrl.queues").joinpath("requeue.lua").read_text()
 
 FIELD = b"d"
 _FLUSHES_IN_FLIGHT = 2  # hand-off script calls one consumer has in flight at once

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sandbox.base import (
+from streamrl.sandbox.base import (
     ISOLATION_LEVELS,
     NOT_ISOLATED,
     ExecRequest,
@@ -20,7 +20,7 @@ from sandbox.base import (
     Sandbox,
     SandboxUnavailable,
 )
-from sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox
 
 BACKENDS = ("process", "docker")
 
@@ -30,7 +30,7 @@ def open_sandbox(backend: str, **options: Any) -> Sandbox:
     if backend == "process":
         return ProcessSandbox(**options)
     if backend == "docker":
-        from sandbox.docker import DockerSandbox
+        from streamrl.sandbox.docker import DockerSandbox
 
         return DockerSandbox(**options)
     raise ValueError(f"unknown sandbox backend {backend!r}; known: {', '.join(BACKENDS)}")

@@ -56,9 +56,14 @@ from typing import Any, TypeVar
 
 import structlog
 import trio
-
-from sandbox.base import ExecRequest, ExecResult, IsolationLevel, Limits, SandboxUnavailable
-from sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
+from streamrl.sandbox.base import (
+    ExecRequest,
+    ExecResult,
+    IsolationLevel,
+    Limits,
+    SandboxUnavailable,
+)
+from streamrl.sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
 log = structlog.get_logger()
 

@@ -98,8 +98,7 @@ from pathlib import Path, PurePosixPath
 from typing import Literal
 
 import trio
-
-from sandbox.base import (
+from streamrl.sandbox.base import (
     NOT_ISOLATED,
     ExecRequest,
     ExecResult,
@@ -107,8 +106,8 @@ from sandbox.base import (
     Limits,
     SandboxUnavailable,
 )
-from sandbox.resident import PoolStatistics, ResidentSession, Runner, RunnerPool, looks_oom
-from sandbox.runner_channel import RunnerGone, checked_path
+from streamrl.sandbox.resident import PoolStatistics, ResidentSession, Runner, RunnerPool, looks_oom
+from streamrl.sandbox.runner_channel import RunnerGone, checked_path
 
 log = logging.getLogger(__name__)
 

@@ -35,9 +35,8 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 
 import trio
-
-from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
-from sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
+from streamrl.sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from streamrl.sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
 log = logging.getLogger(__name__)
 

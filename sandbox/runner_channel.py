@@ -30,8 +30,7 @@ from pathlib import PurePosixPath
 from typing import Any, Protocol
 
 import trio
-
-from sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from streamrl.sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
 
 MAX_HEADER = 1 << 20
 CONTROL_TIMEOUT_S = 10.0

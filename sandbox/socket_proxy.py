@@ -4,7 +4,7 @@ Whoever can talk to a Docker engine is root on its host (a privileged container,
 ``/``). The executor needs the engine only for its sandbox containers, so it is given this
 proxy instead of the socket (``DOCKER_HOST=unix:///run/streamrl-docker/docker.sock``):
 
-    python -m sandbox.socket_proxy --listen unix:/run/streamrl-docker/docker.sock \
+    python -m streamrl.sandbox.socket_proxy --listen unix:/run/streamrl-docker/docker.sock \
         [--upstream /var/run/docker.sock] [--image streamrl-sandbox]
 
 Guarantees: every request is checked before one byte of it reaches the engine, and is
@@ -431,7 +431,7 @@ async def serve_proxy(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sandbox.socket_proxy", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m streamrl.sandbox.socket_proxy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--listen", default="unix:/run/streamrl-docker/docker.sock")
     p.add_argument("--upstream", default="/var/run/docker.sock", help="the engine's socket")

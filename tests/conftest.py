@@ -8,11 +8,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from streamrl.queues.acl import apply_acls, role_url
+from streamrl.queues.client import RedisClient
+from streamrl.queues.names import Names
+from streamrl.queues.server import ClusterProcess, ServerProcess
 
-from queues.acl import apply_acls, role_url
-from queues.client import RedisClient
-from queues.names import Names
-from queues.server import ClusterProcess, ServerProcess
 from tests.helpers import redis_server_for_tests, role_credentials
 
 
@@ -73,3 +73,33 @@ async def roles(client: RedisClient, names: Names) -> AsyncIterator[dict[str, Re
     for c in clients.values():
         c.close()
     client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
+
+
+# -- parallel runs (pytest-xdist, `make test`: -n 2 --dist loadgroup) ----------------------
+# Tests that share one engine or port run on one worker, one after another: everything that
+# drives the Docker engine (a sandbox's reaper removes ended containers of other owners, the
+# compose test counts the engine's containers), everything on the session's Redis Cluster
+# (one cluster per worker otherwise, three servers each), and the fixed metrics ports.
+_GROUPS = {
+    "docker": (
+        "tests/actors/test_executor.py", "tests/actors/test_group_dropped_whole.py",
+        "tests/actors/test_multiturn.py", "tests/compose/", "tests/sandbox/",
+    ),
+    "cluster": (
+        "tests/actors/test_learner_sharded.py", "tests/actors/test_scheduler_sharded.py",
+        "tests/chaos/", "tests/ops/test_admin_role.py", "tests/ops/test_sharded_ops.py",
+        "tests/queues/test_acl.py", "tests/queues/test_cluster.py",
+        "tests/queues/test_shard_admission.py", "tests/test_end_to_end_sharded.py",
+    ),
+    "ports": ("tests/ops/test_metrics.py",),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        path = item.path.relative_to(root).as_posix()
+        for group, prefixes in _GROUPS.items():
+            if path.startswith(prefixes):
+                item.add_marker(pytest.mark.xdist_group(group))
+                break

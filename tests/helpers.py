@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 
 import redis
-
-from actors.config import Config, load_config
-from queues.acl import ROLES, Credentials
-from queues.names import Names
-from queues.server import find_server_binary
+from streamrl.actors.config import Config, load_config
+from streamrl.queues.acl import ROLES, Credentials
+from streamrl.queues.names import Names
+from streamrl.queues.server import find_server_binary
 
 
 def run_config(tmp_path: Path, redis_url: str, run: str, *overrides: str) -> Config:

@@ -3,10 +3,9 @@
 from pathlib import Path
 
 import msgspec
-
-from actors import config as C
-from actors.cli import main
-from actors.config_doc import render
+from streamrl.actors import config as C
+from streamrl.actors.cli import main
+from streamrl.actors.config_doc import render
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 

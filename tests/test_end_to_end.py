@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 import redis
-
-from queues import names as N
-from queues.acl import ROLES
-from queues.messages import StepMetrics, Trajectory, WeightsPublished, decode
+from streamrl.queues import names as N
+from streamrl.queues.acl import ROLES
+from streamrl.queues.messages import StepMetrics, Trajectory, WeightsPublished, decode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +36,7 @@ def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "actors.cli",
+            "streamrl.actors.cli",
             "up",
             "--config",
             "configs/tiny.toml",

@@ -20,12 +20,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import StepMetrics, Task, Trajectory, WeightsPublished, decode
+from streamrl.queues.payloads import PayloadLimits, resolve
+from streamrl.queues.server import ClusterProcess
 
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import StepMetrics, Task, Trajectory, WeightsPublished, decode
-from queues.payloads import PayloadLimits, resolve
-from queues.server import ClusterProcess
 from tests.chaos.harness import LedgerView
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ def test_sharded_pipeline_on_cluster_loses_and_duplicates_nothing(
     # When: three learner steps through 3 shards, then the final evaluation
     proc = subprocess.run(
         [
-            sys.executable, "-m", "actors.cli", "up",
+            sys.executable, "-m", "streamrl", "up",
             "--config", "configs/tiny.toml",
             "--set", f"run.name={run}",
             "--set", f"run.work_dir={tmp_path / 'run'}",

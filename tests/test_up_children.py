@@ -60,7 +60,7 @@ class _Up:
     def __init__(self, work: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+            [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
              "--set", "run.name=orphans", "--set", "run.redis_url=",
              "--set", f"run.work_dir={work}", "--max-minutes", "10"],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -28,7 +28,7 @@ def test_up_goes_on_after_redis_restarts_without_its_users(tmp_path: Path) -> No
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
     env["STREAMRL_REDIS_URL"] = redis_server.admin_url  # the admin URL, off the command line
     up = subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
          "--set", "run.name=restarted", "--set", f"run.work_dir={tmp_path / 'run'}",
          "--set", "learner.max_steps=6", "--set", "up.progress_interval_s=2",
          "--max-minutes", "8", "--summary-json", str(summary)],

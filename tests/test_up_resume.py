@@ -10,8 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from learner.weights import version_dir
+from streamrl.learner.weights import version_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -20,7 +19,7 @@ def _up(work: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]
     summary = work.parent / "summary.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
          "--set", "run.name=resume", "--set", "run.redis_url=", "--set", f"run.work_dir={work}",
          "--max-minutes", "3", "--summary-json", str(summary), *args],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
@@ -53,7 +52,7 @@ def test_up_resumes_a_stopped_run_and_fresh_starts_over(tmp_path: Path) -> None:
 
 def test_fresh_is_refused_with_an_external_redis(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
          "--set", "run.redis_url=redis://127.0.0.1:1/0", "--set", f"run.work_dir={tmp_path}",
          "--fresh"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
@@ -73,7 +72,7 @@ def test_up_stops_when_an_actor_cannot_start(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
     # When `up` runs it
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
          "--set", "run.name=broken", "--set", f"run.work_dir={work}", "--max-minutes", "4"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )

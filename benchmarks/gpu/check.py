@@ -31,10 +31,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
-
-from learner.batch import Batch
-from learner.train import TrainConfig, Trainer
-from learner.weights import load_state_into, save_weights, version_dir
+from streamrl.learner.batch import Batch
+from streamrl.learner.train import TrainConfig, Trainer
+from streamrl.learner.weights import load_state_into, save_weights, version_dir
 
 QWEN2_05B = {
     "vocab_size": 151936,

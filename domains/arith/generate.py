@@ -1,6 +1,6 @@
 """Write ``data/train.jsonl`` and ``data/eval.jsonl`` for the arith demo, deterministically.
 
-    python -m domains.arith.generate [--seed 1234] [--train 2000] [--eval 64]
+    python -m streamrl.domains.arith.generate [--seed 1234] [--train 2000] [--eval 64]
 
 The eval split cycles through the task kinds (a balanced held-out mix); the train split
 draws kinds uniformly. No prompt appears twice, in or across splits.
@@ -13,8 +13,8 @@ import json
 import random
 from pathlib import Path
 
-from domains.arith.domain import DATA_DIR, ArithItem, prompt_for
-from domains.arith.tasks import KINDS
+from streamrl.domains.arith.domain import DATA_DIR, ArithItem, prompt_for
+from streamrl.domains.arith.tasks import KINDS
 
 SEED = 1234
 

@@ -1,5 +1,6 @@
-"""The cad domain (entry point ``cad = "domains.cad:Cad"``); see :mod:`domains.cad.domain`."""
+"""The cad domain (entry point ``cad = "streamrl.domains.cad:Cad"``);
+see :mod:`streamrl.domains.cad.domain`."""
 
-from domains.cad.domain import CONSTRAINTS, Cad, CadItem, constraints, read_verdict
+from streamrl.domains.cad.domain import CONSTRAINTS, Cad, CadItem, constraints, read_verdict
 
 __all__ = ["CONSTRAINTS", "Cad", "CadItem", "constraints", "read_verdict"]

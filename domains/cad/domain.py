@@ -43,11 +43,10 @@ from typing import Any
 
 import msgspec
 import structlog
-
-from domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
-from domains.cad.runtime import MARKER, runtime_dir
-from domains.code.domain import extract_program
-from sandbox.base import ExecRequest, ExecResult, Limits
+from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
+from streamrl.domains.cad.runtime import MARKER, runtime_dir
+from streamrl.domains.code.domain import extract_program
+from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 log = structlog.get_logger()
 
@@ -173,7 +172,7 @@ class Cad(SplitFiles):
         self.script_timeout_s = script_timeout_s
         if not (self.runtime / MARKER).exists():
             log.warning("cad runtime missing: every cad script will fail to import",
-                        runtime=str(self.runtime), fix="python -m domains.cad.runtime")
+                        runtime=str(self.runtime), fix="python -m streamrl.domains.cad.runtime")
 
     def render_prompt(self, item: CadItem, tokenizer: Any) -> list[int]:
         primed = tokenizer.encode(ANSWER_PREFIX, add_special_tokens=False)

@@ -1,6 +1,6 @@
 """Write ``data/train.jsonl`` and ``data/eval.jsonl`` for the cad domain, deterministically.
 
-    python -m domains.cad.generate [--seed 11] [--train 300] [--eval 32]
+    python -m streamrl.domains.cad.generate [--seed 11] [--train 300] [--eval 32]
 
 Each task is a shape family with fresh dimensions (whole millimetres): a box, a cylinder, a
 sphere, a tube, a plate with one or two round through-holes, an L-bracket, two separate
@@ -18,9 +18,9 @@ import math
 import random
 from pathlib import Path
 
-from domains import base
-from domains.base import unique_splits
-from domains.cad.domain import DATA_DIR, CadItem
+from streamrl.domains import base
+from streamrl.domains.base import unique_splits
+from streamrl.domains.cad.domain import DATA_DIR, CadItem
 
 SEED = 11
 

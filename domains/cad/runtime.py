@@ -6,7 +6,8 @@ The cad domain's scripts and checker import their libraries from one directory u
 instead, installed with ``pip install --target`` for that interpreter's version (binary
 wheels only, nothing compiled)::
 
-    .venv/bin/python -m domains.cad.runtime [--target /usr/local/lib/streamrl-cad] [--check]
+    .venv/bin/python -m streamrl.domains.cad.runtime [--target /usr/local/lib/streamrl-cad]
+        [--check]
 
 ``$STREAMRL_CAD_RUNTIME`` overrides the directory (it must be visible inside the sandbox:
 anywhere under /usr for bwrap). A container image for the cad domain needs the same three

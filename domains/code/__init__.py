@@ -1,5 +1,6 @@
-"""The code domain (entry point ``code = "domains.code:Code"``); see :mod:`domains.code.domain`."""
+"""The code domain (entry point ``code = "streamrl.domains.code:Code"``);
+see :mod:`streamrl.domains.code.domain`."""
 
-from domains.code.domain import Case, Code, CodeItem, extract_program, nonce
+from streamrl.domains.code.domain import Case, Code, CodeItem, extract_program, nonce
 
 __all__ = ["Case", "Code", "CodeItem", "extract_program", "nonce"]

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
-from sandbox.base import ExecRequest, ExecResult, Limits
+from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
+from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 DATA_DIR = Path(__file__).parent / "data"
 HARNESS = "harness.py"

@@ -1,6 +1,6 @@
 """Write ``data/train.jsonl`` and ``data/eval.jsonl`` for the code domain, deterministically.
 
-    python -m domains.code.generate [--seed 5] [--train 400] [--eval 40]
+    python -m streamrl.domains.code.generate [--seed 5] [--train 400] [--eval 40]
 
 Each problem is a template with parameters (so prompts differ), a reference solution that
 computes the hidden tests' expected values, and one worked example shown in the prompt.
@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from domains import base
-from domains.base import unique_splits
-from domains.code.domain import DATA_DIR, Case, CodeItem
+from streamrl.domains import base
+from streamrl.domains.base import unique_splits
+from streamrl.domains.code.domain import DATA_DIR, Case, CodeItem
 
 SEED = 5
 N_TESTS = 5

@@ -1,5 +1,5 @@
-"""The finance domain (entry point ``finance = "domains.finance:Finance"``)."""
+"""The finance domain (entry point ``finance = "streamrl.domains.finance:Finance"``)."""
 
-from domains.finance.domain import Finance, FinanceItem, Row, check, parse_answer
+from streamrl.domains.finance.domain import Finance, FinanceItem, Row, check, parse_answer
 
 __all__ = ["Finance", "FinanceItem", "Row", "check", "parse_answer"]

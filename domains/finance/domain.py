@@ -34,9 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from domains.base import NO_SANDBOX, SINGLE_TURN, SplitFiles, chat_prompt_ids
-from sandbox.base import ExecRequest, ExecResult
+from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN, SplitFiles, chat_prompt_ids
+from streamrl.sandbox.base import ExecRequest, ExecResult
 
 DATA_DIR = Path(__file__).parent / "data"
 MAX_NEW_TOKENS = 64  # calibration.json: the same reward at 64 and 96, none at 48

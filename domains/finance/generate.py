@@ -1,6 +1,6 @@
 """Write ``data/train.jsonl`` and ``data/eval.jsonl`` for the finance domain, deterministically.
 
-    python -m domains.finance.generate [--seed 11] [--train 600] [--eval 48]
+    python -m streamrl.domains.finance.generate [--seed 11] [--train 600] [--eval 48]
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import argparse
 import random
 from pathlib import Path
 
-from domains import base
-from domains.base import unique_splits
-from domains.finance.domain import DATA_DIR, FinanceItem, Row
+from streamrl.domains import base
+from streamrl.domains.base import unique_splits
+from streamrl.domains.finance.domain import DATA_DIR, FinanceItem, Row
 
 SEED = 11
 SEGMENTS = ("Retail", "Cloud", "Ads", "Devices", "Services", "Licensing", "Payments", "Games")

@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from domains.base import NO_SANDBOX, SINGLE_TURN, SplitFiles, chat_prompt_ids
-from sandbox.base import ExecRequest, ExecResult
+from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN, SplitFiles, chat_prompt_ids
+from streamrl.sandbox.base import ExecRequest, ExecResult
 
 DATA_DIR = Path(__file__).parent / "data"
 MAX_NEW_TOKENS = 32

@@ -1,6 +1,6 @@
 """Write ``data/eval.jsonl`` for the general domain (eval only: no training split).
 
-    python -m domains.general.generate [--seed 3] [--eval 48]
+    python -m streamrl.domains.general.generate [--seed 3] [--eval 48]
 
 Kinds cycle in a fixed order so every kind is in the first items of the split.
 """
@@ -11,8 +11,8 @@ import argparse
 import random
 from collections.abc import Callable
 
-from domains.base import write_jsonl
-from domains.general.domain import DATA_DIR, GeneralItem
+from streamrl.domains.base import write_jsonl
+from streamrl.domains.general.domain import DATA_DIR, GeneralItem
 
 SEED = 3
 CAPITALS = {

@@ -1,5 +1,6 @@
-"""The math domain (entry point ``math = "domains.math:Math"``); see :mod:`domains.math.domain`."""
+"""The math domain (entry point ``math = "streamrl.domains.math:Math"``);
+see :mod:`streamrl.domains.math.domain`."""
 
-from domains.math.domain import Math, MathItem, extract_answer
+from streamrl.domains.math.domain import Math, MathItem, extract_answer
 
 __all__ = ["Math", "MathItem", "extract_answer"]

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from domains.base import NO_SANDBOX, SINGLE_TURN, SplitFiles, chat_prompt_ids
-from domains.math.equiv import equivalent
-from sandbox.base import ExecRequest, ExecResult
+from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN, SplitFiles, chat_prompt_ids
+from streamrl.domains.math.equiv import equivalent
+from streamrl.sandbox.base import ExecRequest, ExecResult
 
 DATA_DIR = Path(__file__).parent / "data"
 MAX_NEW_TOKENS = 48  # calibration.json: greedy reward is the same at 32, 48 and 64

@@ -1,6 +1,6 @@
 """Write ``data/train.jsonl`` and ``data/eval.jsonl`` for the math domain, deterministically.
 
-    python -m domains.math.generate [--seed 7] [--train 1000] [--eval 64]
+    python -m streamrl.domains.math.generate [--seed 7] [--train 1000] [--eval 64]
 
 Kinds: fraction sums, linear equations, percentages, polynomial products (symbolic answer),
 derivatives (symbolic), square-root simplification (symbolic), and three easy ones (a sum,
@@ -17,9 +17,9 @@ from fractions import Fraction
 from math import isqrt
 from pathlib import Path
 
-from domains import base
-from domains.base import unique_splits
-from domains.math.domain import DATA_DIR, MathItem
+from streamrl.domains import base
+from streamrl.domains.base import unique_splits
+from streamrl.domains.math.domain import DATA_DIR, MathItem
 
 SEED = 7
 

@@ -1,6 +1,6 @@
-"""The terminal domain (entry point ``terminal = "domains.terminal:Terminal"``); see
+"""The terminal domain (entry point ``terminal = "streamrl.domains.terminal:Terminal"``); see
 :mod:`domains.terminal.domain`."""
 
-from domains.terminal.domain import Terminal, TerminalItem, extract_command, nonce
+from streamrl.domains.terminal.domain import Terminal, TerminalItem, extract_command, nonce
 
 __all__ = ["Terminal", "TerminalItem", "extract_command", "nonce"]

@@ -34,9 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-
-from domains.base import EpisodePolicy, SandboxSpec, SplitFiles, chat_prompt_ids
-from sandbox.base import ExecRequest, ExecResult, Limits
+from streamrl.domains.base import EpisodePolicy, SandboxSpec, SplitFiles, chat_prompt_ids
+from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 DATA_DIR = Path(__file__).parent / "data"
 KEY_ENV = "STREAMRL_VERIFY_KEY"

@@ -1,6 +1,6 @@
 """Write ``data/train.jsonl`` and ``data/eval.jsonl`` for the terminal domain, deterministically.
 
-    python -m domains.terminal.generate [--seed 11] [--train 240] [--eval 30]
+    python -m streamrl.domains.terminal.generate [--seed 11] [--train 240] [--eval 30]
 
 Each task kind draws fresh files and parameters (so prompts differ) and writes its own hidden
 check (a sh function body: success = exit 0), computed from the same parameters. A check
@@ -15,9 +15,9 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
-from domains import base
-from domains.base import unique_splits
-from domains.terminal.domain import DATA_DIR, TerminalItem
+from streamrl.domains import base
+from streamrl.domains.base import unique_splits
+from streamrl.domains.terminal.domain import DATA_DIR, TerminalItem
 
 SEED = 11
 WORDS = ("apple", "river", "stone", "cloud", "ember", "maple", "delta", "orbit", "pixel",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from learner.batch import make_trajectory
-from queues.messages import Trajectory
+from streamrl.learner.batch import make_trajectory
+from streamrl.queues.messages import Trajectory
 
 ONE_TINY_STEP = (
     "model.spec=tiny",

@@ -13,19 +13,19 @@ from typing import Any
 
 import pytest
 import trio
+from streamrl.actors.context import ActorContext
+from streamrl.actors.dlq import list_dead, requeue
+from streamrl.actors.learner import serve as serve_learner
+from streamrl.actors.monitor import Monitor
+from streamrl.actors.policies import Reject
+from streamrl.actors.runtime import Output, serve_actor
+from streamrl.actors.scheduler import Scheduler
+from streamrl.queues import names as N
+from streamrl.queues.acl import apply_acls, role_url
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Executed, Rollout, Task, decode, encode
+from streamrl.queues.streams import Producer
 
-from actors.context import ActorContext
-from actors.dlq import list_dead, requeue
-from actors.learner import serve as serve_learner
-from actors.monitor import Monitor
-from actors.policies import Reject
-from actors.runtime import Output, serve_actor
-from actors.scheduler import Scheduler
-from queues import names as N
-from queues.acl import apply_acls, role_url
-from queues.client import RedisClient
-from queues.messages import Executed, Rollout, Task, decode, encode
-from queues.streams import Producer
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.actors.test_poison_refs import READER, WRITER, _config, _letters, _wait
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _executed, _rollout, _trajectory

@@ -8,15 +8,14 @@ from pathlib import Path
 
 import pytest
 import redis
-
-from actors.auth import apply_role_users, credentials_for_up, role_credentials
-from actors.cli import main
-from actors.config import Config, ConfigError, load_config
-from actors.context import open_context
-from actors.supervisor import _children
-from queues.acl import ROLES, role_url
-from queues.client import RedisClient, RedisURL
-from queues.names import Names
+from streamrl.actors.auth import apply_role_users, credentials_for_up, role_credentials
+from streamrl.actors.cli import main
+from streamrl.actors.config import Config, ConfigError, load_config
+from streamrl.actors.context import open_context
+from streamrl.actors.supervisor import _children
+from streamrl.queues.acl import ROLES, role_url
+from streamrl.queues.client import RedisClient, RedisURL
+from streamrl.queues.names import Names
 
 
 @pytest.fixture

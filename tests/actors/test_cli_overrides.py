@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _streamrl_config(*overrides: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
-    argv = [sys.executable, "-m", "actors.cli", "config", "--config", "configs/tiny.toml"]
+    argv = [sys.executable, "-m", "streamrl", "config", "--config", "configs/tiny.toml"]
     for o in overrides:
         argv += ["--set", o]
     return subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)

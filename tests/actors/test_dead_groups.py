@@ -9,17 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import trio
-
-from actors.config import load_config
-from actors.context import ActorContext
-from actors.dlq import list_dead, requeue
-from actors.policies import Policies, Reject
-from actors.runtime import ActorRuntime, Output, RuntimeSettings
-from actors.scheduler import Scheduler
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Sampling, Task, encode, new_id, now
-from queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from streamrl.actors.config import load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.dlq import list_dead, requeue
+from streamrl.actors.policies import Policies, Reject
+from streamrl.actors.runtime import ActorRuntime, Output, RuntimeSettings
+from streamrl.actors.scheduler import Scheduler
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Sampling, Task, encode, new_id, now
+from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
 
 
 def _task(split: str, eval_round: int = -1) -> Task:

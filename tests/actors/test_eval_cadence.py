@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import trio
+from streamrl.actors.context import ActorContext
+from streamrl.actors.learner import serve as learner_serve
+from streamrl.actors.scheduler import Scheduler
+from streamrl.learner.batch import make_trajectory
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Task, WeightsPublished, decode, encode
+from streamrl.queues.streams import Producer, ensure_group
 
-from actors.context import ActorContext
-from actors.learner import serve as learner_serve
-from actors.scheduler import Scheduler
-from learner.batch import make_trajectory
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Task, WeightsPublished, decode, encode
-from queues.streams import Producer, ensure_group
 from tests.helpers import run_config
 
 

@@ -12,17 +12,26 @@ from typing import Any
 import msgspec
 import pytest
 import trio
-
-from actors.config import DomainConfig, DomainSandboxConfig, ExecutorConfig
-from actors.executor import Executor, Sandboxes
-from actors.policies import Policies, Retry, RetryPolicy
-from actors.runtime import ActorRuntime, RuntimeSettings
-from domains.registry import get_domain
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Executed, Rollout, Sample, Sampling, Task, decode, encode, new_id, now
-from queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
-from sandbox import ProcessSandbox, Sandbox, open_sandbox
+from streamrl.actors.config import DomainConfig, DomainSandboxConfig, ExecutorConfig
+from streamrl.actors.executor import Executor, Sandboxes
+from streamrl.actors.policies import Policies, Retry, RetryPolicy
+from streamrl.actors.runtime import ActorRuntime, RuntimeSettings
+from streamrl.domains.registry import get_domain
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import (
+    Executed,
+    Rollout,
+    Sample,
+    Sampling,
+    Task,
+    decode,
+    encode,
+    new_id,
+    now,
+)
+from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
+from streamrl.sandbox import ProcessSandbox, Sandbox, open_sandbox
 
 
 def _rollout(*texts: str) -> Rollout:

@@ -11,15 +11,13 @@ from pathlib import Path
 import msgspec
 import pytest
 import trio
-from structlog.testing import capture_logs
-
-from actors.context import ActorContext
-from actors.executor import serve as executor_serve
-from actors.verifier import serve as verifier_serve
-from domains.registry import get_domain
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import (
+from streamrl.actors.context import ActorContext
+from streamrl.actors.executor import serve as executor_serve
+from streamrl.actors.verifier import serve as verifier_serve
+from streamrl.domains.registry import get_domain
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import (
     DeadLetter,
     Executed,
     Rollout,
@@ -34,7 +32,9 @@ from queues.messages import (
     new_id,
     now,
 )
-from queues.streams import FIELD, Producer
+from streamrl.queues.streams import FIELD, Producer
+from structlog.testing import capture_logs
+
 from tests.helpers import run_config
 
 

@@ -7,19 +7,19 @@ from pathlib import Path
 
 import msgspec
 import trio
+from streamrl.actors.config import Config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.learner import serve
+from streamrl.learner.batch import make_trajectory
+from streamrl.learner.checkpoint import LEDGER_FILE, TRAINER_STATE_FILE, Ledger
+from streamrl.learner.model import load_model, resolve_model
+from streamrl.learner.weights import save_weights
+from streamrl.queues import names as N
+from streamrl.queues.acl import Credentials, apply_acls, role_url
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import StepMetrics, Trajectory, WeightsPublished, decode, encode
+from streamrl.queues.streams import Producer
 
-from actors.config import Config
-from actors.context import ActorContext
-from actors.learner import serve
-from learner.batch import make_trajectory
-from learner.checkpoint import LEDGER_FILE, TRAINER_STATE_FILE, Ledger
-from learner.model import load_model, resolve_model
-from learner.weights import save_weights
-from queues import names as N
-from queues.acl import Credentials, apply_acls, role_url
-from queues.client import RedisClient
-from queues.messages import StepMetrics, Trajectory, WeightsPublished, decode, encode
-from queues.streams import Producer
 from tests.helpers import run_config
 
 

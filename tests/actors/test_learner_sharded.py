@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 import trio
+from streamrl.actors.context import ActorContext
+from streamrl.actors.learner import serve
+from streamrl.learner.checkpoint import Ledger
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import StepMetrics, WeightsPublished, decode, encode
+from streamrl.queues.server import ClusterProcess
+from streamrl.queues.shards import ShardedConsumer
+from streamrl.queues.streams import Producer
 
-from actors.context import ActorContext
-from actors.learner import serve
-from learner.checkpoint import Ledger
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import StepMetrics, WeightsPublished, decode, encode
-from queues.server import ClusterProcess
-from queues.shards import ShardedConsumer
-from queues.streams import Producer
 from tests.actors.helpers import ONE_TINY_STEP, Died, contains_died, group
 from tests.helpers import run_config
 

@@ -8,17 +8,17 @@ from collections import Counter
 from pathlib import Path
 
 import trio
+from streamrl.actors import learner as learner_actor
+from streamrl.actors.config import Config, load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.scheduler import Scheduler
+from streamrl.actors.scheduler import serve as serve_scheduler
+from streamrl.learner.batch import make_trajectory
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import StepMetrics, Task, decode, encode
+from streamrl.queues.streams import Producer
 
-from actors import learner as learner_actor
-from actors.config import Config, load_config
-from actors.context import ActorContext
-from actors.scheduler import Scheduler
-from actors.scheduler import serve as serve_scheduler
-from learner.batch import make_trajectory
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import StepMetrics, Task, decode, encode
-from queues.streams import Producer
 from tests.helpers import run_config
 
 GROUPS_PER_STEP = 2

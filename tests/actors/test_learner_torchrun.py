@@ -12,16 +12,15 @@ import pytest
 import torch
 import trio
 from safetensors.torch import load_file
-
-from actors.config import load_config
-from actors.context import ActorContext
-from actors.learner import serve
-from learner.batch import make_trajectory
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import WeightsPublished, decode, encode
-from queues.names import Names
-from queues.streams import Producer
+from streamrl.actors.config import load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.learner import serve
+from streamrl.learner.batch import make_trajectory
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import WeightsPublished, decode, encode
+from streamrl.queues.names import Names
+from streamrl.queues.streams import Producer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +59,7 @@ async def test_two_rank_learner_publishes_what_one_process_would(
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = await trio.run_process(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "actors.learner", *args],
+         "-m", "streamrl.actors.learner", *args],
         cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]

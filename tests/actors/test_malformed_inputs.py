@@ -7,15 +7,15 @@ from pathlib import Path
 
 import msgspec
 import trio
+from streamrl.actors.config import Config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.learner import serve
+from streamrl.actors.monitor import Monitor
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import DeadLetter, StepMetrics, decode, encode
+from streamrl.queues.streams import Producer
 
-from actors.config import Config
-from actors.context import ActorContext
-from actors.learner import serve
-from actors.monitor import Monitor
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import DeadLetter, StepMetrics, decode, encode
-from queues.streams import Producer
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.helpers import run_config
 

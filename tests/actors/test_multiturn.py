@@ -22,26 +22,25 @@ import msgspec
 import numpy as np
 import pytest
 import trio
-
-from actors.config import DomainConfig
-from actors.episodes import EpisodeSessions
-from actors.executor import Executor, Sandboxes, from_outcome
-from actors.generator import Generator
-from actors.policies import Policies, Reject, RetryPolicy
-from actors.replay import Found, render_episode
-from actors.runtime import Actor, ActorRuntime, RuntimeSettings
-from actors.scheduler import make_task
-from actors.verifier import Verifier
-from domains import registry
-from domains.base import EpisodePolicy, chat_observation_ids
-from domains.registry import get_domain, register
-from domains.terminal import Terminal, TerminalItem
-from inference.engine import Completion
-from learner.batch import build_batch
-from learner.model import load_tokenizer, resolve_model
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import (
+from streamrl.actors.config import DomainConfig
+from streamrl.actors.episodes import EpisodeSessions
+from streamrl.actors.executor import Executor, Sandboxes, from_outcome
+from streamrl.actors.generator import Generator
+from streamrl.actors.policies import Policies, Reject, RetryPolicy
+from streamrl.actors.replay import Found, render_episode
+from streamrl.actors.runtime import Actor, ActorRuntime, RuntimeSettings
+from streamrl.actors.scheduler import make_task
+from streamrl.actors.verifier import Verifier
+from streamrl.domains import registry
+from streamrl.domains.base import EpisodePolicy, chat_observation_ids
+from streamrl.domains.registry import get_domain, register
+from streamrl.domains.terminal import Terminal, TerminalItem
+from streamrl.inference.engine import Completion
+from streamrl.learner.batch import build_batch
+from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import (
     DeadLetter,
     Sampling,
     Trajectory,
@@ -50,8 +49,9 @@ from queues.messages import (
     decode,
     encode,
 )
-from queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
-from sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
+from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
+from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
+
 from tests.domains.test_terminal import fence, item_of, solution
 
 TERMINAL = get_domain("terminal")
@@ -508,7 +508,7 @@ async def test_an_executor_process_killed_mid_turn(
                 "scheduler.domains": '["terminal"]', "queues.block_ms": "100",
                 "queues.reclaim_min_idle_ms": "1000", "queues.reclaim_interval_s": "0.3",
                 "queues.heartbeat_interval_s": "0.3"}
-    argv = [sys.executable, "-m", "actors.cli", "run", "executor", "--config",
+    argv = [sys.executable, "-m", "streamrl", "run", "executor", "--config",
             "configs/tiny.toml", *[a for k, v in settings.items() for a in ("--set", f"{k}={v}")]]
     env = {"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
 

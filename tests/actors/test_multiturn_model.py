@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 import redis
 import torch
-
-from learner.batch import build_batch
-from learner.model import load_model, resolve_model
-from learner.train import TrainConfig, Trainer, token_logprobs
-from queues import names as N
-from queues.messages import StepMetrics, Trajectory, decode
+from streamrl.learner.batch import build_batch
+from streamrl.learner.model import load_model, resolve_model
+from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
+from streamrl.queues import names as N
+from streamrl.queues.messages import StepMetrics, Trajectory, decode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,7 +45,7 @@ def test_terminal_domain_trains_with_the_tiny_model(redis_url: str, tmp_path: Pa
     }
     sets = [arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")]
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml", *sets,
+        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml", *sets,
          "--max-minutes", "5", "--summary-json", str(summary_path)],
         cwd=REPO,
         env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
@@ -74,7 +73,7 @@ def test_terminal_domain_trains_with_the_tiny_model(redis_url: str, tmp_path: Pa
     # `streamrl replay show` prints every turn of an episode: each reply and observation
     t = next(t for t in trajectories if any(len(s.turns) == 2 for s in t.rollout.samples))
     shown = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "replay", "show", "--episode", t.episode_id,
+        [sys.executable, "-m", "streamrl", "replay", "show", "--episode", t.episode_id,
          "--config", "configs/tiny.toml", "--set", f"run.name={run}",
          "--set", f"run.work_dir={tmp_path / 'run'}", "--set", "auth.enabled=false",
          "--source", "live"],

@@ -14,18 +14,18 @@ from typing import Any
 
 import pytest
 import trio
+from streamrl.actors.archiver import serve_stream
+from streamrl.actors.config import Config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.learner import serve as serve_learner
+from streamrl.actors.monitor import Monitor
+from streamrl.actors.runtime import Output, serve_actor
+from streamrl.queues import names as N
+from streamrl.queues.acl import apply_acls, role_url
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import DeadLetter, Rollout, StepMetrics, decode, encode
+from streamrl.queues.payloads import REF_PREFIX
 
-from actors.archiver import serve_stream
-from actors.config import Config
-from actors.context import ActorContext
-from actors.learner import serve as serve_learner
-from actors.monitor import Monitor
-from actors.runtime import Output, serve_actor
-from queues import names as N
-from queues.acl import apply_acls, role_url
-from queues.client import RedisClient
-from queues.messages import DeadLetter, Rollout, StepMetrics, decode, encode
-from queues.payloads import REF_PREFIX
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _eval_trajectory
 from tests.helpers import role_credentials, run_config

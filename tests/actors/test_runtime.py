@@ -8,14 +8,13 @@ from __future__ import annotations
 import msgspec
 import trio
 import trio.testing
-
-from actors.policies import Policies, Reject, Retry, RetryPolicy, Unavailable
-from actors.runtime import ActorRuntime, Output, RuntimeSettings
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import DeadLetter, Sampling, Task, decode, encode, new_id, now
-from queues.payloads import PayloadLimits
-from queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
+from streamrl.actors.policies import Policies, Reject, Retry, RetryPolicy, Unavailable
+from streamrl.actors.runtime import ActorRuntime, Output, RuntimeSettings
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import DeadLetter, Sampling, Task, decode, encode, new_id, now
+from streamrl.queues.payloads import PayloadLimits
+from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 
 
 def _task(i: int = 0) -> Task:

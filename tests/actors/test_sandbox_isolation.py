@@ -12,12 +12,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from streamrl.actors.config import load_config
+from streamrl.actors.executor import Sandboxes, isolation_report
+from streamrl.domains.registry import get_domain
+from streamrl.sandbox.base import NOT_ISOLATED, IsolationTooWeak
 from structlog.testing import capture_logs
-
-from actors.config import load_config
-from actors.executor import Sandboxes, isolation_report
-from domains.registry import get_domain
-from sandbox.base import NOT_ISOLATED, IsolationTooWeak
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +30,7 @@ def _no_bwrap_path() -> str:
 def _streamrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PATH": _no_bwrap_path()}
     env.pop("STREAMRL_REDIS_URL", None)
-    return subprocess.run([sys.executable, "-m", "actors.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import trio
-
-from actors.config import Config, load_config
-from actors.context import ActorContext
-from actors.scheduler import Scheduler
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Task, decode
-from queues.streams import ensure_group
+from streamrl.actors.config import Config, load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.scheduler import Scheduler
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Task, decode
+from streamrl.queues.streams import ensure_group
 
 
 def _config(tmp_path: Path, redis_url: str, run: str) -> Config:

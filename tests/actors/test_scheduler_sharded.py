@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 import trio
+from streamrl.actors.context import ActorContext
+from streamrl.actors.scheduler import Scheduler
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Task, decode, encode
+from streamrl.queues.server import ClusterProcess
+from streamrl.queues.shards import reserve_admission
+from streamrl.queues.stats import group_state
+from streamrl.queues.streams import ensure_group
 
-from actors.context import ActorContext
-from actors.scheduler import Scheduler
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Task, decode, encode
-from queues.server import ClusterProcess
-from queues.shards import reserve_admission
-from queues.stats import group_state
-from queues.streams import ensure_group
 from tests.helpers import run_config
 
 SHARDS = 3

@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
-from queues import names as N
-from queues.messages import (
+from streamrl.queues import names as N
+from streamrl.queues.messages import (
     ExecOutcome,
     Executed,
     MessageError,

@@ -2,7 +2,7 @@
 
 A :class:`Scenario` describes a run (Redis URL, how many training groups, replicas, config
 overrides on top of ``configs/tiny.toml``); :func:`open_pipeline` starts one process per
-actor (``python -m actors.cli run <role>``) and keeps them running: a process that exits is
+actor (``python -m streamrl run <role>``) and keeps them running: a process that exits is
 started again, and every exit that the harness did not cause itself is recorded in
 :attr:`ActorProcess.crashes`. While it runs the test may
 
@@ -39,14 +39,13 @@ from typing import Any
 
 import msgspec
 import trio
-
-from actors.auth import apply_role_users, credentials_for_up
-from actors.config import load_config
-from learner.weights import latest_version
-from queues import names as N
-from queues.acl import Credentials
-from queues.client import RedisClient, RedisURL
-from queues.messages import (
+from streamrl.actors.auth import apply_role_users, credentials_for_up
+from streamrl.actors.config import load_config
+from streamrl.learner.weights import latest_version
+from streamrl.queues import names as N
+from streamrl.queues.acl import Credentials
+from streamrl.queues.client import RedisClient, RedisURL
+from streamrl.queues.messages import (
     DeadLetter,
     MessageError,
     StepMetrics,
@@ -56,8 +55,8 @@ from queues.messages import (
     decode,
     encode,
 )
-from queues.shards import qualify
-from queues.stats import group_state, stream_length
+from streamrl.queues.shards import qualify
+from streamrl.queues.stats import group_state, stream_length
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = ("scheduler", "generator", "executor", "verifier", "learner")
@@ -288,7 +287,7 @@ def _actors(scenario: Scenario, credentials: dict[str, Credentials]) -> list[Act
     actors = []
     for role in ROLES:
         for i in range(scenario.replicas.get(role, 1)):
-            argv = [sys.executable, "-m", "actors.cli", "run", role, *args]
+            argv = [sys.executable, "-m", "streamrl", "run", role, *args]
             role_env = env
             if credentials:  # its role's own ACL user (auth.enabled): no admin password
                 bare = RedisURL(scenario.redis_url).without_credentials().url
@@ -301,7 +300,7 @@ def _actors(scenario: Scenario, credentials: dict[str, Credentials]) -> list[Act
 @asynccontextmanager
 async def open_pipeline(scenario: Scenario) -> AsyncIterator[Pipeline]:
     """Start every actor process; on exit stop them all (SIGTERM, then SIGKILL)."""
-    from learner.model import resolve_model
+    from streamrl.learner.model import resolve_model
 
     await trio.to_thread.run_sync(resolve_model, "tiny")  # build the cached model only once
     config = load_config(REPO / "configs" / "tiny.toml", scenario.settings())

@@ -40,9 +40,8 @@ from typing import Any
 
 import pytest
 import redis
-
-from queues import names as N
-from queues.messages import (
+from streamrl.queues import names as N
+from streamrl.queues.messages import (
     DeadLetter,
     Executed,
     Rollout,

@@ -6,13 +6,12 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
-from domains.arith import Arith, ArithItem, extract_program
-from domains.arith.generate import make_splits, write_splits
-from domains.registry import ENTRY_POINT_GROUP, get_domain
-from learner.model import load_tokenizer, resolve_model
-from sandbox.base import ExecResult
-from sandbox.process import ProcessSandbox
+from streamrl.domains.arith import Arith, ArithItem, extract_program
+from streamrl.domains.arith.generate import make_splits, write_splits
+from streamrl.domains.registry import ENTRY_POINT_GROUP, get_domain
+from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.sandbox.base import ExecResult
+from streamrl.sandbox.process import ProcessSandbox
 
 ITEM = ArithItem(id="t-1", prompt="Write a Python program that prints the sum of 29 and 21.",
                  answer="50", kind="add2")
@@ -61,7 +60,7 @@ def test_splits_are_deterministic_disjoint_and_committed(tmp_path: Path,
 
 
 def test_eval_split_covers_every_kind(domain: Arith) -> None:
-    from domains.arith.tasks import KINDS
+    from streamrl.domains.arith.tasks import KINDS
 
     assert {it.kind for it in domain.load_items("eval")} == set(KINDS)
 

@@ -1,7 +1,7 @@
 """The cad domain against the real process sandbox (bwrap here): correct shapes score 1,
 wrong ones partially, and every reward hack scores what the honest shape behind it is
 worth (or 0). Each script really runs manifold3d/trimesh from the CAD runtime, installed
-for the sandbox's python3 on first use (``python -m domains.cad.runtime``)."""
+for the sandbox's python3 on first use (``python -m streamrl.domains.cad.runtime``)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,13 @@ import math
 
 import pytest
 import trio
-
-from domains.cad import CONSTRAINTS, Cad, CadItem, constraints, read_verdict
-from domains.cad import generate as gen
-from domains.cad.domain import nonce
-from domains.cad.runtime import install
-from domains.registry import get_domain
-from sandbox.base import ExecResult
-from sandbox.process import ProcessSandbox
+from streamrl.domains.cad import CONSTRAINTS, Cad, CadItem, constraints, read_verdict
+from streamrl.domains.cad import generate as gen
+from streamrl.domains.cad.domain import nonce
+from streamrl.domains.cad.runtime import install
+from streamrl.domains.registry import get_domain
+from streamrl.sandbox.base import ExecResult
+from streamrl.sandbox.process import ProcessSandbox
 
 HEAD = "from manifold3d import Manifold\nimport numpy as np\n"
 SAVE = ('mesh = shape.to_mesh()\n'
@@ -289,7 +288,7 @@ def test_forged_or_inconsistent_verdicts_are_refused() -> None:
 async def test_a_primed_completion_needs_only_the_shape(cad: Cad, box: ProcessSandbox) -> None:
     # the prompt ends with ANSWER_PREFIX ("```python ... shape = Manifold."): the model goes on,
     # and the driver saves the global `shape` for it
-    from domains.cad.domain import ANSWER_PREFIX
+    from streamrl.domains.cad.domain import ANSWER_PREFIX
 
     assert ANSWER_PREFIX.endswith("shape = Manifold.")
     score, _ = await run(cad, box, BOX, "cube([10, 20, 30])\n```\nThis is a box.")

@@ -7,11 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-
-from domains.code import Case, Code, CodeItem, nonce
-from domains.code.generate import make_splits, write_splits
-from domains.registry import get_domain
-from sandbox.process import ProcessSandbox
+from streamrl.domains.code import Case, Code, CodeItem, nonce
+from streamrl.domains.code.generate import make_splits, write_splits
+from streamrl.domains.registry import get_domain
+from streamrl.sandbox.process import ProcessSandbox
 
 UID_BASE = 300_000 + (os.getpid() % 500) * 1024
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
-from actors.config import load_config
-from domains.general import General, GeneralItem, extract_reply
-from domains.general.generate import KINDS, make_eval
-from domains.registry import get_domain
+from streamrl.actors.config import load_config
+from streamrl.domains.general import General, GeneralItem, extract_reply
+from streamrl.domains.general.generate import KINDS, make_eval
+from streamrl.domains.registry import get_domain
 
 CAPITAL = GeneralItem(id="g1", prompt="What is the capital of Italy?", answer="Rome",
                       kind="capital")

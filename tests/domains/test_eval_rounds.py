@@ -20,20 +20,19 @@ from typing import Any
 import msgspec
 import pytest
 import trio
-
-from actors.config import Config, load_config
-from actors.context import ActorContext
-from actors.executor import Executor, Sandboxes
-from actors.monitor import Monitor
-from actors.report import charts, collect, forgetting
-from actors.scheduler import eval_domains, eval_round_size, publish_eval_round
-from actors.verifier import Verifier
-from domains.cad.runtime import install
-from domains.finance.domain import FinanceItem, parts_of, ratio_of
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Executed, Rollout, Sample, Task, decode, encode, new_id, now
-from queues.streams import Producer
+from streamrl.actors.config import Config, load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.executor import Executor, Sandboxes
+from streamrl.actors.monitor import Monitor
+from streamrl.actors.report import charts, collect, forgetting
+from streamrl.actors.scheduler import eval_domains, eval_round_size, publish_eval_round
+from streamrl.actors.verifier import Verifier
+from streamrl.domains.cad.runtime import install
+from streamrl.domains.finance.domain import FinanceItem, parts_of, ratio_of
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Executed, Rollout, Sample, Task, decode, encode, new_id, now
+from streamrl.queues.streams import Producer
 
 TRAINED = ["math", "finance", "cad"]
 

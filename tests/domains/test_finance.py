@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-
-from domains.finance import Finance, FinanceItem, Row
-from domains.finance.generate import make_splits, write_splits
-from domains.registry import get_domain
+from streamrl.domains.finance import Finance, FinanceItem, Row
+from streamrl.domains.finance.generate import make_splits, write_splits
+from streamrl.domains.registry import get_domain
 
 ROWS = [Row("Retail", 1200, 800), Row("Cloud", 600, 200), Row("Ads", 200, 150)]
 SHARE = FinanceItem(id="f1", prompt="p", rows=ROWS, kind="share", target="Cloud")
@@ -72,7 +71,7 @@ def test_padding_parts_with_extra_keys_costs(domain: Finance) -> None:
 
 def test_the_primed_opening_is_part_of_the_answer(domain: Finance) -> None:
     # the prompt ends with '```json\n{"parts": {"Retail": ' (render_prompt); the model goes on
-    from domains.finance.domain import answer_prefix
+    from streamrl.domains.finance.domain import answer_prefix
 
     assert answer_prefix(SHARE) == '```json\n{"parts": {"Retail": '
     rest = '1200, "Cloud": 600, "Ads": 200}, "total": 2000, "ratio": 0.3}\n```'

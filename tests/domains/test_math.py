@@ -6,11 +6,10 @@ import time
 from pathlib import Path
 
 import pytest
-
-from domains.math import Math, MathItem, extract_answer
-from domains.math.equiv import SymbolicChecker, equivalent, screen
-from domains.math.generate import make_splits, write_splits
-from domains.registry import get_domain
+from streamrl.domains.math import Math, MathItem, extract_answer
+from streamrl.domains.math.equiv import SymbolicChecker, equivalent, screen
+from streamrl.domains.math.generate import make_splits, write_splits
+from streamrl.domains.registry import get_domain
 
 POLY = MathItem(id="m1", prompt="Expand (x - 2)(x - 6).", answer="x**2 + (-8)*x + (12)",
                 kind="expand")

@@ -9,13 +9,12 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
-from actors.config import ConfigError, load_config
-from actors.scheduler import domain_sampling, shares
-from domains.base import EpisodePolicy, SandboxSpec, load_task_file
-from domains.math import MathItem
-from domains.registry import ENTRY_POINT_GROUP, available, entry_points, get_domain
-from sandbox.base import Limits
+from streamrl.actors.config import ConfigError, load_config
+from streamrl.actors.scheduler import domain_sampling, shares
+from streamrl.domains.base import EpisodePolicy, SandboxSpec, load_task_file
+from streamrl.domains.math import MathItem
+from streamrl.domains.registry import ENTRY_POINT_GROUP, available, entry_points, get_domain
+from streamrl.sandbox.base import Limits
 
 BUILTINS = {"arith", "math", "finance", "code"}
 

@@ -7,14 +7,13 @@ import random
 from collections import Counter
 
 import pytest
-
-from actors.executor import to_outcome
-from actors.scheduler import make_task
-from actors.scheduling import FairShare, Share
-from actors.verifier import Verifier
-from domains.math import MathItem
-from queues import names as N
-from queues.messages import Executed, Rollout, Sample, Sampling, Trajectory, new_id, now
+from streamrl.actors.executor import to_outcome
+from streamrl.actors.scheduler import make_task
+from streamrl.actors.scheduling import FairShare, Share
+from streamrl.actors.verifier import Verifier
+from streamrl.domains.math import MathItem
+from streamrl.queues import names as N
+from streamrl.queues.messages import Executed, Rollout, Sample, Sampling, Trajectory, new_id, now
 
 
 def test_wfq_admits_in_proportion_to_weights_in_every_window() -> None:

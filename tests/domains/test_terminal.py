@@ -15,14 +15,13 @@ import re
 from collections.abc import AsyncIterator
 
 import pytest
-
-from domains.base import is_multi_turn
-from domains.registry import get_domain
-from domains.terminal import Terminal, TerminalItem, extract_command
-from domains.terminal.domain import MAX_OBSERVATION
-from domains.terminal.generate import make_splits
-from sandbox import ProcessSandbox
-from sandbox.base import ExecResult, SandboxSession
+from streamrl.domains.base import is_multi_turn
+from streamrl.domains.registry import get_domain
+from streamrl.domains.terminal import Terminal, TerminalItem, extract_command
+from streamrl.domains.terminal.domain import MAX_OBSERVATION
+from streamrl.domains.terminal.generate import make_splits
+from streamrl.sandbox import ProcessSandbox
+from streamrl.sandbox.base import ExecResult, SandboxSession
 
 DOMAIN = Terminal()
 

@@ -6,9 +6,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-from inference.server import ServeModel, free_port, start_serve_model, wait_healthy
-from learner.model import resolve_model
+from streamrl.inference.server import ServeModel, free_port, start_serve_model, wait_healthy
+from streamrl.learner.model import resolve_model
 
 __all__ = ["ServeModel", "free_port", "start_serve_model", "wait_healthy"]
 

@@ -9,19 +9,27 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+from streamrl.actors.config import ConfigError, load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.generator import Generator, open_engine, serve_weight_updates
+from streamrl.actors.policies import Unavailable
+from streamrl.actors.scheduler import make_task
+from streamrl.domains.registry import get_domain
+from streamrl.learner.model import load_tokenizer
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import (
+    Rollout,
+    Sampling,
+    WeightsPublished,
+    bytes_to_ids,
+    encode,
+    new_id,
+    now,
+)
+from streamrl.queues.names import Names
+from streamrl.queues.streams import FIELD
 
-from actors.config import ConfigError, load_config
-from actors.context import ActorContext
-from actors.generator import Generator, open_engine, serve_weight_updates
-from actors.policies import Unavailable
-from actors.scheduler import make_task
-from domains.registry import get_domain
-from learner.model import load_tokenizer
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Rollout, Sampling, WeightsPublished, bytes_to_ids, encode, new_id, now
-from queues.names import Names
-from queues.streams import FIELD
 from tests.inference.conftest import ServeModel, free_port
 from tests.inference.test_weight_sync import publish_perturbed
 

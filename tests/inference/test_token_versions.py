@@ -4,9 +4,8 @@ which counts from the oldest token of a group."""
 from __future__ import annotations
 
 import msgspec
-
-from learner.batch import group_staleness, make_trajectory, split_stale
-from queues.messages import Trajectory, decode, encode, ids_to_bytes
+from streamrl.learner.batch import group_staleness, make_trajectory, split_stale
+from streamrl.queues.messages import Trajectory, decode, encode, ids_to_bytes
 
 
 def with_versions(traj: Trajectory, versions: list[list[int]]) -> Trajectory:
@@ -39,8 +38,7 @@ def test_staleness_counts_from_the_oldest_token() -> None:
 
 def test_client_reads_version_ranges_and_refuses_bad_ones() -> None:
     import pytest
-
-    from inference.sglang_client import ProtocolError, _completion
+    from streamrl.inference.sglang_client import ProtocolError, _completion
 
     def answer(ranges: list[dict] | None) -> dict:
         meta = {"finish_reason": {"type": "length"}, "weight_version": "2",

@@ -11,11 +11,10 @@ import pytest
 import torch
 import trio
 import trio.testing
-
-from inference.engine import Completion, Engine
-from inference.transformers_engine import TransformersEngine, open_transformers_engine
-from learner.model import load_model, resolve_model
-from queues.messages import Sampling
+from streamrl.inference.engine import Completion, Engine
+from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
+from streamrl.learner.model import load_model, resolve_model
+from streamrl.queues.messages import Sampling
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356],

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import redis
-
-from queues import names as N
-from queues.messages import Trajectory, decode
+from streamrl.queues import names as N
+from streamrl.queues.messages import Trajectory, decode
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +22,7 @@ def test_up_starts_serve_model_and_the_generator_uses_it(redis_url: str, tmp_pat
     run = f"srv{tmp_path.name[-6:]}".replace("-", "")
     summary_path = tmp_path / "summary.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "up", "--config", "configs/tiny.toml",
+        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
          "--set", f"run.name={run}", "--set", f"run.work_dir={tmp_path / 'run'}",
          "--set", "up.serve_models=1", "--set", "learner.max_steps=2",
          "--max-minutes", "5", "--summary-json", str(summary_path)],

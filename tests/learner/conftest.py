@@ -6,8 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from learner.model import load_model, resolve_model
+from streamrl.learner.model import load_model, resolve_model
 
 
 @pytest.fixture(scope="session")

@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-
-from learner.batch import build_batch, make_trajectory, split_stale
-from queues.messages import Trajectory, decode, encode
+from streamrl.learner.batch import build_batch, make_trajectory, split_stale
+from streamrl.queues.messages import Trajectory, decode, encode
 
 PAD = 2  # SmolLM2's pad token is its EOS token
 

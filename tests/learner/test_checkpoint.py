@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from learner.checkpoint import LEDGER_FILE, Ledger, LedgerError, StepRecord
+from streamrl.learner.checkpoint import LEDGER_FILE, Ledger, LedgerError, StepRecord
 
 
 def test_ledger_roundtrip_and_void_lines_above_latest_version(tmp_path: Path) -> None:

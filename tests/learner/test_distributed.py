@@ -12,12 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-
-from learner.batch import build_batch, make_trajectory
-from learner.distributed import shard_rows
-from learner.model import load_model
-from learner.train import StepStats, TrainConfig, Trainer
-from queues.messages import Trajectory
+from streamrl.learner.batch import build_batch, make_trajectory
+from streamrl.learner.distributed import shard_rows
+from streamrl.learner.model import load_model
+from streamrl.learner.train import StepStats, TrainConfig, Trainer
+from streamrl.queues.messages import Trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 

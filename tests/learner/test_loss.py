@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from learner.loss import group_advantages, policy_loss
+from streamrl.learner.loss import group_advantages, policy_loss
 
 
 def test_advantages_are_standardised_with_sample_std() -> None:

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from learner.batch import make_trajectory
-from learner.model import load_model
-from learner.train import TrainConfig, Trainer
-from queues.messages import Trajectory
+from streamrl.learner.batch import make_trajectory
+from streamrl.learner.model import load_model
+from streamrl.learner.train import TrainConfig, Trainer
+from streamrl.queues.messages import Trajectory
 
 
 def _groups(behaviour_logprob: float) -> list[Trajectory]:

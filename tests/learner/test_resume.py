@@ -8,13 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from learner.batch import make_trajectory
-from learner.checkpoint import load_trainer_state, save_trainer_state
-from learner.model import load_model
-from learner.train import TrainConfig, Trainer
-from learner.weights import save_weights, version_dir
-from queues.messages import Trajectory
+from streamrl.learner.batch import make_trajectory
+from streamrl.learner.checkpoint import load_trainer_state, save_trainer_state
+from streamrl.learner.model import load_model
+from streamrl.learner.train import TrainConfig, Trainer
+from streamrl.learner.weights import save_weights, version_dir
+from streamrl.queues.messages import Trajectory
 
 STEPS = 4
 

@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import torch
-
-from learner.batch import build_batch, make_trajectory
-from learner.model import load_model, load_tokenizer
-from learner.train import TrainConfig, Trainer, token_logprobs
-from queues.messages import Trajectory
+from streamrl.learner.batch import build_batch, make_trajectory
+from streamrl.learner.model import load_model, load_tokenizer
+from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
+from streamrl.queues.messages import Trajectory
 
 TEMPERATURE = 0.7
 

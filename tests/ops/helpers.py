@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.config import Config
-from queues.messages import (
+from streamrl.actors.config import Config
+from streamrl.queues.messages import (
     ExecOutcome,
     Executed,
     Rollout,
@@ -17,6 +17,7 @@ from queues.messages import (
     new_id,
     now,
 )
+
 from tests.helpers import run_config
 
 

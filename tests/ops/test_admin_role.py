@@ -17,21 +17,29 @@ from typing import Any
 
 import pytest
 import redis
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+from streamrl.actors.auth import apply_role_users, credentials_for_up, ops_url
+from streamrl.actors.config import Config
+from streamrl.actors.report import collect
+from streamrl.actors.status import ops_client
+from streamrl.actors.verifier import Verifier
+from streamrl.queues import names as N
+from streamrl.queues.acl import ROLES, Credentials, role_url
+from streamrl.queues.client import RedisClient, RedisURL
+from streamrl.queues.messages import (
+    DeadLetter,
+    Task,
+    Trajectory,
+    WeightsPublished,
+    encode,
+    new_id,
+    now,
+)
+from streamrl.queues.payloads import REF_PREFIX, PayloadLimits, resolve
+from streamrl.queues.server import ClusterProcess
+from streamrl.queues.streams import Producer, StreamConsumer, ensure_group, requeue_dead_letter
 
-import domains.arith.domain  # noqa: F401  (registers the arith domain)
-from actors.auth import apply_role_users, credentials_for_up, ops_url
-from actors.config import Config
-from actors.report import collect
-from actors.status import ops_client
-from actors.verifier import Verifier
-from queues import names as N
-from queues.acl import ROLES, Credentials, role_url
-from queues.client import RedisClient, RedisURL
-from queues.messages import DeadLetter, Task, Trajectory, WeightsPublished, encode, new_id, now
-from queues.payloads import REF_PREFIX, PayloadLimits, resolve
-from queues.server import ClusterProcess
-from queues.streams import Producer, StreamConsumer, ensure_group, requeue_dead_letter
 from tests.ops.helpers import config as ops_config
 from tests.ops.helpers import executed
 
@@ -93,7 +101,7 @@ def _argv(cfg: Config, *args: str) -> list[str]:
 def _streamrl(cfg: Config, *args: str, **env: str) -> tuple[int, str, str]:
     """``streamrl ARGS`` for run ``cfg``, a process of its own (the real entry point), with
     ``env`` added to this environment."""
-    done = subprocess.run([sys.executable, "-m", "actors.cli", *_argv(cfg, *args)],
+    done = subprocess.run([sys.executable, "-m", "streamrl", *_argv(cfg, *args)],
                           env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     return done.returncode, done.stdout, done.stderr
@@ -371,7 +379,7 @@ def test_acl_apply_creates_the_admin_only_where_its_password_is_set(
     # Given every actor role's password, but not the admin's
     env = {f"STREAMRL_PASSWORD_{role.upper()}": secrets.token_hex(8) for role in ROLES}
     del env["STREAMRL_PASSWORD_ADMIN"]
-    apply = [sys.executable, "-m", "actors.cli", "acl", "apply", "--config", "configs/tiny.toml",
+    apply = [sys.executable, "-m", "streamrl", "acl", "apply", "--config", "configs/tiny.toml",
              "--set", f"run.name={names.run}", "--set", f"run.redis_url={redis_url}"]  # fmt: skip
     superuser = redis.Redis.from_url(redis_url)
     users = {f"streamrl-{names.run}-{role}" for role in ROLES}

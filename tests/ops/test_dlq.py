@@ -7,16 +7,16 @@ import json
 from pathlib import Path
 
 import pytest
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+from streamrl.actors.context import ActorContext
+from streamrl.actors.dlq import Selection, list_dead, requeue, run_dlq
+from streamrl.actors.verifier import serve
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Trajectory, decode, encode
+from streamrl.queues.streams import Producer
 
-import domains.arith.domain  # noqa: F401  (registers the arith domain)
-from actors.context import ActorContext
-from actors.dlq import Selection, list_dead, requeue, run_dlq
-from actors.verifier import serve
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Trajectory, decode, encode
-from queues.streams import Producer
 from tests.ops.helpers import config, executed
 
 
@@ -72,7 +72,7 @@ async def test_requeue_is_once_and_purge_needs_confirmation(
 ) -> None:
     # Given two dead letters from different streams
     dead_key = names.stream(N.DEAD)
-    from queues.messages import DeadLetter, now
+    from streamrl.queues.messages import DeadLetter, now
 
     for stream, err in ((N.EXECUTED, "boom: bad sandbox"), (N.TASKS, "unknown domain")):
         letter = DeadLetter(stream=stream, group="g", entry_id="1-0", error=err, deliveries=3,

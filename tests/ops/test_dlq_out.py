@@ -14,19 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+from streamrl.actors.auth import apply_role_users, credentials_for_up
+from streamrl.actors.config import Config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.dlq import list_dead
+from streamrl.actors.verifier import serve
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient, RedisURL
+from streamrl.queues.messages import DeadLetter, encode, now
+from streamrl.queues.payloads import REF_PREFIX
+from streamrl.queues.streams import Producer
 
-import domains.arith.domain  # noqa: F401  (registers the arith domain)
-from actors.auth import apply_role_users, credentials_for_up
-from actors.config import Config
-from actors.context import ActorContext
-from actors.dlq import list_dead
-from actors.verifier import serve
-from queues import names as N
-from queues.client import RedisClient, RedisURL
-from queues.messages import DeadLetter, encode, now
-from queues.payloads import REF_PREFIX
-from queues.streams import Producer
 from tests.ops.helpers import config as ops_config
 
 TEN_MB = 10 * 1024 * 1024
@@ -50,7 +50,7 @@ def admin_env(
 
 
 def _dlq(cfg: Config, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
-    argv = [sys.executable, "-m", "actors.cli", "dlq", *args,
+    argv = [sys.executable, "-m", "streamrl", "dlq", *args,
             "--set", f"run.name={cfg.run.name}", "--set", "auth.enabled=true"]  # fmt: skip
     return subprocess.run(argv, env=env, capture_output=True, timeout=120)
 

@@ -13,25 +13,25 @@ from pathlib import Path
 
 import msgspec
 import pytest
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
 from prometheus_client.parser import text_string_to_metric_families
+from streamrl.actors import archiver
+from streamrl.actors.config import load_config
+from streamrl.actors.context import ActorContext
+from streamrl.actors.learner import serve as serve_learner
+from streamrl.actors.metrics import start_metrics_server
+from streamrl.actors.scheduler import Scheduler
+from streamrl.actors.supervisor import _children
+from streamrl.actors.verifier import serve
+from streamrl.learner.batch import make_trajectory
+from streamrl.learner.model import load_model, resolve_model
+from streamrl.learner.weights import save_weights
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import StepMetrics, Task, decode, encode, new_id, now
+from streamrl.queues.streams import Producer, ensure_group
 
-import domains.arith.domain  # noqa: F401  (registers the arith domain)
-from actors import archiver
-from actors.config import load_config
-from actors.context import ActorContext
-from actors.learner import serve as serve_learner
-from actors.metrics import start_metrics_server
-from actors.scheduler import Scheduler
-from actors.supervisor import _children
-from actors.verifier import serve
-from learner.batch import make_trajectory
-from learner.model import load_model, resolve_model
-from learner.weights import save_weights
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import StepMetrics, Task, decode, encode, new_id, now
-from queues.streams import Producer, ensure_group
 from tests.ops.helpers import config, executed
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

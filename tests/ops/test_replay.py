@@ -12,14 +12,13 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 import pytest
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
-
-import domains.arith.domain  # noqa: F401  (registers the arith domain)
-from actors import archiver
-from actors.context import ActorContext
-from actors.executor import to_outcome
-from actors.learner import serve as serve_learner
-from actors.replay import (
+from streamrl.actors import archiver
+from streamrl.actors.context import ActorContext
+from streamrl.actors.executor import to_outcome
+from streamrl.actors.learner import serve as serve_learner
+from streamrl.actors.replay import (
     Query,
     export,
     ledger_groups,
@@ -29,20 +28,21 @@ from actors.replay import (
     retrain,
     select,
 )
-from actors.verifier import Verifier
-from domains import registry
-from domains.arith.domain import Arith
-from learner.batch import make_trajectory
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Executed, Trajectory, encode, now
-from queues.streams import Producer
+from streamrl.actors.verifier import Verifier
+from streamrl.domains import registry
+from streamrl.domains.arith.domain import Arith
+from streamrl.learner.batch import make_trajectory
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Executed, Trajectory, encode, now
+from streamrl.queues.streams import Producer
+
 from tests.ops.helpers import config, executed
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "actors.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, timeout=120
     )
 
 

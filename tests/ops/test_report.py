@@ -6,10 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import StepMetrics, encode, new_id, now
-from queues.streams import Producer
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import StepMetrics, encode, new_id, now
+from streamrl.queues.streams import Producer
+
 from tests.ops.helpers import executed
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -18,8 +19,8 @@ PNG = b"\x89PNG\r\n\x1a\n"
 async def test_report_writes_charts_and_summary(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:
-    import domains.arith.domain  # noqa: F401
-    from actors.verifier import Verifier
+    import streamrl.domains.arith.domain  # noqa: F401
+    from streamrl.actors.verifier import Verifier
 
     # Given three learner steps, training groups at versions 0 and 1, an eval at 0 and 1
     producer = Producer(client, names)
@@ -44,7 +45,7 @@ async def test_report_writes_charts_and_summary(
     # When the report command runs
     out = tmp_path / "report"
     done = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "report", "--out", str(out),
+        [sys.executable, "-m", "streamrl", "report", "--out", str(out),
          "--set", f"run.name={names.run}", "--set", f"run.redis_url={redis_url}",
          "--set", f"run.work_dir={tmp_path}"],
         capture_output=True, text=True, timeout=120,

@@ -14,21 +14,21 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+from streamrl.actors import archiver
+from streamrl.actors.context import ActorContext
+from streamrl.actors.dlq import Selection, list_dead, run_dlq
+from streamrl.actors.replay import Query, select
+from streamrl.actors.verifier import Verifier, serve
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Trajectory, decode, encode
+from streamrl.queues.payloads import PayloadLimits, resolve
+from streamrl.queues.server import ClusterProcess
+from streamrl.queues.stats import group_state, stream_length
+from streamrl.queues.streams import Producer, StreamConsumer, ensure_group
 
-import domains.arith.domain  # noqa: F401  (registers the arith domain)
-from actors import archiver
-from actors.context import ActorContext
-from actors.dlq import Selection, list_dead, run_dlq
-from actors.replay import Query, select
-from actors.verifier import Verifier, serve
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Trajectory, decode, encode
-from queues.payloads import PayloadLimits, resolve
-from queues.server import ClusterProcess
-from queues.stats import group_state, stream_length
-from queues.streams import Producer, StreamConsumer, ensure_group
 from tests.ops.helpers import config, executed
 
 SHARDS = 3
@@ -47,7 +47,7 @@ def names() -> N.Names:
 def _cli(redis_url: str, run: str, *args: str) -> subprocess.CompletedProcess[str]:
     sets = [f"run.name={run}", f"run.redis_url={redis_url}", f"queues.shards={SHARDS}"]
     return subprocess.run(
-        [sys.executable, "-m", "actors.cli", *args, *(a for s in sets for a in ("--set", s))],
+        [sys.executable, "-m", "streamrl", *args, *(a for s in sets for a in ("--set", s))],
         capture_output=True,
         text=True,
         timeout=60,

@@ -10,17 +10,17 @@ import sys
 from pathlib import Path
 
 import trio
+from streamrl.actors.context import open_context
+from streamrl.actors.monitor import Monitor
+from streamrl.actors.policies import Policies
+from streamrl.actors.runtime import ActorRuntime, Output, RuntimeSettings
+from streamrl.actors.status import assess_stall, render, snapshot
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import Task, encode
+from streamrl.queues.stats import pipeline_state
+from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 
-from actors.context import open_context
-from actors.monitor import Monitor
-from actors.policies import Policies
-from actors.runtime import ActorRuntime, Output, RuntimeSettings
-from actors.status import assess_stall, render, snapshot
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import Task, encode
-from queues.stats import pipeline_state
-from queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 from tests.actors.test_runtime import _task
 from tests.ops.helpers import config
 
@@ -38,7 +38,7 @@ class Generating:
 
 def _status(redis_url: str, run: str, *extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "actors.cli", "status", *extra, "--samples", "1",
+        [sys.executable, "-m", "streamrl", "status", *extra, "--samples", "1",
          "--set", f"run.name={run}", "--set", f"run.redis_url={redis_url}",
          "--set", "ops.stall_after_s=1"],
         capture_output=True, text=True, timeout=60,

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from streamrl.actors.status import bottleneck, sample, snapshot
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import StepMetrics, WeightsPublished, encode, new_id, now
+from streamrl.queues.streams import Producer, StreamConsumer, ensure_group
 
-from actors.status import bottleneck, sample, snapshot
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import StepMetrics, WeightsPublished, encode, new_id, now
-from queues.streams import Producer, StreamConsumer, ensure_group
 from tests.ops.helpers import config, executed
 
 NUM = (int, float)
@@ -40,7 +40,7 @@ def _check(obj: dict, schema: dict) -> None:
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "actors.cli", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, timeout=60
     )
 
 
@@ -149,7 +149,7 @@ async def test_policy_version_and_step_rate(client: RedisClient, names: N.Names)
 
 def test_watch_prints_a_snapshot_per_interval(redis_url: str, names: N.Names) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "status", "--watch", "--json", "--interval", "0.2",
+        [sys.executable, "-m", "streamrl", "status", "--watch", "--json", "--interval", "0.2",
          "--set", f"run.name={names.run}", "--set", f"run.redis_url={redis_url}"],
         stdout=subprocess.PIPE, text=True,
     )

@@ -9,15 +9,14 @@ from typing import Any
 import pytest
 import redis
 import trio
-
-from queues import names as N
-from queues.acl import ROLES, Credentials, acl_rules, apply_acls, role_url
-from queues.client import Reconnect, RedisClient
-from queues.payloads import PayloadLimits
-from queues.server import ClusterProcess
-from queues.shards import open_sharded_consumer, publish_routed
-from queues.stats import group_state, pipeline_state, stream_length
-from queues.streams import (
+from streamrl.queues import names as N
+from streamrl.queues.acl import ROLES, Credentials, acl_rules, apply_acls, role_url
+from streamrl.queues.client import Reconnect, RedisClient
+from streamrl.queues.payloads import PayloadLimits
+from streamrl.queues.server import ClusterProcess
+from streamrl.queues.shards import open_sharded_consumer, publish_routed
+from streamrl.queues.stats import group_state, pipeline_state, stream_length
+from streamrl.queues.streams import (
     ConsumerSettings,
     EventReader,
     Handoff,
@@ -25,6 +24,7 @@ from queues.streams import (
     ensure_group,
     open_stream_consumer,
 )
+
 from tests.helpers import role_credentials
 
 LIMITS = PayloadLimits(claim_check_bytes=64)  # payloads over 64 bytes go through blob keys
@@ -429,7 +429,7 @@ def test_rules_reach_only_the_runs_keys_and_never_all_commands() -> None:
 
 async def test_users_survive_a_restart_of_the_embedded_server(tmp_path: Any) -> None:
     # Given the embedded server (it has an ACL file) with the run's users applied
-    from queues.server import ServerProcess
+    from streamrl.queues.server import ServerProcess
 
     names = N.Names(run="restart")
     credentials = role_credentials(names)

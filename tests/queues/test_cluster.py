@@ -21,18 +21,18 @@ from pathlib import Path
 import pytest
 import redis
 import trio
-
-from queues import names as N
-from queues.client import RedisClient
-from queues.server import ClusterProcess
-from queues.shards import open_sharded_consumer, publish_routed, unqualify
-from queues.streams import (
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.server import ClusterProcess
+from streamrl.queues.shards import open_sharded_consumer, publish_routed, unqualify
+from streamrl.queues.streams import (
     ConsumerSettings,
     EventReader,
     Handoff,
     Producer,
     open_stream_consumer,
 )
+
 from tests.queues import test_crash, test_handoff_batch, test_streams, test_trim_and_limits
 
 RERUN = (test_streams, test_handoff_batch, test_trim_and_limits, test_crash)
@@ -335,7 +335,7 @@ def test_pipeline_end_to_end_on_cluster(redis_cluster: ClusterProcess, tmp_path:
         [
             sys.executable,
             "-m",
-            "actors.cli",
+            "streamrl.actors.cli",
             "up",
             "--config",
             "configs/tiny.toml",

@@ -10,18 +10,17 @@ import textwrap
 from pathlib import Path
 
 import trio
-
-from queues import names as N
-from queues.client import RedisClient
-from queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
 
 REPO = Path(__file__).resolve().parents[2]
 
 CONSUMER = textwrap.dedent("""
     import sys, trio
-    from queues.client import RedisClient
-    from queues.names import Names
-    from queues.streams import open_stream_consumer
+    from streamrl.queues.client import RedisClient
+    from streamrl.queues.names import Names
+    from streamrl.queues.streams import open_stream_consumer
 
     async def main(url, run):
         async with open_stream_consumer(RedisClient(url), Names(run), "tasks", stage="g") as c:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import structlog
 import trio
-
-from actors.scheduler import latest_version
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import WeightsPublished, encode
-from queues.payloads import REF_PREFIX
-from queues.streams import EventReader, Producer
+from streamrl.actors.scheduler import latest_version
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import WeightsPublished, encode
+from streamrl.queues.payloads import REF_PREFIX
+from streamrl.queues.streams import EventReader, Producer
 
 
 def _weights(version: int) -> bytes:

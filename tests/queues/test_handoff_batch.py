@@ -8,12 +8,17 @@ import secrets
 import pytest
 import redis
 import trio
-
-from queues import names as N
-from queues.acl import ROLES, Credentials, apply_acls, role_url
-from queues.client import RedisClient
-from queues.payloads import PayloadLimits, PayloadTooLarge
-from queues.streams import ConsumerSettings, Delivery, Handoff, Producer, open_stream_consumer
+from streamrl.queues import names as N
+from streamrl.queues.acl import ROLES, Credentials, apply_acls, role_url
+from streamrl.queues.client import RedisClient
+from streamrl.queues.payloads import PayloadLimits, PayloadTooLarge
+from streamrl.queues.streams import (
+    ConsumerSettings,
+    Delivery,
+    Handoff,
+    Producer,
+    open_stream_consumer,
+)
 
 
 async def _pending(client: RedisClient, key: str, group: str) -> int:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import trio
-
-from learner.batch import make_trajectory
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import (
+from streamrl.learner.batch import make_trajectory
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import (
     DeadLetter,
     Executed,
     MessageError,
@@ -20,7 +19,7 @@ from queues.messages import (
     new_id,
     now,
 )
-from queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
 
 
 def test_a_message_with_unknown_fields_is_refused() -> None:

@@ -4,10 +4,10 @@ make the trim delete that key, nor fail (as the consumer's ACL user, it may not 
 
 from __future__ import annotations
 
-from queues import names as N
-from queues.client import RedisClient
-from queues.payloads import REF_PREFIX
-from queues.streams import ConsumerSettings, Handoff, open_stream_consumer
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.payloads import REF_PREFIX
+from streamrl.queues.streams import ConsumerSettings, Handoff, open_stream_consumer
 
 NO_TRIM_LOOP = ConsumerSettings(trim_interval_s=0, retain_acked=0)
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from queues import names as N
-from queues.client import RedisClient
-from queues.streams import Producer
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.streams import Producer
 
 
 async def test_publishes_and_counts_only_from_the_expected_count(

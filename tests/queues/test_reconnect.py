@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 import redis
 import trio
-
-from queues import names as N
-from queues.client import Reconnect, RedisClient
-from queues.server import ServerProcess
-from queues.streams import (
+from streamrl.queues import names as N
+from streamrl.queues.client import Reconnect, RedisClient
+from streamrl.queues.server import ServerProcess
+from streamrl.queues.streams import (
     ConsumerSettings,
     EventReader,
     Handoff,

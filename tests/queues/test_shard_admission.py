@@ -9,19 +9,24 @@ import uuid
 
 import pytest
 import trio
-
-from queues import names as N
-from queues.acl import Credentials, apply_acls, role_url
-from queues.client import RedisClient
-from queues.server import ClusterProcess
-from queues.shards import (
+from streamrl.queues import names as N
+from streamrl.queues.acl import Credentials, apply_acls, role_url
+from streamrl.queues.client import RedisClient
+from streamrl.queues.server import ClusterProcess
+from streamrl.queues.shards import (
     finish_admissions,
     open_consumer,
     publish_counted_routed,
     reserve_admission,
 )
-from queues.stats import group_state, stream_length
-from queues.streams import ConsumerSettings, Handoff, Producer, StreamConsumer, ensure_group
+from streamrl.queues.stats import group_state, stream_length
+from streamrl.queues.streams import (
+    ConsumerSettings,
+    Handoff,
+    Producer,
+    StreamConsumer,
+    ensure_group,
+)
 
 SHARDS = 3
 

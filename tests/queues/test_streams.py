@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import trio
-
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import DeadLetter, decode
-from queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import DeadLetter, decode
+from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
 
 
 async def _pending(client: RedisClient, key: str, group: str) -> int:

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import trio
-
-from queues import names as N
-from queues.client import RedisClient
-from queues.messages import DeadLetter, decode
-from queues.payloads import REF_PREFIX, PayloadLimits, PayloadTooLarge
-from queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
+from streamrl.queues import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.queues.messages import DeadLetter, decode
+from streamrl.queues.payloads import REF_PREFIX, PayloadLimits, PayloadTooLarge
+from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
 
 NO_TRIM_LOOP = ConsumerSettings(trim_interval_s=0, retain_acked=0)
 SMALL = PayloadLimits(max_bytes=1000, claim_check_bytes=100, blob_ttl_s=600)

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import pytest
 import trio
-
-from sandbox import ExecRequest, Limits, Sandbox, SandboxUnavailable, open_sandbox
+from streamrl.sandbox import ExecRequest, Limits, Sandbox, SandboxUnavailable, open_sandbox
 
 BACKENDS = ("process", "docker")
 # the process backend's fallback modes, each a backend name of its own (``process:<mode>``):

@@ -20,9 +20,9 @@ from urllib.parse import quote
 
 import pytest
 import trio
+from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
+from streamrl.sandbox.docker import DockerSandbox
 
-from sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
-from sandbox.docker import DockerSandbox
 from tests.sandbox.docker_engine import IMAGE, engine_get, require_docker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -248,10 +248,11 @@ async def test_the_executor_connects_afresh_once_an_unreachable_engine_is_back(
 ) -> None:
     # Given an executor whose Docker engine (its socket proxy, as in the compose cluster) is
     # not there yet
-    from actors.config import DomainConfig, DomainSandboxConfig
-    from actors.executor import Sandboxes
-    from domains.registry import get_domain
-    from sandbox.socket_proxy import Policy, Proxy, serve_proxy
+    from streamrl.actors.config import DomainConfig, DomainSandboxConfig
+    from streamrl.actors.executor import Sandboxes
+    from streamrl.domains.registry import get_domain
+    from streamrl.sandbox.socket_proxy import Policy, Proxy, serve_proxy
+
     from tests.actors.test_executor import _program
     from tests.sandbox.docker_engine import SOCKET
 
@@ -283,8 +284,9 @@ async def test_the_executor_names_a_samples_container_after_the_message(
     docker_image: str,
 ) -> None:
     # Given the executor on the Docker backend and a rollout whose program runs for a while
-    from actors.config import DomainConfig, DomainSandboxConfig
-    from actors.executor import Executor, Sandboxes
+    from streamrl.actors.config import DomainConfig, DomainSandboxConfig
+    from streamrl.actors.executor import Executor, Sandboxes
+
     from tests.actors.test_executor import _program, _rollout
 
     config = {"arith": DomainSandboxConfig(backend="docker", image=docker_image, pool_size=1)}
@@ -371,8 +373,8 @@ async def test_orphans_of_a_dead_executor_are_reaped(docker_image: str, tmp_path
     script = tmp_path / "executor.py"
     script.write_text(
         "import sys, trio\n"
-        "from sandbox import ExecRequest, Limits\n"
-        "from sandbox.docker import DockerSandbox\n"
+        "from streamrl.sandbox import ExecRequest, Limits\n"
+        "from streamrl.sandbox.docker import DockerSandbox\n"
         "async def main():\n"
         f"    box = DockerSandbox({docker_image!r}, pool_size=2)\n"
         "    async with box.session(Limits(), label='orphan') as s:\n"

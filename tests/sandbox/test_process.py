@@ -16,10 +16,9 @@ from typing import Any
 
 import pytest
 import trio
-
-import sandbox.process
-from sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
-from sandbox.resident import ResidentSession
+from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
+from streamrl.sandbox import process as sandbox_process
+from streamrl.sandbox.resident import ResidentSession
 
 from .conftest import processes_with
 
@@ -317,7 +316,7 @@ def test_the_packaged_bwrap_comes_before_the_one_on_path(bin_dir: Path) -> None:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PATH", path)
         # Then the packaged one is tried first, and used
-        assert sandbox.process.bwrap_binaries() == [_packaged_bwrap(), str(bin_dir / "bwrap")]
+        assert sandbox_process.bwrap_binaries() == [_packaged_bwrap(), str(bin_dir / "bwrap")]
         assert ProcessSandbox(isolation="bwrap").bwrap == _packaged_bwrap()
 
 
@@ -325,7 +324,7 @@ def test_bwrap_on_path_when_the_packaged_one_cannot_run(
     monkeypatch: pytest.MonkeyPatch, bin_dir: Path
 ) -> None:
     # Given a packaged bwrap that cannot run here and a working bwrap on PATH
-    monkeypatch.setattr(sandbox.process, "_packaged_bwrap", lambda: "/nonexistent/bwrap")
+    monkeypatch.setattr(sandbox_process, "_packaged_bwrap", lambda: "/nonexistent/bwrap")
     (bin_dir / "bwrap").symlink_to(_packaged_bwrap())
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{_path_without_bwrap()}")
     # When a process sandbox picks its isolation
@@ -487,7 +486,7 @@ async def test_sandboxes_die_with_their_executor(marker: str) -> None:
     script = f"""
     import sys, trio
     sys.path.insert(0, {str(REPO)!r})
-    from sandbox import ExecRequest, Limits, ProcessSandbox
+    from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox
     async def main():
         box = ProcessSandbox(isolation="bwrap")
         assert box.resident, box.detail

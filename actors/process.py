@@ -1,0 +1,56 @@
+"""One actor as a process: ``run_actor`` opens its context (Redis, config, metrics) and serves
+it until SIGINT/SIGTERM, which drains it (work in hand settles; a second signal stops it).
+The entry of ``streamrl run <actor>`` and of the torchrun learner (``actors/learner.py``);
+it imports no command-line code, so those can import it without a cycle."""
+
+from __future__ import annotations
+
+import importlib
+import signal
+from typing import Any
+
+import trio
+from streamrl.actors.config import Config
+from streamrl.actors.logs import get_logger
+
+ACTORS = ("scheduler", "generator", "executor", "verifier", "learner", "archiver")
+
+
+def _serve_function(actor: str) -> Any:
+    return importlib.import_module(f"streamrl.actors.{actor}").serve
+
+
+async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -> None:
+    """Serve one actor; SIGINT/SIGTERM drains it (work in hand settles), a second one stops it."""
+    from streamrl.actors.context import open_context
+
+    serve = _serve_function(actor)
+    log = get_logger()
+    if config.ops.metrics_port:
+        from streamrl.actors.metrics import start_metrics_server
+
+        start_metrics_server(config.ops.metrics_port, config.ops.metrics_addr)
+    async with open_context(config, actor) as ctx:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+
+                async def serve_and_finish(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                    await serve(ctx, task_status=task_status)
+                    nursery.cancel_scope.cancel()
+
+                async def on_signals() -> None:
+                    async for signum in signals:
+                        if ctx.shutdown.is_set():
+                            break
+                        log.info("draining", signal=signum)
+                        ctx.shutdown.set()
+                        if actor in ("scheduler", "learner"):
+                            break  # nothing in hand worth finishing: stop now
+                        nursery.cancel_scope.deadline = trio.current_time() + drain_timeout_s
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(on_signals)
+                log.info("actor started", run=config.run.name)
+                await nursery.start(serve_and_finish)
+                log.info("actor ready", run=config.run.name)  # set up, taking work
+        log.info("actor stopped")
