@@ -223,13 +223,16 @@ class Monitor:
             evals += " (" + " ".join(
                 f"{d} {m:.2f}" for d, m in rounds[-1].domain_means().items()) + ")"
         recent = self.steps[-5:]
-        reward = statistics.fmean(s.reward_mean for s in recent) if recent else float("nan")
+        reward = (  # no step yet: a dash, not "nan"
+            f"{statistics.fmean(s.reward_mean for s in recent):.2f} (last {len(recent)} steps)"
+            if recent else "- (no learner step yet)"
+        )
         span = sum(s.step_seconds + s.wait_seconds for s in recent)
         sps = sum(s.samples for s in recent) / span if span else 0.0
         depth = " ".join(f"{q.stream}={q.lag}+{q.pending}" for q in self.queues)
         return (
             f"[{int(elapsed // 60):02d}:{int(elapsed % 60):02d}] "
-            f"policy v{last.step if last else 0} | reward {reward:.2f} (last 5 steps) | "
+            f"policy v{last.step if last else 0} | reward {reward} | "
             f"eval {evals} | {sps:.2f} samples/s | queues (lag+pending) {depth} | "
             f"dead {self.dead}"
             + "".join(f" | {flag}" for q in self.queues if (flag := lag_flag(q)))

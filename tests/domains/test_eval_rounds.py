@@ -139,7 +139,9 @@ async def test_every_domain_has_an_eval_series_including_general(
     assert [(p["policy_version"], p["reward"]) for p in series["general"]] == [(0, 1.0), (2, 0.0)]
     assert summary.eval_rounds[1]["by_domain"] == {"cad": 1.0, "finance": 1.0, "general": 0.0,
                                                    "math": 1.0}
-    assert "general 0.00" in monitor.progress_line()
+    line = monitor.progress_line()
+    assert "general 0.00" in line
+    assert "| reward - (no learner step yet) |" in line and "nan" not in line  # no step yet
     # and so does the report, with general marked as never trained
     data = await collect(client, names, None)
     assert {d: sorted(by) for d, by in data.evals.items()} == {
