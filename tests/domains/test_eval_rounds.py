@@ -141,7 +141,7 @@ async def test_every_domain_has_an_eval_series_including_general(
                                                    "math": 1.0}
     line = monitor.progress_line()
     assert "general 0.00" in line
-    assert "| reward - (no learner step yet) |" in line and "nan" not in line  # no step yet
+    assert "| reward - (no learner step yet) |" in line and "reward nan" not in line
     # and so does the report, with general marked as never trained
     data = await collect(client, names, None)
     assert {d: sorted(by) for d, by in data.evals.items()} == {
