@@ -30,7 +30,7 @@ lint: venv
 TYPECHECK := .cache/typecheck
 typecheck: venv
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/streamrl
-	cp streamrl/__init__.py $(TYPECHECK)/streamrl/
+	cp streamrl/*.py $(TYPECHECK)/streamrl/
 	for d in queues actors sandbox learner domains inference; do ln -s ../../../$$d $(TYPECHECK)/streamrl/$$d; done
 	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p streamrl
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from streamrl.backoff import Backoff
+
 
 class Retry(Exception):
     """Raised by a handler to be retried after ``delay`` seconds (None: the policy's backoff)."""
@@ -44,8 +46,7 @@ class RetryPolicy:
 
     def delay(self, retry: int, rng: random.Random | None = None) -> float:
         """Full-jitter exponential backoff for the ``retry``-th retry (1-based)."""
-        cap = min(self.max_backoff_s, self.backoff_s * 2 ** (retry - 1))
-        return (rng or random).uniform(0, cap)
+        return Backoff(self.backoff_s, self.max_backoff_s).delay(retry, rng)
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,17 @@ primary owning the slot of the key it blocks on, and ``CLIENT UNBLOCK`` goes to 
 
 Transient connection errors (Redis restarting or loading its AOF, a dropped connection, a
 cluster re-electing) do not surface at once: every call is retried with exponential backoff
-and jitter, logged, for up to :attr:`Reconnect.timeout_s`, then raised. Every call the queue
-layer makes is safe to repeat after a lost reply: reads, acknowledgements, claims, and
-scripts guarded by a dedup key or a compare-and-set. A lost reply to a read costs no entry:
-entries delivered to a consumer stay in its pending list until reclaimed.
+and full jitter (:mod:`streamrl.backoff`), logged, for up to :attr:`Reconnect.timeout_s`, then
+raised. Every call the queue layer makes is safe to repeat after a lost reply: reads,
+acknowledgements, claims, and scripts guarded by a dedup key or a compare-and-set. A lost
+reply to a read costs no entry: entries delivered to a consumer stay in its pending list
+until reclaimed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -34,6 +34,8 @@ import redis
 import structlog
 import trio
 from redis.cluster import ClusterNode, RedisCluster
+
+from streamrl.backoff import Backoff, Retrying
 
 T = TypeVar("T")
 
@@ -164,25 +166,20 @@ async def with_reconnect(
     A refused password (``AuthenticationError``) counts as transient too: Redis restarted
     without the run's ACL users refuses them until they are created again. ``on_error``
     runs before each retry (e.g. to forget per-connection state)."""
-    deadline: float | None = None
-    failures = 0
+    retrying = Retrying(Backoff(policy.backoff_s, policy.max_backoff_s), policy.timeout_s)
     while True:
         try:
             return await attempt()
         except TRANSIENT_ERRORS as exc:
-            now = trio.current_time()
-            deadline = now + policy.timeout_s if deadline is None else deadline
-            failures += 1
-            if now >= deadline:
+            delay = retrying.failed()  # the last try falls on the deadline
+            if retrying.expired:
                 log.error("redis unreachable, giving up", call=what, error=str(exc))
                 raise
-            cap = min(policy.max_backoff_s, policy.backoff_s * 2 ** (failures - 1))
-            delay = min(random.uniform(cap / 2, cap), deadline - now)  # last try at the deadline
             log.warning(
                 "redis unreachable, retrying",
                 call=what,
                 error=f"{type(exc).__name__}: {exc}",
-                retry=failures,
+                retry=retrying.failures,
                 delay_s=round(delay, 2),
             )
             if on_error is not None:

@@ -65,6 +65,8 @@ from streamrl.sandbox.base import (
 )
 from streamrl.sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
+from streamrl.backoff import Backoff, Retrying
+
 log = structlog.get_logger()
 
 T = TypeVar("T")
@@ -356,17 +358,16 @@ class DockerSandbox:
 
     async def _serve_pool(self, image: str, pool: _Pool) -> None:
         """Keep ``pool_size`` live containers of ``image``; back off while Docker fails."""
-        delay = 0.5
+        retrying = Retrying(Backoff(0.5, 30.0))
         while True:
             while self._count(image) < self.pool_size:
                 try:
                     pool.ready.append(await self._create(image))
                     pool.changed()
-                    delay = 0.5
+                    retrying.reset()
                 except SandboxUnavailable as exc:
                     log.warning("sandbox.pool_fill_failed", image=image, error=str(exc))
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 30.0)
+                    await retrying.wait()
             await pool.wait_changed()
 
     async def _create(self, image: str) -> _Box:

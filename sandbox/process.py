@@ -84,7 +84,6 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import logging
 import os
 import resource
 import shutil
@@ -97,6 +96,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
+import structlog
 import trio
 from streamrl.sandbox.base import (
     NOT_ISOLATED,
@@ -109,7 +109,7 @@ from streamrl.sandbox.base import (
 from streamrl.sandbox.resident import PoolStatistics, ResidentSession, Runner, RunnerPool, looks_oom
 from streamrl.sandbox.runner_channel import RunnerGone, checked_path
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger()
 
 Isolation = Literal["auto", "bwrap", "unshare", "none"]
 
@@ -170,8 +170,9 @@ class ProcessSandbox:
         self.problems: list[str] = []  # why each stronger mode (or bwrap binary) did not run
         self.isolation: IsolationLevel = self._probe(isolation)
         if self.isolation != "bwrap":
-            log.warning("ProcessSandbox: isolation %r only (%s); %s", self.isolation,
-                        "; ".join(self.problems) or "asked for", NOT_ISOLATED[self.isolation])
+            log.warning("sandbox isolation weaker than bwrap", isolation=self.isolation,
+                        why="; ".join(self.problems) or "asked for",
+                        risk=NOT_ISOLATED[self.isolation])
 
     @property
     def detail(self) -> str:
@@ -222,7 +223,6 @@ class ProcessSandbox:
         if self.resident:
             resident = ResidentSession(self._runner_pool(), limits, self._grace, label)
             await resident.open()
-            log.debug("sandbox session %r in resident sandbox pid %s", label, resident.pid)
             try:
                 yield resident
             finally:
@@ -276,7 +276,7 @@ class ProcessSandbox:
                 raise SandboxUnavailable(f"resident sandbox did not start: {exc}") from exc
             raise
         if hello.get("dumpable", True):
-            log.warning("sandbox runner could not make itself non-dumpable: %s", hello)
+            log.warning("sandbox runner could not make itself non-dumpable", hello=hello)
         return runner
 
     def _resident_argv(self, argv: list[str]) -> list[str]:
@@ -455,8 +455,8 @@ class ProcessSandbox:
             error = self._try_mode("bwrap", uid)
             if error is None:
                 if resident:
-                    log.warning("ProcessSandbox: no resident bwrap sandbox (%s); one per command",
-                                "; ".join(self.problems))  # fmt: skip
+                    log.warning("sandbox: no resident bwrap sandbox, one per command",
+                                why="; ".join(self.problems))
                 return True
             self.problems.append(f"bwrap ({binary}): {error}")
         self.bwrap = ""

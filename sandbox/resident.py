@@ -25,7 +25,6 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import signal
 import subprocess
@@ -34,11 +33,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, replace
 
+import structlog
 import trio
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
 from streamrl.sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
-log = logging.getLogger(__name__)
+from streamrl.backoff import Backoff, Retrying
+
+log = structlog.get_logger()
 
 _OOM_MARKERS = (b"MemoryError", b"std::bad_alloc", b"Cannot allocate memory", b"out of memory")
 
@@ -183,10 +185,9 @@ async def _reap(popen: subprocess.Popen[bytes]) -> None:
         finally:
             trio.lowlevel.notify_closing(pidfd)
             os.close(pidfd)
-    delay = 0.001
+    retrying = Retrying(Backoff(0.001, 0.1))
     while popen.poll() is None:  # no pidfd (old kernel), or a monitor slow to die
-        await trio.sleep(delay)
-        delay = min(delay * 2, 0.1)
+        await retrying.wait()
 
 
 @dataclass(frozen=True)
@@ -283,7 +284,7 @@ class RunnerPool:
         try:
             await runner.channel.reset()
         except SandboxUnavailable as exc:
-            log.warning("sandbox runner not reused: %s", exc)
+            log.warning("sandbox runner not reused", error=str(exc))
             await self._kill(runner)
         else:
             runner.idle_since = trio.current_time()
@@ -306,7 +307,7 @@ class RunnerPool:
                 await self._closing.wait()
                 nursery.cancel_scope.cancel()
         except Exception as exc:  # a system task must not crash the run
-            log.error("sandbox runner pool failed: %r", exc)
+            log.error("sandbox runner pool failed", error=repr(exc))
         finally:
             self._closing.set()
             self._up.set()
@@ -318,21 +319,20 @@ class RunnerPool:
 
     async def _fill(self) -> None:
         """Keep ``pool_size`` runners ready; back off while they cannot start."""
-        delay = 0.5
+        retrying = Retrying(Backoff(0.5, 30.0))
         while True:
             while len(self._ready) + self._filling < self._size:
                 self._filling += 1
                 try:
                     runner = await self._start()
                 except SandboxUnavailable as exc:
-                    log.warning("sandbox runner pool cannot start a runner: %s", exc)
-                    await trio.sleep(delay)
-                    delay = min(delay * 2, 30.0)
+                    log.warning("sandbox runner pool cannot start a runner", error=str(exc))
+                    await retrying.wait()
                     continue
                 finally:
                     self._filling -= 1
                     self._notify()
-                delay = 0.5
+                retrying.reset()
                 runner.idle_since = trio.current_time()
                 self._ready.append(runner)
                 self._notify()
@@ -395,7 +395,7 @@ class ResidentSession:
                     await runner.channel.reset()
                     return
                 except SandboxUnavailable as exc:
-                    log.warning("sandbox session reset failed, replacing its runner: %s", exc)
+                    log.warning("sandbox session reset failed, runner replaced", error=str(exc))
             self._runner = None
             await self._pool.release(runner)
             self._runner = await self._pool.acquire()
