@@ -289,29 +289,30 @@ class Learner:
         seen = self.ledger.consumed, self.claimed, in_batch
         if any(traj.episode_id in ids for ids in seen):
             self.duplicates_skipped += 1
-            await self.ctx.client.call(
-                self.ctx.client.sync.incr, self.ctx.names.counter("duplicates_skipped")
-            )
-            await self._settle(d, traj)
+            await self._settle(d, traj, "duplicates_skipped", f"duplicate-{d.entry_id}")
             log.warning("skipped group already trained", episode_id=traj.episode_id)
             return None
         staleness = group_staleness(traj, version)
         if staleness > self.cfg.max_staleness:
             self.dropped_stale += 1
             record_dropped_stale(self.ctx.names.run)
-            await self.ctx.client.call(
-                self.ctx.client.sync.incr, self.ctx.names.counter("dropped_stale")
-            )
-            await self._settle(d, traj)
+            await self._settle(d, traj, "dropped_stale", f"stale-{traj.episode_id}")
             log.warning("dropped stale group", episode_id=traj.episode_id, staleness=staleness)
             return None
         return traj
 
-    async def _settle(self, d: Delivery, traj: Trajectory) -> None:
+    async def _settle(self, d: Delivery, traj: Trajectory, counter: str, once: str) -> None:
         """Acknowledge a group that is not trained (a duplicate, stale), taking it out of the
-        admission record with its acknowledgement."""
-        dedup = self.consumer.names.dedup("learner", f"settle-{traj.id}")  # dedup:learner:*
-        await self.consumer.ack_many([d.entry_id], dedup, [], settled=[traj.episode_id])
+        admission record and adding one to ``counter`` with its acknowledgement, in one
+        script. The count is guarded by the dedup key ``once`` (``dedup:learner:*``): a
+        replayed settlement (the entry redelivered or reclaimed, a repeated call) counts
+        nothing. Stale drops are counted once per group (``stale-<episode>``: a duplicate
+        entry of a dropped group frees no second admission slot), duplicates once per entry."""
+        names = self.consumer.names
+        await self.consumer.ack_many(
+            [d.entry_id], names.dedup("learner", once), [], settled=[traj.episode_id],
+            counters=[(names.counter(counter), 1)],
+        )
 
     def _snapshot(self) -> dict[str, Any] | None:
         if self.snapshot is None:

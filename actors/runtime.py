@@ -14,13 +14,15 @@
 - on a sharded run (``consumer`` a :class:`queues.shards.ShardedConsumer`) all of this holds
   per entry in its own shard: outputs and dedup key go to the input's shard, and the
   downstream backlog is the sum over the shards.
-Handlers are plain ``async def handle(message) -> list[Output]`` with no Redis I/O.
+Handlers are plain ``async def handle(message) -> list[Output | Count]`` with no Redis I/O: a
+:class:`Count` is a counter the hand-off adds in the same script as the outputs, once.
 """
 
 from __future__ import annotations
 
 import random
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -46,12 +48,26 @@ class Output:
     message: msgspec.Struct
 
 
+@dataclass(frozen=True)
+class Count:
+    """A handler's result that adds ``n`` to the run's counter ``name``
+    (:meth:`queues.names.Names.counter`) with the hand-off: in the same script as its
+    outputs and under the same dedup key, so a replayed hand-off counts once."""
+
+    name: str
+    n: int = 1
+
+
+Result = Output | Count
+"""What a handler returns a list of: messages to publish, counters to add."""
+
+
 class Actor(Protocol, Generic[In]):
     stage: str
     input_stream: str
     input_type: type[Any]  # a Message subclass
 
-    async def handle(self, message: In) -> list[Output]: ...
+    async def handle(self, message: In) -> Sequence[Result]: ...
 
 
 @dataclass(frozen=True)
@@ -197,14 +213,16 @@ class ActorRuntime:
                     " unavailable, every time",
                     message,
                 )
-            outputs = await self._handle_with_retries(delivery, message)
-            if outputs is None:
+            results = await self._handle_with_retries(delivery, message)
+            if results is None:
                 return None
-            stage = self.actor.stage
+            stage, names = self.actor.stage, self.consumer.names
+            outputs = [r for r in results if isinstance(r, Output)]
             handoff = Handoff(
                 delivery.entry_id,
-                self.consumer.names.dedup(stage, message.id),
-                [(self.consumer.names.stream(o.stream), encode(o.message)) for o in outputs],
+                names.dedup(stage, message.id),
+                [(names.stream(o.stream), encode(o.message)) for o in outputs],
+                [(names.counter(r.name), r.n) for r in results if isinstance(r, Count)],
             )
             try:
                 await self.consumer.complete(handoff)
@@ -219,7 +237,7 @@ class ActorRuntime:
 
     async def _handle_with_retries(
         self, delivery: Delivery, message: Message
-    ) -> list[Output] | None:
+    ) -> Sequence[Result] | None:
         retry = 0
         while True:
             try:

@@ -15,6 +15,11 @@ Admission guarantees:
 - limit: at most ``max_train_groups`` training groups per run (0: no limit);
 - the staleness and limit bounds are exact: tasks and the counter move together in one
   compare-and-set script, which adds nothing when replayed or when the counter has moved;
+  each count in D is written by the atomic hand-off that causes it, under its dedup key
+  (the verifier's ``zero_variance``, the learner's ``dropped_stale``, a dead letter's
+  ``dead_groups``), so a replayed hand-off (redelivery, reclaim, a repeated script call)
+  does not count a group twice; on a sharded run these counters are per shard, in the
+  shard's slot with its hand-offs, and summed here;
   on a sharded run (``queues.shards`` > 1) tasks are routed to the shard of their episode
   and the counter stays run-global (``admitted``), so they cannot share a script: the
   admission is counted together with a write-ahead record of its tasks, then published
@@ -170,9 +175,12 @@ class Scheduler:
         """Feed the verifier's per-domain counters (resolved, trained groups) to the share."""
         c = self.ctx
         names = self.cfg.domains
-        keys = [c.names.counter(f"{kind}:{d}") for kind in ("resolved", "trained") for d in names]
-        values = await c.client.call(c.client.sync.mget, keys)
-        counts = [int(v or 0) for v in values]
+        counters = [f"{kind}:{d}" for kind in ("resolved", "trained") for d in names]
+        counts = [0] * len(counters)
+        for layout in c.names.layouts():  # one key per shard, each in its shard's slot
+            keys = [layout.counter(name) for name in counters]
+            values = await c.client.call(c.client.sync.mget, keys)
+            counts = [total + int(v or 0) for total, v in zip(counts, values, strict=True)]
         self.fair.observe(dict(zip(names, counts[: len(names)], strict=True)),
                           dict(zip(names, counts[len(names) :], strict=True)))
 
@@ -187,10 +195,9 @@ class Scheduler:
         # Groups the learner dropped as stale free their slot: without this, once more than
         # max_staleness * groups_per_step groups were dropped the learner could never fill
         # a batch again and the run would stall (a stale group is replaced, at today's V).
-        dropped = await c.client.call(c.client.sync.get, c.names.counter("dropped_stale"))
         by_staleness = (
             (version + learner.max_staleness + 1) * learner.groups_per_step
-            + int(dropped or 0)
+            + await self.counted("dropped_stale")
             + await self.skipped()
             + await self.dead_groups()
             - admitted
@@ -204,6 +211,15 @@ class Scheduler:
         count = max(0, min(bounds.values()))
         self.blocked = None if count else min(bounds, key=bounds.__getitem__)
         return count, admitted
+
+    async def counted(self, name: str) -> int:
+        """Counter ``name`` of the run, summed over the shards (each shard's key is written by
+        the hand-offs of that shard, in their script: :meth:`queues.names.Names.counter`)."""
+        c = self.ctx
+        total = 0
+        for key in c.names.counter_keys(name):
+            total += int(await c.client.call(c.client.sync.get, key) or 0)
+        return total
 
     async def dead_groups(self) -> int:
         """Training groups dead-lettered at any stage, summed over the shards (minus those
@@ -221,8 +237,7 @@ class Scheduler:
         learner, so each frees its slot in the staleness bound (replaced at today's V)."""
         if not self.ctx.config.verifier.dynamic_sampling:
             return 0
-        c = self.ctx
-        return int(await c.client.call(c.client.sync.get, c.names.counter("zero_variance")) or 0)
+        return await self.counted("zero_variance")
 
     async def admit(self, count: int, version: int, admitted: int) -> int:
         """Publish ``count`` tasks and add them to the admitted counter in one script, only if

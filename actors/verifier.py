@@ -8,14 +8,16 @@ Dynamic sampling (``verifier.dynamic_sampling``): a training group whose rewards
 equal carries no GRPO signal (every advantage is zero); it is acknowledged without output
 and counted (``count:zero_variance``), and every training group is counted per domain as
 resolved, and as trained if forwarded (``count:resolved:<domain>``, ``count:trained:<domain>``;
-the scheduler's adaptive share reads them). Counters are statistics: a replayed hand-off can
-count a group twice. A domain's ``score`` runs in a worker thread (a verifier may parse,
-e.g. sympy under a deadline) so the actor keeps heart-beating meanwhile.
+the scheduler's adaptive share reads them). The counters are results of the handler
+(:class:`actors.runtime.Count`), added by the runtime's hand-off in the same script as its
+outputs and under the same dedup key: a replayed hand-off (redelivery, reclaim, a repeated
+script call) counts a group once, so the staleness bound the scheduler computes from
+``zero_variance`` stays exact. A domain's ``score`` runs in a worker thread (a verifier may
+parse, e.g. sympy under a deadline) so the actor keeps heart-beating meanwhile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -23,7 +25,7 @@ import trio
 from streamrl.actors.context import ActorContext, domain_item
 from streamrl.actors.executor import from_outcome
 from streamrl.actors.policies import Reject
-from streamrl.actors.runtime import Output
+from streamrl.actors.runtime import Count, Output, Result
 from streamrl.queues import names as N
 from streamrl.queues.messages import Executed, Trajectory, new_id, now
 
@@ -35,10 +37,10 @@ class Verifier:
     input_stream = N.EXECUTED
     input_type = Executed
 
-    def __init__(self, count: Callable[[dict[str, int]], Awaitable[None]] | None = None) -> None:
-        self.count = count  # None: no dynamic sampling, no counters
+    def __init__(self, dynamic_sampling: bool = False) -> None:
+        self.dynamic_sampling = dynamic_sampling  # False: no skipping, no counters
 
-    async def handle(self, executed: Executed) -> list[Output]:
+    async def handle(self, executed: Executed) -> list[Result]:
         rollout = executed.rollout
         task = rollout.task
         if len(executed.outcomes) != len(rollout.samples):
@@ -53,12 +55,12 @@ class Verifier:
 
         rewards = await trio.to_thread.run_sync(score_all)
         log.info("verified", split=task.split, domain=task.domain, rewards=rewards)
-        if self.count is not None and task.split != "eval":
+        counts: list[Result] = []
+        if self.dynamic_sampling and task.split != "eval":
             if max(rewards) - min(rewards) < 1e-9:
-                await self.count({"zero_variance": 1, f"resolved:{task.domain}": 1})
                 log.info("skipped zero-variance group", domain=task.domain, reward=rewards[0])
-                return []
-            await self.count({f"resolved:{task.domain}": 1, f"trained:{task.domain}": 1})
+                return [Count("zero_variance"), Count(f"resolved:{task.domain}")]
+            counts = [Count(f"resolved:{task.domain}"), Count(f"trained:{task.domain}")]
         stream = N.EVALS if task.split == "eval" else N.TRAJECTORIES
         return [
             Output(
@@ -72,24 +74,15 @@ class Verifier:
                     outcomes=executed.outcomes,
                     rewards=rewards,
                 ),
-            )
+            ),
+            *counts,
         ]
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
     cfg = ctx.config.verifier
-
-    async def count(deltas: dict[str, int]) -> None:
-        def incr() -> None:
-            pipe = ctx.client.sync.pipeline(transaction=False)
-            for name, n in deltas.items():
-                pipe.incrby(ctx.names.counter(name), n)
-            pipe.execute()
-
-        await ctx.client.call(incr)
-
     await ctx.serve(
-        Verifier(count if cfg.dynamic_sampling else None),
+        Verifier(cfg.dynamic_sampling),
         concurrency=cfg.concurrency,
         time_limit_s=cfg.time_limit_s,
         task_status=task_status,

@@ -144,7 +144,13 @@ def _blobs(names: N.Names, stream: str) -> str:
     return _glob(names.stream(stream) + ":blob:") + "*"
 
 
-def _consume(names: N.Names, stream: str, stage: str, outputs: tuple[str, ...] = ()) -> list[Grant]:
+def _consume(
+    names: N.Names,
+    stream: str,
+    stage: str,
+    outputs: tuple[str, ...] = (),
+    counters: tuple[str, ...] = (),
+) -> list[Grant]:
     """Consume ``stream`` in its group, trim it, and hand its entries off into ``outputs``
     (handoff scripts: dedup key, XADD, XACK) or to the dead-letter stream; observe the
     backlog of the work streams it feeds (producer-side backpressure)."""
@@ -159,7 +165,8 @@ def _consume(names: N.Names, stream: str, stage: str, outputs: tuple[str, ...] =
         Grant(("get", "del"), rw=(blobs,)),  # claim checks: fetched, deleted by the trim
         Grant(
             SCRIPTS,
-            rw=(source, blobs, dead, dead_groups, admitted_groups, *outs, *dedup, *out_blobs),
+            rw=(source, blobs, dead, dead_groups, admitted_groups, *outs, *dedup, *out_blobs,
+                *counters),
         ),
         Grant(("xadd",), write=(dead, *outs)),
         Grant(("incr",), rw=(dead_groups,)),  # deadletter.lua: a training group's slot freed
@@ -169,6 +176,8 @@ def _consume(names: N.Names, stream: str, stage: str, outputs: tuple[str, ...] =
     ]
     if outputs:
         grants.append(Grant(("set",), write=(*dedup, *out_blobs)))
+    if counters:  # the hand-off scripts add the counters they cause (Handoff.counters)
+        grants.append(Grant(("incrby",), rw=counters))
     fed = tuple(_stream(names, s) for s in outputs if s in N.WORK_STREAMS)
     if fed:  # backpressure: the backlog of the groups it feeds; say it is paused on it
         grants.append(Grant(OBSERVE, read=fed))
@@ -231,15 +240,21 @@ def role_grants(names: N.Names, role: str) -> list[Grant]:
         # multi-turn episodes: the next turn goes back to tasks (actors/episodes.py)
         return _consume(n, N.ROLLOUTS, role, (N.EXECUTED, N.TASKS))
     if role == "verifier":
-        return [
-            *_consume(n, N.EXECUTED, role, (N.TRAJECTORIES, N.EVALS)),
-            # zero_variance, resolved:<domain>, trained:<domain> (dynamic sampling, shares)
-            Grant(("incrby",), rw=(_glob(n.counter("")) + "*",)),
-        ]
+        # zero_variance, resolved:<domain>, trained:<domain> (dynamic sampling, shares),
+        # added by its hand-offs
+        shares = (
+            _glob(n.counter("zero_variance")),
+            _glob(n.counter("resolved:")) + "*",
+            _glob(n.counter("trained:")) + "*",
+        )
+        return _consume(n, N.EXECUTED, role, (N.TRAJECTORIES, N.EVALS), shares)
     if role == "learner":
         return [
-            *_consume(n, N.TRAJECTORIES, role, (N.WEIGHTS, N.METRICS)),
-            Grant(("get", "incrby"), rw=(_glob(n.counter("")) + "*",)),  # dropped_stale, ...
+            # dropped_stale, duplicates_skipped: added by the hand-off that settles the group
+            *_consume(
+                n, N.TRAJECTORIES, role, (N.WEIGHTS, N.METRICS),
+                (_glob(n.counter("dropped_stale")), _glob(n.counter("duplicates_skipped"))),
+            ),
             # the last, part-filled step of a run with max_train_groups (actors/learner.py):
             # admission closed and nothing left upstream
             Grant(("get",), read=(_glob(n.admitted),)),

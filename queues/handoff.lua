@@ -3,7 +3,7 @@
 -- KEYS[1]        input stream
 -- KEYS[2]        dedup key for this (stage, message id)
 -- KEYS[3]        (when m > 0) a set the settled members are removed from
--- KEYS[..]       output streams, one per payload (may repeat)
+-- KEYS[..]       c counter keys, then the output streams, one per payload (may repeat)
 -- ARGV[1]        consumer group of the input stream
 -- ARGV[2]        dedup key TTL in seconds
 -- ARGV[3]        n: number of entry ids to acknowledge
@@ -11,18 +11,27 @@
 -- ARGV[4+n]      m: number of settled members (e.g. the training groups trained or dropped,
 --                taken out of the admission record names.admitted_groups with their entries)
 -- ARGV[5+n..4+n+m]  members
--- ARGV[5+n+m..]  payloads, one per output stream (field "d")
+-- ARGV[5+n+m]    c: number of counters
+-- ARGV[6+n+m..5+n+m+c]  increments, one per counter key (INCRBY)
+-- ARGV[6+n+m+c..]  payloads, one per output stream (field "d")
 --
 -- Returns {published (1/0), acked count}. A redelivered message whose outputs were already
--- published (the dedup key exists) publishes nothing and is only acknowledged.
+-- published (the dedup key exists) publishes nothing, counts nothing and is only
+-- acknowledged: the counters move with the first publication, so a replayed hand-off never
+-- counts twice.
 local n = tonumber(ARGV[3])
 local m = tonumber(ARGV[4 + n])
+local c = tonumber(ARGV[5 + n + m])
 local first = 3
 if m > 0 then first = 4 end
+local outs = first + c  -- first output stream
 local published = 0
 if redis.call('SET', KEYS[2], '1', 'NX', 'EX', tonumber(ARGV[2])) then
-  for i = first, #KEYS do
-    redis.call('XADD', KEYS[i], '*', 'd', ARGV[5 + n + m + (i - first)])
+  for i = outs, #KEYS do
+    redis.call('XADD', KEYS[i], '*', 'd', ARGV[6 + n + m + c + (i - outs)])
+  end
+  for j = 1, c do
+    redis.call('INCRBY', KEYS[first + j - 1], ARGV[5 + n + m + j])
   end
   published = 1
 end

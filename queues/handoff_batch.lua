@@ -3,21 +3,26 @@
 -- happen together (as in handoff.lua), with one round trip and one XACK for the batch.
 --
 -- KEYS[1]    input stream
--- KEYS[2..]  for each hand-off with k > 0 outputs, in order: its dedup key, then its k output
---            streams (may repeat)
+-- KEYS[2..]  for each hand-off with k > 0 outputs or c > 0 counters, in order: its dedup key,
+--            then its k output streams (may repeat), then its c counter keys
 -- ARGV[1]    consumer group of the input stream
 -- ARGV[2]    dedup key TTL in seconds
--- ARGV[3..]  for each hand-off, in order: entry id, k, then its k payloads (field "d")
+-- ARGV[3..]  for each hand-off, in order: entry id, k, c, its k payloads (field "d"), then
+--            its c increments (INCRBY, one per counter key)
 --
--- A hand-off with no outputs is only acknowledged (no dedup key). One whose dedup key exists
--- (its outputs were published by an earlier delivery) publishes nothing and is acknowledged.
+-- A hand-off with no outputs and no counters is only acknowledged (no dedup key). One whose
+-- dedup key exists (its outputs were published by an earlier delivery) publishes nothing,
+-- counts nothing and is acknowledged: a counter moves with the first publication of the
+-- hand-off that causes it, so a replayed hand-off (redelivery, reclaim, a call repeated
+-- after a lost reply) never counts twice.
 -- Returns {published: hand-offs whose outputs were added, acked: entries acknowledged}.
 --
--- If an XADD fails (e.g. an output key of the wrong type), the hand-offs before it stay done
--- and are acknowledged, its dedup key is dropped (SET with a 1 ms expiry: roles may SET their
--- dedup keys but not DEL them, see queues/acl.py) and it and the ones after it stay pending
--- (a redelivery publishes it again, so outputs it added before the failure may repeat: at
--- least once); the error is returned.
+-- If an XADD or INCRBY fails (e.g. a key of the wrong type), the hand-offs before it stay
+-- done and are acknowledged, its dedup key is dropped (SET with a 1 ms expiry: roles may SET
+-- their dedup keys but not DEL them, see queues/acl.py) and it and the ones after it stay
+-- pending (a redelivery publishes it again, so outputs it added before the failure may
+-- repeat: at least once; its counters are added after all its outputs, so only a failing
+-- INCRBY can leave some of them counted); the error is returned.
 local group = ARGV[1]
 local ttl = ARGV[2]  -- passed on as is: no number-to-string conversion per SET
 local ids = {}
@@ -35,24 +40,35 @@ local published = 0
 local k_at = 2
 local a_at = 3
 local n_args = #ARGV
+local function failed(reply, dedup)
+  if type(reply) == 'table' and reply.err then
+    redis.call('SET', dedup, '0', 'PX', 1)
+    ack()
+    return true
+  end
+  return false
+end
+
 while a_at <= n_args do
   local id = ARGV[a_at]
   local k = tonumber(ARGV[a_at + 1])
-  a_at = a_at + 2
-  if k > 0 then
-    if redis.call('SET', KEYS[k_at], '1', 'NX', 'EX', ttl) then
+  local c = tonumber(ARGV[a_at + 2])
+  a_at = a_at + 3
+  if k + c > 0 then
+    local dedup = KEYS[k_at]
+    if redis.call('SET', dedup, '1', 'NX', 'EX', ttl) then
       for j = 1, k do
         local added = redis.pcall('XADD', KEYS[k_at + j], '*', 'd', ARGV[a_at + j - 1])
-        if type(added) == 'table' and added.err then
-          redis.call('SET', KEYS[k_at], '0', 'PX', 1)
-          ack()
-          return added
-        end
+        if failed(added, dedup) then return added end
+      end
+      for j = 1, c do
+        local counted = redis.pcall('INCRBY', KEYS[k_at + k + j], ARGV[a_at + k + j - 1])
+        if failed(counted, dedup) then return counted end
       end
       published = published + 1
     end
-    k_at = k_at + 1 + k
-    a_at = a_at + k
+    k_at = k_at + 1 + k + c
+    a_at = a_at + k + c
   end
   ids[#ids + 1] = id
 end

@@ -11,10 +11,12 @@ carries the same hash tag, so each hand-off runs in one slot, on one node.
 - One shard (``Names(run)``, the default): every key of the run under ``{<run>}``, one slot.
 - Shard ``k`` of a run (``Names(run, shard=k)``): the *work path* of the shard (every stream
   except ``weights`` and ``metrics``, dead letters included, its dedup keys, its blobs)
-  lives under its own tag ``{<run>.s<k>}``, a slot of its own; the *run-global* keys
-  (``weights``, ``metrics``, the policy version, counters and flags) stay under ``{<run>}``
-  whatever the shard. A hand-off within a shard is one script; one whose outputs are
-  run-global (the learner's step announcement) crosses slots: see :mod:`queues.shards`.
+  lives under its own tag ``{<run>.s<k>}``, a slot of its own, and so do the counters its
+  hand-offs write (:meth:`Names.counter`, summed over the shards by their readers); the
+  *run-global* keys (``weights``, ``metrics``, the policy version, the admission counter and
+  flags) stay under ``{<run>}`` whatever the shard. A hand-off within a shard is one
+  script; one whose outputs are run-global (the learner's step announcement) crosses slots:
+  see :mod:`queues.shards`.
 
 - A run of n shards (``Names(run, shards=n)``, ``queues.shards``): the view with
   ``shard=None`` names the run-global keys, :meth:`Names.layouts` the views of its shards;
@@ -135,14 +137,14 @@ class Names:
     def localize(self, key: str) -> str:
         """``key`` as named by the unsharded layout (``Names(run)``), moved into this shard if
         it is on the work path (a stream other than weights and metrics, a blob, a dedup
-        key); run-global keys, and keys of other runs, come back unchanged."""
+        key, a counter); run-global keys, and keys of other runs, come back unchanged."""
         if self.shard is None or not key.startswith(self.prefix):
             return key
         rest = key[len(self.prefix) :]
         if rest.startswith("s:"):
             stream = rest[2:].split(":", 1)[0]
             return key if stream in RUN_GLOBAL_STREAMS else self.shard_prefix + rest
-        if rest.startswith("dedup:"):
+        if rest.startswith(("dedup:", "count:")):
             return self.shard_prefix + rest
         return key
 
@@ -173,7 +175,19 @@ class Names:
         return f"{self.prefix}stop"
 
     def counter(self, name: str) -> str:
-        return f"{self.prefix}count:{name}"
+        """A counter of the work path that admission or the domain shares read
+        (``zero_variance``, ``resolved:<domain>``, ``trained:<domain>``, ``dropped_stale``,
+        ``duplicates_skipped``): in this shard's slot, because the hand-off that causes a
+        count writes it in the same script (``queues/handoff_batch.lua``,
+        ``queues/handoff.lua``; :attr:`queues.streams.Handoff.counters`). One key per shard
+        on a sharded run, like :attr:`dead_groups`: readers sum over :meth:`layouts`
+        (:meth:`counter_keys`)."""
+        return f"{self.shard_prefix}count:{name}"
+
+    def counter_keys(self, name: str) -> list[str]:
+        """Every key of counter ``name`` in the run: one per shard (one when unsharded); the
+        run's value is their sum."""
+        return [layout.counter(name) for layout in self.layouts()]
 
     def paused(self, stage: str) -> str:
         """Set (with a short expiry) while a process of ``stage`` is paused on backpressure,

@@ -181,10 +181,19 @@ class ShardedConsumer:
 
     # ------------------------------------------------------------------ finishing
     async def complete(self, handoff: Handoff) -> None:
-        """The hand-off, in the entry's shard (dedup key and outputs moved there)."""
+        """The hand-off, in the entry's shard (dedup key, outputs and counters moved there)."""
         shard, consumer, eid = self._split(handoff.entry_id)
         dedup, outs = self._localize(shard, handoff.dedup_id, handoff.outputs)
-        await consumer.complete(Handoff(eid, dedup, outs))
+        counters = self._localize_counters(shard, handoff.counters)
+        await consumer.complete(Handoff(eid, dedup, outs, counters))
+
+    def _localize_counters(
+        self, shard: int, counters: list[tuple[str, int]] | None
+    ) -> list[tuple[str, int]]:
+        """Counter keys named by the unsharded layout, moved into ``shard`` (the counters of
+        the work path are per shard: :meth:`queues.names.Names.counter`)."""
+        local = self.names.in_shard(shard)
+        return [(local.localize(k), n) for k, n in counters or ()]
 
     async def dead_letter(
         self, delivery: Delivery, error: str, *, group: str | None = None
@@ -203,10 +212,12 @@ class ShardedConsumer:
         outputs: list[tuple[str, bytes]],
         *,
         settled: list[str | None] | None = None,
+        counters: list[tuple[str, int]] | None = None,
     ) -> None:
         """Acknowledge entries of any shards and publish ``outputs`` once; ``settled`` (one
         per entry: its group id, or None) leave the admission record of the entry's shard
-        with its acknowledgement (:meth:`StreamConsumer.ack_many`).
+        with its acknowledgement (:meth:`StreamConsumer.ack_many`); ``counters`` are added in
+        the shard of the first entry, under that shard's dedup key (once).
 
         Atomic (one script) when the entries are of one shard and the localized dedup key and
         outputs are in its slot. Otherwise (entries of several shards, or run-global outputs
@@ -224,8 +235,10 @@ class ShardedConsumer:
             [(shard, eids)] = by_shard.items()
             dedup, outs = self._localize(shard, dedup_id, outputs)
             consumer = self.consumers[shard]
-            if N.one_slot([consumer.stream, dedup, *(k for k, _ in outs)]):
-                await consumer.ack_many(eids, dedup, outs, settled=groups[shard])
+            counted = self._localize_counters(shard, counters)
+            keys = [consumer.stream, dedup, *(k for k, _ in outs), *(k for k, _ in counted)]
+            if N.one_slot(keys):
+                await consumer.ack_many(eids, dedup, outs, settled=groups[shard], counters=counted)
                 return
         if outputs:
             await Producer(self.client, self.names, self.settings.limits).publish_once(
@@ -233,9 +246,13 @@ class ShardedConsumer:
                 [(self.names.short(k), p) for k, p in outputs],
                 dedup_ttl_s=self.settings.dedup_ttl_s,
             )
+        counting = unqualify(entry_ids[0])[0] if counters and entry_ids else None
         for shard, eids in by_shard.items():  # per shard: acknowledged and settled together
             dedup, _ = self._localize(shard, dedup_id, [])
-            await self.consumers[shard].ack_many(eids, dedup, [], settled=groups[shard])
+            counted = self._localize_counters(shard, counters) if shard == counting else []
+            await self.consumers[shard].ack_many(
+                eids, dedup, [], settled=groups[shard], counters=counted
+            )
 
 
 @asynccontextmanager

@@ -4,9 +4,11 @@ Guarantees (for one consumer group on one stream):
 - at-least-once delivery: an entry stays in the group's pending list until it is
   acknowledged, and only :meth:`StreamConsumer.complete` or :meth:`StreamConsumer.dead_letter`
   acknowledge it;
-- effectively-once hand-off: ``complete`` publishes the outputs and acknowledges the input in
-  one Lua script guarded by a dedup key derived from (stage, message id), so a message that is
-  handled twice (redelivered, or reclaimed from a slow consumer) publishes its outputs once
+- effectively-once hand-off: ``complete`` publishes the outputs, adds the counters it causes
+  (:attr:`Handoff.counters`) and acknowledges the input in one Lua script guarded by a dedup
+  key derived from (stage, message id), so a message that is handled twice (redelivered,
+  reclaimed from a slow consumer, or a script call repeated after a lost reply) publishes its
+  outputs and counts once
   (concurrent ``complete`` calls and ``complete_many`` share one script call per batch, each
   hand-off in it still atomic on its own);
 - a consumer first drains its own pending list (entries delivered to it before a restart),
@@ -21,6 +23,7 @@ This module moves bytes; decoding and the retry policy live with the caller.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import uuid
@@ -82,6 +85,10 @@ class Handoff:
     entry_id: str
     dedup_id: str
     outputs: list[tuple[str, bytes]] = field(default_factory=list)
+    counters: list[tuple[str, int]] = field(default_factory=list)
+    """[(counter key, increment)] added in the same script as the outputs, under the same
+    dedup key: only by the delivery that publishes them, so a replayed hand-off counts once.
+    The keys must be in the slot of the input stream (:meth:`queues.names.Names.counter`)."""
 
 
 @dataclass(frozen=True)
@@ -337,7 +344,7 @@ class StreamConsumer:
                 outputs, more = prepare_many(h.outputs, self.settings.limits)
                 if more:
                     blobs += more
-                    h = Handoff(h.entry_id, h.dedup_id, outputs)
+                    h = dataclasses.replace(h, outputs=outputs)
             prepared.append(h)
         if blobs:
             await self._store_blobs(blobs)
@@ -379,12 +386,15 @@ class StreamConsumer:
         keys: list[str] = [self.stream]
         args: list[Any] = [self.group, self.settings.dedup_ttl_s]
         for h in batch:
-            args += (h.entry_id, len(h.outputs))
-            if h.outputs:
+            args += (h.entry_id, len(h.outputs), len(h.counters))
+            if h.outputs or h.counters:
                 keys.append(h.dedup_id)
                 for stream, payload in h.outputs:
                     keys.append(stream)
                     args.append(payload)
+                for counter, increment in h.counters:
+                    keys.append(counter)
+                    args.append(increment)
         return self._handoff_batch(keys=keys, args=args)  # type: ignore[no-any-return]
 
     async def _store_blobs(self, blobs: list[Blob]) -> None:
@@ -402,18 +412,24 @@ class StreamConsumer:
         outputs: list[tuple[str, bytes]],
         *,
         settled: list[str] | None = None,
+        counters: list[tuple[str, int]] | None = None,
     ) -> None:
         """Acknowledge a batch of entries and publish ``outputs`` once, atomically; the
         ``settled`` members (group ids of the entries, trained or dropped) leave the shard's
-        admission record (:attr:`queues.names.Names.admitted_groups`) in the same step."""
+        admission record (:attr:`queues.names.Names.admitted_groups`) in the same step, and
+        ``counters`` [(key, increment)] are added with the outputs, under the same dedup key
+        (once, as in :attr:`Handoff.counters`)."""
         outputs, blobs = prepare_many(outputs, self.settings.limits)
         if blobs:
             await self._store_blobs(blobs)
         members = sorted(set(settled or ()))
         record = [self.names.admitted_groups] if members else []
-        keys = [self.stream, dedup_id, *record] + [s for s, _ in outputs]
+        counted = counters or []
+        keys = [self.stream, dedup_id, *record, *(k for k, _ in counted)]
+        keys += [s for s, _ in outputs]
         args: list[Any] = [self.group, self.settings.dedup_ttl_s, len(entry_ids), *entry_ids]
         args += [len(members), *members]
+        args += [len(counted), *(n for _, n in counted)]
         args += [p for _, p in outputs]
         await self.client.call(self._handoff, keys=keys, args=args)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,13 +216,8 @@ async def test_episode_runs_turn_by_turn_with_a_correct_loss_mask(
 
     engine = ScriptedEngine(tokenizer, script)
     ex = executor(turns=3)
-    counted: Counter[str] = Counter()
-
-    async def tally(deltas: dict[str, int]) -> None:
-        counted.update(deltas)
-
     replicas = [Replica(Generator(engine, tokenizer), "g1"), Replica(ex, "e1"),
-                Replica(Verifier(tally), "v1")]
+                Replica(Verifier(dynamic_sampling=True), "v1")]
     started = trio.current_time()
     async with trio.open_nursery() as nursery:
         for r in replicas:
@@ -242,7 +236,11 @@ async def test_episode_runs_turn_by_turn_with_a_correct_loss_mask(
     assert traj.rewards == [1.0, 1.0, 0.0]
     assert [len(s.turns) for s in traj.rollout.samples] == [1, 3, 3]
     # the episode is counted once (the scheduler's in-flight accounting), not once per turn
-    assert counted == {"resolved:terminal": 1, "trained:terminal": 1}
+    counted = {
+        name: int(await client.call(client.sync.get, names.counter(name)) or 0)
+        for name in ("zero_variance", "resolved:terminal", "trained:terminal")
+    }
+    assert counted == {"zero_variance": 0, "resolved:terminal": 1, "trained:terminal": 1}
     # the session persisted across turns: the second `wc -l` saw two lines
     member1 = traj.rollout.samples[1]
     assert member1.turns[1].observation == "exit code 0\nstdout:\n2"

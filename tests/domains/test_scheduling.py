@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 from streamrl.actors.executor import to_outcome
+from streamrl.actors.runtime import Count, Output
 from streamrl.actors.scheduler import make_task
 from streamrl.actors.scheduling import FairShare, Share
 from streamrl.actors.verifier import Verifier
@@ -95,20 +96,23 @@ def executed(texts: list[str], split: str = "train") -> Executed:
 async def test_dynamic_sampling_skips_and_counts_zero_variance_groups() -> None:
     counts: Counter[str] = Counter()
 
-    async def count(deltas: dict[str, int]) -> None:
-        counts.update(deltas)
+    async def handle(verifier: Verifier, group: Executed) -> list[Output]:
+        """The outputs; the counters (added by the hand-off) tallied in ``counts``."""
+        results = await verifier.handle(group)
+        counts.update({r.name: r.n for r in results if isinstance(r, Count)})
+        return [r for r in results if isinstance(r, Output)]
 
-    verifier = Verifier(count)
+    verifier = Verifier(dynamic_sampling=True)
     # Given a group that is all right and one that is all wrong: no signal, skipped
-    assert await verifier.handle(executed(["Answer: 4", "Answer: 4"])) == []
-    assert await verifier.handle(executed(["Answer: 5", "nothing"])) == []
+    assert await handle(verifier, executed(["Answer: 4", "Answer: 4"])) == []
+    assert await handle(verifier, executed(["Answer: 5", "nothing"])) == []
     # And a mixed group: forwarded to the learner
-    out = await verifier.handle(executed(["Answer: 4", "Answer: 5"]))
+    out = await handle(verifier, executed(["Answer: 4", "Answer: 5"]))
     assert [o.stream for o in out] == [N.TRAJECTORIES]
     assert isinstance(out[0].message, Trajectory) and out[0].message.rewards == [1.0, 0.0]
     assert counts == {"zero_variance": 2, "resolved:math": 3, "trained:math": 1}
     # Evaluation groups are never skipped nor counted
-    out = await verifier.handle(executed(["Answer: 4"], split="eval"))
+    out = await handle(verifier, executed(["Answer: 4"], split="eval"))
     assert [o.stream for o in out] == [N.EVALS] and counts["resolved:math"] == 3
     # Without dynamic sampling a zero-variance group goes through
     assert len(await Verifier().handle(executed(["Answer: 4", "Answer: 4"]))) == 1
