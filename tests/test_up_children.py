@@ -138,7 +138,7 @@ def test_no_child_outlives_up_after_a_second_sigterm(tmp_path: Path) -> None:
 def test_no_actor_outlives_a_killed_up(tmp_path: Path) -> None:
     # Given a running `streamrl up` and the actors it started
     up, children = _start(tmp_path)
-    actors = {p: s for p, s in children.items() if "actors.cli" in _alive({p: s}).get(p, "")}
+    actors = {p: s for p, s in children.items() if "-m streamrl run " in _alive({p: s}).get(p, "")}
     assert len(actors) >= 5, children
     try:
         # When it is killed outright (no chance to stop anything)

@@ -364,7 +364,9 @@ async def test_host_processes_via_proc(
     expect_gap(request, backend, "proc")
     # Given a host process with a secret on its command line (and this test's own pid)
     secret = f"hostproc-{uuid.uuid4().hex}"
-    helper = subprocess.Popen(["/bin/sleep", "30", secret], stdin=subprocess.DEVNULL)
+    # (sh -c with the secret as $0: it stays alive, waiting for its sleep; GNU sleep itself
+    # would exit at once on the extra argument, racing the attack)
+    helper = subprocess.Popen(["/bin/sh", "-c", "sleep 30", secret], stdin=subprocess.DEVNULL)
     code = f"""
     import os
     token = open('token').read()
