@@ -23,7 +23,8 @@ test: venv
 	$(BIN)/pytest -q --durations=25 -n 2 --dist loadgroup
 
 lint: venv
-	$(BIN)/ruff check streamrl queues actors sandbox learner domains inference tests benchmarks
+	$(BIN)/ruff check streamrl queues actors sandbox learner domains inference testing tests \
+		benchmarks
 
 # mypy reads the package as installed (streamrl.<folder>), through a tree of links to the
 # folders: it does not follow setuptools' editable-install finder.
@@ -31,7 +32,7 @@ TYPECHECK := .cache/typecheck
 typecheck: venv
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/streamrl
 	cp streamrl/*.py $(TYPECHECK)/streamrl/
-	for d in queues actors sandbox learner domains inference; do ln -s ../../../$$d $(TYPECHECK)/streamrl/$$d; done
+	for d in queues actors sandbox learner domains inference testing; do ln -s ../../../$$d $(TYPECHECK)/streamrl/$$d; done
 	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p streamrl
 
 clean:

@@ -50,6 +50,8 @@ from streamrl.queues.names import Names
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.sandbox.base import IsolationTooWeak
 
+from streamrl.net import free_port, free_ports, wait_healthy
+
 log = get_logger()
 
 
@@ -98,7 +100,7 @@ class Child:
             if not started:
                 started = True
                 if self.health_url:
-                    await _wait_healthy(self.health_url, self.process)
+                    await wait_healthy(self.health_url, 600.0, alive=self._running)
                 task_status.started()
             born = time.monotonic()
             code = await self.process.wait()
@@ -122,6 +124,9 @@ class Child:
                 log=str(self.log_path),
             )
             await trio.sleep(min(30.0, 2.0 * self.restarts))
+
+    def _running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
 
     async def stop(self, timeout_s: float = 20.0) -> None:
         self.stopping = True
@@ -149,25 +154,8 @@ def _on_lifeline(children: list[Child], lifeline: Lifeline) -> list[Child]:
     return children
 
 
-async def _wait_healthy(url: str, process: trio.Process, timeout_s: float = 600.0) -> None:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=2.0) as client:
-        with trio.fail_after(timeout_s):
-            while process.returncode is None:
-                try:
-                    if (await client.get(url)).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                await trio.sleep(0.5)
-    raise RuntimeError(f"{url}: the process exited before it was healthy")
-
-
 def _with_serve_models(config: Config, children: list[Child]) -> list[Child]:
     """``up.serve_models`` serve-model children first, and every generator pointed at them."""
-    from streamrl.inference.server import free_port
-
     n = config.up.serve_models
     if not n:
         return children
@@ -244,7 +232,10 @@ def _give_metrics_ports(config: Config, children: list[Child]) -> None:
     if not base:
         return
     n = len(children)
-    ports = _free_ports(config.ops.metrics_addr, n) if base < 0 else list(range(base, base + n))
+    try:
+        ports = free_ports(config.ops.metrics_addr, n) if base < 0 else list(range(base, base + n))
+    except OSError as exc:
+        raise SystemExit(f"streamrl: metrics ports: {exc}") from None
     if ports[-1] > 65535:
         raise SystemExit(f"streamrl: ops.metrics_port {base} + {n} actors > 65535")
     for child, port in zip(children, ports, strict=True):
@@ -252,25 +243,6 @@ def _give_metrics_ports(config: Config, children: list[Child]) -> None:
     listing = ", ".join(f"{c.name} {p}" for c, p in zip(children, ports, strict=True))
     print(f"streamrl: metrics at http://{config.ops.metrics_addr}:PORT/metrics: {listing}",
           flush=True)
-
-
-def _free_ports(addr: str, n: int, start: int = 9400) -> list[int]:
-    """The first ``n`` ports from ``start`` up that ``addr`` can bind now. Below the
-    ephemeral range (32768 up), so no connection an actor opens takes one before the actor
-    that is to serve it binds it (as a port picked by binding port 0 could be)."""
-    import socket
-
-    ports: list[int] = []
-    for port in range(start, 32768):
-        with socket.socket() as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                continue
-        ports.append(port)
-        if len(ports) == n:
-            return ports
-    raise SystemExit(f"streamrl: fewer than {n} free metrics ports from {start} up")
 
 
 async def _up(

@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def run_one(args: argparse.Namespace, checkpointing: bool) -> dict[str, object]:
     import torch
-    from streamrl.learner.batch import build_batch, make_trajectory
+    from streamrl.learner.batch import build_batch
     from streamrl.learner.model import load_model, resolve_model
     from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
+    from streamrl.testing.messages import make_trajectory
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -45,7 +45,6 @@ from streamrl.actors.config import load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.generator import serve_weight_updates
 from streamrl.actors.logs import configure_logging
-from streamrl.inference.server import free_port, start_serve_model, wait_healthy
 from streamrl.inference.sglang_client import WeightBroadcaster, open_sglang_engine
 from streamrl.inference.transformers_engine import open_transformers_engine
 from streamrl.learner.model import load_model, resolve_model
@@ -56,6 +55,9 @@ from streamrl.queues.messages import WeightsPublished, encode, new_id, now
 from streamrl.queues.names import Names
 from streamrl.queues.server import ServerProcess
 from streamrl.queues.streams import FIELD
+from streamrl.testing.serve_model import start_serve_model, wait_healthy
+
+from streamrl.net import free_port
 
 
 async def serving(url: str, version: int, client: httpx.AsyncClient) -> None:

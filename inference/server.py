@@ -35,11 +35,6 @@ past them; the output is cut at the first match, its logprobs with it).
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -49,7 +44,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
 import structlog
 import trio
 from starlette.applications import Starlette
@@ -600,55 +594,3 @@ def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: 
     except KeyboardInterrupt:
         return 130
     return 0
-
-
-# ---------------------------------------------------------------------------- processes
-# For tests and benchmarks: real ``streamrl serve-model`` processes on loopback ports.
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class ServeModel:
-    url: str
-    port: int
-    process: subprocess.Popen[bytes]
-    log: Path
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(10)
-
-
-def start_serve_model(log_dir: Path, model: str = "tiny", port: int | None = None,
-                      weight_version: str = "default") -> ServeModel:
-    port = port or free_port()
-    log = log_dir / f"serve-model-{port}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamrl", "serve-model", "--model", model,
-         "--host", "127.0.0.1", "--port", str(port), "--weight-version", weight_version],
-        cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
-    )
-    return ServeModel(f"http://127.0.0.1:{port}", port, process, log)
-
-
-def wait_healthy(server: ServeModel, timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise RuntimeError(f"serve-model exited: {server.log.read_text()[-2000:]}")
-        try:
-            if httpx.get(server.url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"serve-model not healthy after {timeout_s}s")

@@ -17,7 +17,6 @@ import hashlib
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -27,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
+
+from streamrl.net import distinct_free_ports, free_port
 
 
 def find_server_binary(configured: str = "") -> str:
@@ -45,12 +46,6 @@ def find_server_binary(configured: str = "") -> str:
             "run.redis_server)"
         ) from None
     return str(get_binary_path())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -198,7 +193,7 @@ class ClusterProcess:
 
     def start(self, timeout_s: float = 30.0) -> ClusterProcess:
         self.data_dir = self.data_dir.resolve()
-        ports = _distinct_free_ports(2 * self.masters)
+        ports = distinct_free_ports(2 * self.masters)
         self.nodes = [
             ServerProcess(
                 data_dir=self.data_dir / f"node-{i}",
@@ -280,10 +275,3 @@ class ClusterProcess:
         self.stop()
 
 
-def _distinct_free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports

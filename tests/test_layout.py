@@ -15,7 +15,7 @@ from pathlib import Path
 import streamrl
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("queues", "actors", "sandbox", "learner", "inference", "domains")
+FOLDERS = ("queues", "actors", "sandbox", "learner", "inference", "domains", "testing")
 
 
 def test_only_streamrl_is_importable_outside_the_checkout(tmp_path: Path) -> None:

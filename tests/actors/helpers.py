@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from streamrl.learner.batch import make_trajectory
 from streamrl.queues.messages import Trajectory
+from streamrl.testing.messages import make_trajectory
 
 ONE_TINY_STEP = (
     "model.spec=tiny",

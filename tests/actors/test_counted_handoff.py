@@ -21,13 +21,13 @@ from streamrl.actors.runtime import ActorRuntime, RuntimeSettings
 from streamrl.actors.scheduler import Scheduler, make_task
 from streamrl.actors.verifier import Verifier
 from streamrl.domains.math import MathItem
-from streamrl.learner.batch import make_trajectory
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Executed, Rollout, Sample, Sampling, encode, new_id, now
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from streamrl.testing.messages import make_trajectory
 
 from tests.helpers import run_config
 
@@ -145,19 +145,20 @@ async def test_replayed_verifier_handoffs_count_once_and_admission_stays_in_boun
         await trio.sleep(0.1)
         watch.cancel_scope.cancel()
 
-    # Then each counter counted each group once
-    final = await _counters(client, names)
-    assert final == {"zero_variance": 2, "resolved:math": 3, "trained:math": 1,
-                     "dropped_stale": 0, "duplicates_skipped": 0}
+    # Then at no sample did admission pass the exact bound (D: the 2 skipped groups)
+    assert samples
+    for counters, admissible in samples:
+        assert admissible <= bound_d0 + 2, (counters, admissible)
+    assert samples[-1][1] == bound_d0 + 2  # the two skipped groups were replaced, once
+    # and each counter counted each group once, never more at any sample
+    expected = {"zero_variance": 2, "resolved:math": 3, "trained:math": 1,
+                "dropped_stale": 0, "duplicates_skipped": 0}
+    assert await _counters(client, names) == expected
+    for counters, _ in samples:
+        assert all(counters[c] <= expected[c] for c in COUNTERS), counters
     assert await client.call(client.sync.xlen, names.stream(N.TRAJECTORIES)) == 1
     pending = await client.call(client.sync.xpending, names.stream(N.EXECUTED), "verifier")
     assert pending["pending"] == 0
-    # and at no sample did a counter overshoot, nor admission pass the exact bound
-    assert samples
-    for counters, admissible in samples:
-        assert all(counters[c] <= final[c] for c in COUNTERS), counters
-        assert admissible <= bound_d0 + 2, (counters, admissible)
-    assert samples[-1][1] == bound_d0 + 2  # the two skipped groups were replaced, once
 
 
 async def test_replayed_learner_settlements_count_once(

@@ -10,7 +10,6 @@ import trio
 from streamrl.actors.config import Config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve
-from streamrl.learner.batch import make_trajectory
 from streamrl.learner.checkpoint import LEDGER_FILE, TRAINER_STATE_FILE, Ledger
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
@@ -19,6 +18,7 @@ from streamrl.queues.acl import Credentials, apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, Trajectory, WeightsPublished, decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.testing.messages import make_trajectory
 
 from tests.helpers import run_config
 

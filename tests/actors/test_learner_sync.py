@@ -13,11 +13,11 @@ from streamrl.actors.config import Config, load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.scheduler import Scheduler
 from streamrl.actors.scheduler import serve as serve_scheduler
-from streamrl.learner.batch import make_trajectory
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, Task, decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.testing.messages import make_trajectory
 
 from tests.helpers import run_config
 

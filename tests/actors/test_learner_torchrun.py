@@ -15,12 +15,12 @@ from safetensors.torch import load_file
 from streamrl.actors.config import load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve
-from streamrl.learner.batch import make_trajectory
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import WeightsPublished, decode, encode
 from streamrl.queues.names import Names
 from streamrl.queues.streams import Producer
+from streamrl.testing.messages import make_trajectory
 
 ROOT = Path(__file__).resolve().parents[2]
 

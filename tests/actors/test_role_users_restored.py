@@ -20,7 +20,9 @@ from streamrl.actors.config import load_config
 from streamrl.queues import names as N
 from streamrl.queues.acl import missing_users, role_url
 from streamrl.queues.client import Reconnect, RedisClient
-from streamrl.queues.server import find_server_binary, free_port
+from streamrl.queues.server import find_server_binary
+
+from streamrl.net import free_port
 
 
 class ExternalRedis:

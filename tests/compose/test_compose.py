@@ -51,6 +51,8 @@ from streamrl.queues.messages import (
     decode,
 )
 
+from streamrl.net import distinct_free_ports
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -89,12 +91,6 @@ def _why_not() -> str | None:
         if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode:
             return f"image {image} missing: run docker/build_offline.sh"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -266,7 +262,7 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[Cluster]:
         if os.environ.get("CI"):
             pytest.fail(f"the compose test must run in CI: {reason}")
         pytest.skip(reason)
-    redis_port, serve_port = _free_port(), _free_port()
+    redis_port, serve_port = distinct_free_ports(2)
     admin = secrets.token_hex(16)
     env = {
         **os.environ,

@@ -14,7 +14,7 @@ import h2.config
 import h2.connection
 import h2.events
 import httpx
-from streamrl.inference.server import ServeModel
+from streamrl.testing.serve_model import ServeModel
 
 
 def _late_body_over_http2(port: int) -> list[str]:

@@ -4,8 +4,9 @@ which counts from the oldest token of a group."""
 from __future__ import annotations
 
 import msgspec
-from streamrl.learner.batch import group_staleness, make_trajectory, split_stale
+from streamrl.learner.batch import group_staleness, split_stale
 from streamrl.queues.messages import Trajectory, decode, encode, ids_to_bytes
+from streamrl.testing.messages import make_trajectory
 
 
 def with_versions(traj: Trajectory, versions: list[list[int]]) -> Trajectory:

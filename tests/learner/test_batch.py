@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
-from streamrl.learner.batch import build_batch, make_trajectory, split_stale
+from streamrl.learner.batch import build_batch, split_stale
 from streamrl.queues.messages import Trajectory, decode, encode
+from streamrl.testing.messages import make_trajectory
 
 PAD = 2  # SmolLM2's pad token is its EOS token
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from streamrl.learner.batch import make_trajectory
 from streamrl.learner.model import load_model
 from streamrl.learner.train import TrainConfig, Trainer
 from streamrl.queues.messages import Trajectory
+from streamrl.testing.messages import make_trajectory
 
 
 def _groups(behaviour_logprob: float) -> list[Trajectory]:

@@ -24,13 +24,13 @@ from streamrl.actors.metrics import start_metrics_server
 from streamrl.actors.scheduler import Scheduler
 from streamrl.actors.supervisor import _children
 from streamrl.actors.verifier import serve
-from streamrl.learner.batch import make_trajectory
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, Task, decode, encode, new_id, now
 from streamrl.queues.streams import Producer, ensure_group
+from streamrl.testing.messages import make_trajectory
 
 from tests.ops.helpers import config, executed
 

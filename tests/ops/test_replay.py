@@ -31,11 +31,11 @@ from streamrl.actors.replay import (
 from streamrl.actors.verifier import Verifier
 from streamrl.domains import registry
 from streamrl.domains.arith.domain import Arith
-from streamrl.learner.batch import make_trajectory
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Executed, Trajectory, encode, now
 from streamrl.queues.streams import Producer
+from streamrl.testing.messages import make_trajectory
 
 from tests.ops.helpers import config, executed
 

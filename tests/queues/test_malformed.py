@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-from streamrl.learner.batch import make_trajectory
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import (
@@ -20,6 +19,7 @@ from streamrl.queues.messages import (
     now,
 )
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from streamrl.testing.messages import make_trajectory
 
 
 def test_a_message_with_unknown_fields_is_refused() -> None:
