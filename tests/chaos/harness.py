@@ -571,7 +571,9 @@ async def inspect_run(client: RedisClient, scenario: Scenario, recorder: Recorde
             dead.append((_qualified(layout, letter.entry_id), letter))
     counters = {}
     for name in ("dropped_stale", "duplicates_skipped"):
-        counters[name] = int(await client.call(client.sync.get, names.counter(name)) or 0)
+        counters[name] = sum(  # one key per shard (in the slot of the shard's hand-offs)
+            [int(await client.call(client.sync.get, key) or 0) for key in names.counter_keys(name)]
+        )
     return RunReport(
         admitted=int(await client.call(client.sync.get, names.admitted) or 0),
         train_task_ids=recorder.train_task_ids(),
