@@ -1,4 +1,5 @@
-"""structlog JSON logging, one line per event; episode ids bound per trio task."""
+"""structlog JSON logging, one line per event; episode ids bound per trio task. Records of
+stdlib ``logging`` (libraries) come out as the same JSON lines."""
 
 from __future__ import annotations
 
@@ -19,19 +20,37 @@ def configure_logging(*, actor: str, level: str = "info", stream: TextIO | None 
         ("TOKENIZERS_PARALLELISM", "false"),
     ):
         os.environ.setdefault(var, value)
-    logging.basicConfig(stream=stream or sys.stderr, level=level.upper(), format="%(message)s")
+    out = stream or sys.stderr
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    # stdlib logging (httpx, hypercorn, transformers, ...) renders through the same
+    # processors: one JSON line per record, its %-formatted message as the event
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+    ))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.captureWarnings(True)  # warnings.warn(...) too, as logger py.warnings
     for noisy in ("httpx", "urllib3", "transformers", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            *shared,
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(out),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.bind_contextvars(actor=actor)
