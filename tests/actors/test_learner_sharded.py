@@ -18,8 +18,7 @@ from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, WeightsPublished, decode, encode
 from streamrl.queues.server import ClusterProcess
-from streamrl.queues.shards import ShardedConsumer
-from streamrl.queues.streams import Producer
+from streamrl.queues.streams import Producer, StreamConsumer
 
 from tests.actors.helpers import ONE_TINY_STEP, Died, contains_died, group
 from tests.helpers import run_config
@@ -45,10 +44,11 @@ async def test_learner_dies_between_announcing_and_acknowledging(
         await Producer(client, names.in_shard(shard)).publish(N.TRAJECTORIES, [encode(one)])
 
     # and a learner that dies after publishing step 1's events, before acknowledging
-    async def die(self: ShardedConsumer, entry_ids: list[str]) -> None:
+    # (the per-shard acknowledgement, which also settles the groups' admission records)
+    async def die(self: StreamConsumer, *args: object, **kwargs: object) -> None:
         raise Died
 
-    monkeypatch.setattr(ShardedConsumer, "ack", die)
+    monkeypatch.setattr(StreamConsumer, "ack_many", die)
     with trio.fail_after(120), pytest.raises(BaseException) as died:
         await serve(ctx)
     assert contains_died(died.value)
