@@ -143,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run one actor (replicate by starting more)")
     run.add_argument("actor", choices=ACTORS)
     common(run)
+    run.add_argument("--metrics-port", type=int, help="this process's ops.metrics_port "
+                     "(`up` gives each actor process its own)")
     status = sub.add_parser("status", help="queue depths, policy version, dead letters")
     common(status)
     status.add_argument("--json", action="store_true")
@@ -191,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(_public(config), indent=2))
         return 0
     if args.command == "run":
+        if args.metrics_port is not None:
+            ops = msgspec.structs.replace(config.ops, metrics_port=args.metrics_port)
+            config = msgspec.structs.replace(config, ops=ops)
         configure_logging(actor=args.actor)
         get_logger().info("config", config=_public(config))
         try:
@@ -222,9 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from streamrl.actors.supervisor import run_up
 
-        summary = run_up(
-            config, args.config, args.overrides, max_minutes=args.max_minutes, fresh=args.fresh
-        )
+        summary = run_up(config, max_minutes=args.max_minutes, fresh=args.fresh)
         if args.summary_json:
             with open(args.summary_json, "w") as f:
                 json.dump(msgspec.to_builtins(summary), f, indent=2)

@@ -9,6 +9,7 @@ at start, never a surprise mid-run. Every field documents itself in ``docs/confi
 
 from __future__ import annotations
 
+import json
 import os
 import tomllib
 from pathlib import Path
@@ -423,8 +424,9 @@ ENV_REDIS_URL = "STREAMRL_REDIS_URL"
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """File, then ``$STREAMRL_REDIS_URL`` (keeps passwords off command lines), then overrides."""
     data: dict[str, Any] = {}
-    if path:
-        data = tomllib.loads(Path(path).read_text())
+    if path:  # TOML, or JSON (the merged config `streamrl up` writes for its children)
+        text = Path(path).read_text()
+        data = json.loads(text) if Path(path).suffix == ".json" else tomllib.loads(text)
     if os.environ.get(ENV_REDIS_URL):
         data.setdefault("run", {})["redis_url"] = os.environ[ENV_REDIS_URL]
     data = apply_overrides(data, overrides or [])

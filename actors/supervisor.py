@@ -18,6 +18,7 @@ down. Ctrl-C (or SIGTERM) shuts down at once, without the final evaluation.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -37,7 +38,7 @@ from streamrl.actors.auth import (
     credentials_for_up,
     serve_role_users,
 )
-from streamrl.actors.config import Config
+from streamrl.actors.config import Config, to_dict
 from streamrl.actors.context import open_context
 from streamrl.actors.executor import isolation_report
 from streamrl.actors.lifeline import Lifeline, open_lifeline
@@ -154,11 +155,11 @@ def _on_lifeline(children: list[Child], lifeline: Lifeline) -> list[Child]:
     return children
 
 
-def _with_serve_models(config: Config, children: list[Child]) -> list[Child]:
-    """``up.serve_models`` serve-model children first, and every generator pointed at them."""
+def _serve_models(config: Config) -> tuple[Config, list[Child]]:
+    """``up.serve_models`` serve-model children, and the config pointing generators at them."""
     n = config.up.serve_models
     if not n:
-        return children
+        return config, []
     run_dir = config.run.path
     ports = [free_port() for _ in range(n)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -173,12 +174,21 @@ def _with_serve_models(config: Config, children: list[Child]) -> list[Child]:
               env, run_dir / "logs" / f"serve-model-{i}.log", health_url=url + "/health")
         for i, (port, url) in enumerate(zip(ports, urls, strict=True))
     ]
-    engine = ["--set", 'generator.engine="sglang"',
-              "--set", "generator.server_urls=[" + ",".join(f'"{u}"' for u in urls) + "]"]
-    for child in children:
-        if child.actor == "generator":
-            child.argv += engine
-    return servers + children
+    generator = msgspec.structs.replace(config.generator, engine="sglang", server_urls=urls)
+    return msgspec.structs.replace(config, generator=generator), servers
+
+
+def write_child_config(config: Config) -> Path:
+    """``<run dir>/config.json``: the merged config every child loads (``--config``), written
+    atomically. Without the Redis URL: each child has its own in its environment."""
+    data = to_dict(config)
+    data["run"]["redis_url"] = ""
+    path = config.run.path / "config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def _archiving(config: Config) -> bool:
@@ -189,13 +199,10 @@ def _archiving(config: Config) -> bool:
 
 
 def _children(
-    config: Config,
-    config_path: str | None,
-    overrides: list[str],
-    credentials: Mapping[str, Credentials],
+    config: Config, config_file: Path, credentials: Mapping[str, Credentials]
 ) -> list[Child]:
-    """One child per actor process: Redis URL and its own role's password in its environment
-    (never on its command line)."""
+    """One child per actor process, started with ``--config config_file``: Redis URL and its
+    own role's password in its environment (never on its command line)."""
     run_dir = config.run.path
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     counts = {
@@ -210,14 +217,7 @@ def _children(
     children = []
     for actor, n in counts.items():
         for i in range(n):
-            argv = [sys.executable, "-m", "streamrl", "run", actor]
-            if config_path:
-                argv += ["--config", config_path]
-            for o in overrides:
-                # the URL is this process's to give (environment): `--set run.redis_url=`
-                # (the embedded server) must not reach the children as an empty URL
-                if o.partition("=")[0].strip() != "run.redis_url":
-                    argv += ["--set", o]
+            argv = [sys.executable, "-m", "streamrl", "run", actor, "--config", str(config_file)]
             log_path = run_dir / "logs" / f"{actor}-{i}.log"
             env = child_environment(config, os.environ, actor, config.run.redis_url, credentials)
             children.append(Child(actor, i, argv, env, log_path))
@@ -239,16 +239,13 @@ def _give_metrics_ports(config: Config, children: list[Child]) -> None:
     if ports[-1] > 65535:
         raise SystemExit(f"streamrl: ops.metrics_port {base} + {n} actors > 65535")
     for child, port in zip(children, ports, strict=True):
-        child.argv += ["--set", f"ops.metrics_port={port}"]
+        child.argv += ["--metrics-port", str(port)]
     listing = ", ".join(f"{c.name} {p}" for c, p in zip(children, ports, strict=True))
     print(f"streamrl: metrics at http://{config.ops.metrics_addr}:PORT/metrics: {listing}",
           flush=True)
 
 
-async def _up(
-    config: Config, config_path: str | None, overrides: list[str], max_minutes: float,
-    fresh: bool = False,
-) -> Summary:
+async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summary:
     from streamrl.learner.model import resolve_model
 
     run_dir = config.run.path
@@ -292,8 +289,8 @@ async def _up(
         config = msgspec.structs.replace(
             config, run=msgspec.structs.replace(config.run, redis_url=url)
         )
-        children = _with_serve_models(config, _children(config, config_path, overrides,
-                                                        credentials))
+        config, servers = _serve_models(config)
+        children = servers + _children(config, write_child_config(config), credentials)
         _on_lifeline(children, open_lifeline())  # closed by the kernel when this process exits
         own = credentials.get("monitor")  # this process: progress, evaluation rounds
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
@@ -438,13 +435,6 @@ def _summary_text(s: Summary, interrupted: bool) -> str:
     )
 
 
-def run_up(
-    config: Config,
-    config_path: str | None,
-    overrides: list[str],
-    *,
-    max_minutes: float = 0.0,
-    fresh: bool = False,
-) -> Summary:
+def run_up(config: Config, *, max_minutes: float = 0.0, fresh: bool = False) -> Summary:
     configure_logging(actor="supervisor", level="warning")
-    return trio.run(_up, config, config_path, overrides, max_minutes, fresh)
+    return trio.run(_up, config, max_minutes, fresh)

@@ -71,7 +71,7 @@ def test_up_gives_each_child_only_its_own_password(config: Config) -> None:
     assert credentials["learner"].password == "from-env"  # set by the operator: kept
     bare = RedisURL(config.run.redis_url).without_credentials().url
     config = load_config(None, [f"run.redis_url={bare}", "auth.enabled=true"])
-    children = _children(config, "configs/tiny.toml", [], credentials)
+    children = _children(config, Path("configs/tiny.toml"), credentials)
     assert {c.actor for c in children} == {
         "scheduler",
         "generator",

@@ -17,7 +17,6 @@ import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 from streamrl.actors import archiver
-from streamrl.actors.config import load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve as serve_learner
 from streamrl.actors.metrics import start_metrics_server
@@ -252,12 +251,11 @@ async def test_scheduler_process_metrics_match_its_admissions(
 def test_up_gives_each_actor_process_its_own_metrics_port(tmp_path: Path) -> None:
     # Given `up` with ops.metrics_port = 9400 (from the command line)
     cfg = config(tmp_path, "", "metrics-up", "ops.metrics_port=9400", "up.executors=2")
-    children = _children(cfg, None, ["ops.metrics_port=9400"], {})
+    children = _children(cfg, tmp_path / "config.json", {})
 
     # Then each actor process's own command line ends with a port of its own, which wins
     def port_of(argv: list[str]) -> int:
-        sets = [v for k, v in itertools.pairwise(argv) if k == "--set"]
-        return load_config(None, sets).ops.metrics_port
+        return next(int(v) for k, v in itertools.pairwise(argv) if k == "--metrics-port")
 
     ports = [port_of(c.argv) for c in children]
     assert ports == list(range(9400, 9400 + len(children)))
@@ -269,6 +267,6 @@ def test_up_gives_each_actor_process_its_own_metrics_port(tmp_path: Path) -> Non
         with contextlib.suppress(OSError):  # else it is taken already
             taken.bind(("127.0.0.1", 9400))
             taken.listen()
-        auto = [port_of(c.argv) for c in _children(cfg, None, ["ops.metrics_port=-1"], {})]
+        auto = [port_of(c.argv) for c in _children(cfg, tmp_path / "config.json", {})]
     assert len(set(auto)) == len(children)
     assert all(9400 < p < 32768 for p in auto)

@@ -1,0 +1,37 @@
+"""``streamrl up`` hands its children the merged config as one file, not ``--set`` strings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from streamrl.actors.cli import _public
+from streamrl.actors.config import load_config
+from streamrl.actors.supervisor import _children, _serve_models, write_child_config
+
+
+def test_children_load_exactly_the_merged_config_of_up(tmp_path: Path) -> None:
+    # Given up's config: a file, command-line overrides and serve-model servers
+    config = load_config("configs/tiny.toml", [
+        f"run.work_dir={tmp_path}", "run.name=cfg", "run.redis_url=redis://:pw@127.0.0.1:1/0",
+        "learner.lr=3e-5", "up.serve_models=1",
+    ])  # fmt: skip
+    # When up writes it for its children
+    config, servers = _serve_models(config)
+    path = write_child_config(config)
+    children = _children(config, path, {})
+    # Then no child gets a --set, each loads the file, and the Redis password is not in it
+    assert path == config.run.path / "config.json" and len(servers) == 1
+    assert "pw" not in path.read_text()
+    for child in children:
+        assert "--set" not in child.argv
+        assert child.argv[-2:] == ["--config", str(path)]
+    # And what a child loads (file + its environment) is up's config, as `streamrl config` shows
+    shown = subprocess.run(
+        [sys.executable, "-m", "streamrl", "config", "--config", str(path)],
+        env=children[0].env, capture_output=True, text=True, timeout=60, check=True,
+    )
+    assert json.loads(shown.stdout) == _public(config)
+    assert config.generator.engine == "sglang" and config.learner.lr == 3e-5
