@@ -3,9 +3,10 @@
 Starts an embedded Redis-compatible server when no Redis URL is configured (loopback only,
 random password, AOF), prepares the base model once, then runs scheduler, generator(s),
 executor(s), verifier(s) and the learner as child processes that talk only through Redis
-Streams. A child that dies is restarted (its unacknowledged work is redelivered). The
-terminal shows one progress line every few seconds; every actor logs JSON to
-``<run dir>/logs/<actor>-<n>.log``.
+Streams. Each child loads the merged config from ``<run dir>/config.json`` (``--config``; its
+Redis URL and password come in its environment). A child that dies is restarted (its
+unacknowledged work is redelivered). The terminal shows one progress line every few
+seconds; every actor logs JSON to ``<run dir>/logs/<actor>-<n>.log``.
 
 With ``up.serve_models = N`` it also starts N ``streamrl serve-model`` processes on loopback
 ports (before any actor, once each answers ``/health``) and points every generator at them
