@@ -50,6 +50,7 @@ from streamrl.queues.messages import (
 )
 from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
 from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
+from streamrl.testing.wait import wait_until
 
 from tests.domains.test_terminal import fence, item_of, solution
 
@@ -149,17 +150,11 @@ async def entries(client: RedisClient, names: N.Names, stream: str) -> list[byte
     return [f[FIELD] for _, f in raw]
 
 
-async def wait_for(predicate: Callable[[], Any], timeout: float = 60.0) -> None:
-    with trio.fail_after(timeout):
-        while not await predicate():
-            await trio.sleep(0.05)
-
-
 async def trajectory(client: RedisClient, names: N.Names) -> Trajectory:
     async def one() -> bool:
         return len(await entries(client, names, N.TRAJECTORIES)) >= 1
 
-    await wait_for(one)
+    await wait_until(one, timeout=60)
     [raw] = await entries(client, names, N.TRAJECTORIES)
     return decode(raw, Trajectory)
 
@@ -312,7 +307,7 @@ async def test_replicas_killed_between_and_during_turns_lose_nothing(
             return exec_a.handled() == 1 and exec_a.runtime is not None and \
                 exec_a.runtime.statistics().in_flight == 1
 
-        await wait_for(turn2_running)
+        await wait_until(turn2_running, timeout=60)
         await trio.sleep(0.5)
         exec_a.scope.cancel()
         await nursery.start(exec_b.serve, client, names)
@@ -321,7 +316,7 @@ async def test_replicas_killed_between_and_during_turns_lose_nothing(
         async def holding() -> bool:
             return any(t == 3 for t, _ in engine_a.calls)
 
-        await wait_for(holding)
+        await wait_until(holding, timeout=60)
         gen_a.scope.cancel()
         await nursery.start(gen_b.serve, client, names)
         traj = await trajectory(client, names)
@@ -361,7 +356,7 @@ async def test_sessions_are_released_on_every_exit_path(
         async def dead() -> bool:
             return len(await entries(client, names, N.DEAD)) == 1
 
-        await wait_for(dead)
+        await wait_until(dead, timeout=60)
         # Then after every cancelled attempt and the dead letter, no session is held and
         # nothing a command started runs (the backend's warm sandboxes may wait, reset)
         assert len(ex.sessions) == 0 and sandbox_processes(commands_only=True) == []
@@ -532,7 +527,7 @@ async def test_an_executor_process_killed_mid_turn(
             async def turn2_running() -> bool:
                 return bool(processes_with(marker)) and await pending_rollouts() == 1
 
-            await wait_for(turn2_running, timeout=90)
+            await wait_until(turn2_running, timeout=90)
             first.kill()
             await first.wait()
             # Then its sandboxes die with it (nothing of turn 2 keeps running)

@@ -8,7 +8,6 @@ its role's ACL user."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from streamrl.queues.acl import apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import DeadLetter, Rollout, StepMetrics, decode, encode
 from streamrl.queues.payloads import REF_PREFIX
+from streamrl.testing.wait import wait_until
 
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _eval_trajectory
@@ -99,12 +99,6 @@ def _check_letters(
         assert got[eid].deliveries <= MAX_DELIVERIES, (kind, got[eid].deliveries)
 
 
-async def _wait(condition: Callable[[], Awaitable[bool]], timeout: float = 30) -> None:
-    with trio.fail_after(timeout):
-        while not await condition():
-            await trio.sleep(0.05)
-
-
 class Accepting:
     """A stage that handles every valid input (publishing nothing), counting them."""
 
@@ -141,7 +135,7 @@ async def test_poison_references_are_dead_lettered_by_the_runtime(
         await nursery.start(
             serve_actor, consumer, actor, ctx.policies(10), ctx.runtime_settings(2, stream)
         )
-        await _wait(lambda: _done(client, names, planted, actor))
+        await wait_until(lambda: _done(client, names, planted, actor), timeout=30)
         nursery.cancel_scope.cancel()
 
     # Then each poison entry is dead-lettered once with the reason, the valid one handled
@@ -189,7 +183,7 @@ async def test_poison_references_are_dead_lettered_by_a_sharded_consumer(
             await n.start(
                 serve_actor, consumer, actor, ctx.policies(10), ctx.runtime_settings(2, N.TASKS)
             )
-            await _wait(done)
+            await wait_until(done, timeout=30)
             n.cancel_scope.cancel()
 
         # Then each shard dead-lettered its poison entries once, and both valid ones passed
@@ -241,7 +235,7 @@ async def test_poison_references_are_dead_lettered_by_the_monitor(
         await nursery.start(monitor.serve)
         with trio.fail_after(30):
             await monitor.wait_round(0)
-        await _wait(lambda: _letter_count(client, names, len(planted)))
+        await wait_until(lambda: _letter_count(client, names, len(planted)), timeout=30)
         nursery.cancel_scope.cancel()
 
     # Then it recorded the result and dead-lettered every poison entry with its reason
@@ -273,7 +267,7 @@ async def test_poison_references_do_not_stop_the_archiver(
             state = await client.call(client.sync.xpending, names.stream(stream), "archiver")
             return bool(list(root.rglob("*.parquet"))) and state["pending"] == 0
 
-        await _wait(settled)
+        await wait_until(settled, timeout=30)
         nursery.cancel_scope.cancel()
 
     # Then it archived the valid trajectory and acknowledged everything (the consuming stage
@@ -324,7 +318,7 @@ async def test_an_entry_past_the_delivery_limit_is_dead_lettered_before_its_blob
         await nursery.start(
             serve_actor, consumer, actor, ctx.policies(10), ctx.runtime_settings(2, N.ROLLOUTS)
         )
-        await _wait(lambda: _letter_count(client, names, 1))
+        await wait_until(lambda: _letter_count(client, names, 1), timeout=30)
         nursery.cancel_scope.cancel()
 
     # Then the entry is dead-lettered for its deliveries, before its blob was fetched (the

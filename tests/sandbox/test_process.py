@@ -9,7 +9,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ import trio
 from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
 from streamrl.sandbox import process as sandbox_process
 from streamrl.sandbox.resident import ResidentSession
+from streamrl.testing.wait import wait_until
 
 from .conftest import processes_with
 
@@ -346,12 +347,6 @@ async def resident() -> AsyncIterator[ProcessSandbox]:
         await box.aclose()
 
 
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    with trio.fail_after(timeout_s):
-        while not predicate():
-            await trio.sleep(0.02)
-
-
 async def test_process_limit_counts_the_command_tree(resident: ProcessSandbox, marker: str) -> None:
     # Given a command that forks sleeping children until fork fails
     code = """
@@ -406,7 +401,7 @@ async def test_runs_and_episodes_share_nothing(resident: ProcessSandbox, marker:
           open('/proc/sysvipc/shm').read().count('\\n') - 1)
     """)
     async with AsyncExitStack() as stack:
-        await wait_for(lambda: resident.statistics().busy == 0)  # reset and back
+        await wait_until(lambda: resident.statistics().busy == 0)  # reset and back
         for _ in range(resident.statistics().ready):
             session = await stack.enter_async_context(resident.session(Limits(), label=marker))
             assert isinstance(session, ResidentSession)
@@ -469,7 +464,7 @@ async def test_runner_tampered_with_is_not_reused(tamper: str, marker: str) -> N
         result = await box.run(py(code, marker))
         assert result.ok and result.stdout == b"done\n", result
         # When the runner is reset for the next episode, Then it refuses and is killed
-        await wait_for(lambda: box.statistics().killed == 1)
+        await wait_until(lambda: box.statistics().killed == 1)
         # And the next run gets a clean runner
         check = "import os, resource; print(resource.getrlimit(resource.RLIMIT_NOFILE)[1] > 64,"
         check += " os.getpriority(os.PRIO_PROCESS, 0), len(os.sched_getaffinity(0)))"
@@ -500,11 +495,11 @@ async def test_sandboxes_die_with_their_executor(marker: str) -> None:
     try:
         assert executor.stdout is not None
         monitor = int(executor.stdout.readline())
-        await wait_for(lambda: bool(processes_with(marker)))
+        await wait_until(lambda: bool(processes_with(marker)))
     finally:
         # When it is SIGKILLed (no cleanup code runs)
         executor.send_signal(signal.SIGKILL)
         executor.wait()
         executor.stdout.close()  # type: ignore[union-attr]
     # Then its sandbox and the command go too (marker fixture), the monitor first
-    await wait_for(lambda: not os.path.exists(f"/proc/{monitor}"), timeout_s=5)
+    await wait_until(lambda: not os.path.exists(f"/proc/{monitor}"), timeout=5)
