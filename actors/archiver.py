@@ -24,6 +24,7 @@ from typing import Any
 
 import structlog
 import trio
+
 from streamrl.actors import metrics
 from streamrl.actors.context import ActorContext
 from streamrl.queues import names as N

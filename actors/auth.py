@@ -21,6 +21,7 @@ from collections.abc import Mapping
 
 import redis
 import trio
+
 from streamrl.actors.config import ENV_REDIS_URL, Config, ConfigError
 from streamrl.actors.logs import get_logger
 from streamrl.queues.acl import (

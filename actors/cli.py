@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 import trio
+
 from streamrl.actors.config import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
 from streamrl.actors.lifeline import exit_with_supervisor
 from streamrl.actors.logs import configure_logging, get_logger
@@ -68,6 +69,7 @@ def warn_password_on_command_line(overrides: list[str]) -> bool:
     (``ps``, ``/proc/<pid>/cmdline``) for as long as the process runs. The secret is not
     repeated. True when it warned."""
     import structlog
+
     from streamrl.actors.config import _parse_value
 
     for item in overrides:

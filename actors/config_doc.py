@@ -16,6 +16,7 @@ import typing
 from typing import Any
 
 import msgspec
+
 from streamrl.actors import config as C
 
 HEADER = """\

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import trio
+
 from streamrl.actors.auth import actor_url
 from streamrl.actors.config import Config
 from streamrl.actors.policies import Policies, Reject, RetryPolicy

@@ -55,6 +55,7 @@ import msgspec
 import numpy as np
 import structlog
 import trio
+
 from streamrl.domains.base import chat_observation_ids
 from streamrl.queues.messages import (
     Episode,

@@ -38,6 +38,7 @@ from typing import Any
 import msgspec
 import structlog
 import trio
+
 from streamrl.actors.config import Config, DomainConfig, DomainSandboxConfig
 from streamrl.actors.context import ActorContext, domain_item
 from streamrl.actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed

@@ -21,6 +21,7 @@ from typing import Any
 
 import structlog
 import trio
+
 from streamrl.actors.config import GeneratorConfig
 from streamrl.actors.context import ActorContext, domain_item
 from streamrl.actors.episodes import generate_turn

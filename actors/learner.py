@@ -38,6 +38,7 @@ from typing import Any
 import structlog
 import torch
 import trio
+
 from streamrl.actors.config import Config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.metrics import record_dropped_stale, record_learner_step, record_policy_version

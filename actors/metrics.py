@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import structlog
+
 from streamrl.queues.messages import Executed, StepMetrics, Trajectory
 
 log = structlog.get_logger()

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 import trio
+
 from streamrl.actors.context import ActorContext
 from streamrl.actors.status import Stall, assess_stall, lag_flag
 from streamrl.queues import names as N

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import trio
+
 from streamrl.actors.config import Config
 
 OPS_COMMANDS = ("dlq", "replay", "report")
@@ -67,6 +68,7 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
 
 def run_ops_command(args: argparse.Namespace, config: Config) -> int:
     import redis
+
     from streamrl.actors.status import RedisUnreachable, ops_client
     from streamrl.queues.client import RedisURL
     from streamrl.queues.names import Names

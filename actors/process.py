@@ -10,6 +10,7 @@ import signal
 from typing import Any
 
 import trio
+
 from streamrl.actors.config import Config
 from streamrl.actors.logs import get_logger
 

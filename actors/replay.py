@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from streamrl.actors.archiver import COLUMNS, archive_dir, row, write_parquet
 from streamrl.actors.config import Config
 from streamrl.queues import names as N

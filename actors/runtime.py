@@ -29,6 +29,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import msgspec
 import structlog
 import trio
+
 from streamrl.actors import metrics
 from streamrl.actors.policies import Policies, Reject, Retry, Unavailable
 from streamrl.queues.messages import Message, MessageError, decode, encode, training_group

@@ -43,6 +43,7 @@ from typing import Any
 import msgspec
 import structlog
 import trio
+
 from streamrl.actors import metrics
 from streamrl.actors.config import Config
 from streamrl.actors.context import ActorContext

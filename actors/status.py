@@ -34,6 +34,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import trio
+
 from streamrl.actors.config import Config
 from streamrl.queues import names as N
 from streamrl.queues.client import Reconnect, RedisClient, RedisURL

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import msgspec
 import trio
+
 from streamrl.actors.auth import (
     apply_role_users,
     child_environment,
@@ -46,13 +47,12 @@ from streamrl.actors.lifeline import Lifeline, open_lifeline
 from streamrl.actors.logs import configure_logging, get_logger
 from streamrl.actors.monitor import Monitor, Summary
 from streamrl.actors.scheduler import eval_round_size, publish_eval_round
+from streamrl.net import free_port, free_ports, wait_healthy
 from streamrl.queues.acl import Credentials
 from streamrl.queues.client import RedisClient, RedisURL
 from streamrl.queues.names import Names
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.sandbox.base import IsolationTooWeak
-
-from streamrl.net import free_port, free_ports, wait_healthy
 
 log = get_logger()
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import structlog
 import trio
+
 from streamrl.actors.context import ActorContext, domain_item
 from streamrl.actors.executor import from_outcome
 from streamrl.actors.policies import Reject

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 import trio
+
 from streamrl.domains.registry import get_domain
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
 from streamrl.learner.model import resolve_model

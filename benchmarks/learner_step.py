@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def run_one(args: argparse.Namespace, checkpointing: bool) -> dict[str, object]:
     import torch
+
     from streamrl.learner.batch import build_batch
     from streamrl.learner.model import load_model, resolve_model
     from streamrl.learner.train import TrainConfig, Trainer, token_logprobs

@@ -26,6 +26,7 @@ from collections import deque
 from typing import Any
 
 import msgspec
+
 from streamrl.actors.scheduler import make_task
 from streamrl.actors.scheduling import FairShare, Share
 from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import trio
+
 from streamrl.actors.config import DomainConfig
 from streamrl.actors.episodes import EpisodeSessions
 from streamrl.actors.executor import Executor, Sandboxes

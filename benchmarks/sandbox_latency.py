@@ -38,6 +38,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import trio
+
 from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox
 from streamrl.sandbox.process import RUNNER_SOURCE, _child_setup
 

@@ -36,6 +36,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sandbox_latency import CONCURRENCY, Call, bare, measure
+
 from streamrl.actors.logs import configure_logging
 from streamrl.sandbox import ExecRequest, ProcessSandbox
 from streamrl.sandbox.docker import DEFAULT_IMAGE, DockerSandbox

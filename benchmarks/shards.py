@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ClusterProcess

@@ -49,6 +49,7 @@ from streamrl.inference.sglang_client import WeightBroadcaster, open_sglang_engi
 from streamrl.inference.transformers_engine import open_transformers_engine
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
+from streamrl.net import free_port
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import WeightsPublished, encode, new_id, now
@@ -56,8 +57,6 @@ from streamrl.queues.names import Names
 from streamrl.queues.server import ServerProcess
 from streamrl.queues.streams import FIELD
 from streamrl.testing.serve_model import start_serve_model, wait_healthy
-
-from streamrl.net import free_port
 
 
 async def serving(url: str, version: int, client: httpx.AsyncClient) -> None:

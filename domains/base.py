@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import msgspec
+
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 T = TypeVar("T")

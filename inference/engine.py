@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal, Protocol
 
 import numpy as np
+
 from streamrl.queues.messages import Sampling
 
 FinishReason = Literal["stop", "length", "abort"]

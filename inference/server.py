@@ -50,6 +50,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
 from streamrl.inference.engine import Completion
 from streamrl.inference.transformers_engine import EngineClosed, TransformersEngine
 from streamrl.queues.messages import Sampling
@@ -463,6 +464,7 @@ async def update_weights_from_distributed(request: Request) -> Response:
     (The tensors pass through a safetensors file in /dev/shm to reuse the engine's loader.)"""
     import torch
     from safetensors.torch import save_file
+
     from streamrl.inference.sglang_client import broadcast_tensor
 
     state: ServerState = request.app.state.server

@@ -50,6 +50,7 @@ import msgspec
 import numpy as np
 import structlog
 import trio
+
 from streamrl.inference.engine import Completion
 from streamrl.queues.messages import Sampling
 

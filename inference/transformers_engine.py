@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import trio
+
 from streamrl.inference.decode import Row, RowResult, decode_batch
 from streamrl.inference.engine import Completion
 from streamrl.learner.model import load_model, load_tokenizer

@@ -29,8 +29,9 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
-from streamrl.learner.loss import group_advantages
 from torch import Tensor
+
+from streamrl.learner.loss import group_advantages
 
 if TYPE_CHECKING:
     from streamrl.queues.messages import Trajectory

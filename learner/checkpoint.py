@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from streamrl.learner.weights import list_versions, version_dir
 
 LEDGER_FILE = "consumed.jsonl"

@@ -40,11 +40,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+
 from streamrl.learner import distributed as dist_util
 from streamrl.learner.batch import Batch, build_batch, has_signal
 from streamrl.learner.loss import policy_loss
 from streamrl.learner.model import load_model
-from torch import Tensor
 
 if TYPE_CHECKING:
     from streamrl.queues.messages import Trajectory

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from urllib.parse import quote
 
 import redis
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient, RedisURL
 

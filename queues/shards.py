@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.payloads import PayloadLimits

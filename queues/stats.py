@@ -25,6 +25,7 @@ from importlib import resources
 from typing import Any
 
 import redis
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 

@@ -36,6 +36,7 @@ from typing import Any
 import redis
 import structlog
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import DeadLetter, M, MessageError, decode, encode, now

@@ -56,6 +56,8 @@ from typing import Any, TypeVar
 
 import structlog
 import trio
+
+from streamrl.backoff import Backoff, Retrying
 from streamrl.sandbox.base import (
     ExecRequest,
     ExecResult,
@@ -64,8 +66,6 @@ from streamrl.sandbox.base import (
     SandboxUnavailable,
 )
 from streamrl.sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
-
-from streamrl.backoff import Backoff, Retrying
 
 log = structlog.get_logger()
 

@@ -98,6 +98,7 @@ from typing import Literal
 
 import structlog
 import trio
+
 from streamrl.sandbox.base import (
     NOT_ISOLATED,
     ExecRequest,

@@ -35,10 +35,10 @@ from dataclasses import dataclass, replace
 
 import structlog
 import trio
-from streamrl.sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
-from streamrl.sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
 from streamrl.backoff import Backoff, Retrying
+from streamrl.sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from streamrl.sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
 log = structlog.get_logger()
 

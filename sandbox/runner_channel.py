@@ -30,6 +30,7 @@ from pathlib import PurePosixPath
 from typing import Any, Protocol
 
 import trio
+
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
 
 MAX_HEADER = 1 << 20

@@ -8,11 +8,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+
 from streamrl.queues.acl import apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.names import Names
 from streamrl.queues.server import ClusterProcess, ServerProcess
-
 from tests.helpers import redis_server_for_tests, role_credentials
 
 

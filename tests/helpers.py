@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import redis
+
 from streamrl.actors.config import Config, load_config
 from streamrl.queues.acl import ROLES, Credentials
 from streamrl.queues.names import Names

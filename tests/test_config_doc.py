@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import msgspec
+
 from streamrl.actors import config as C
 from streamrl.actors.cli import main
 from streamrl.actors.config_doc import render

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from streamrl.queues import names as N
 from streamrl.queues.acl import ROLES
 from streamrl.queues.messages import StepMetrics, Trajectory, WeightsPublished, decode

@@ -20,12 +20,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, Task, Trajectory, WeightsPublished, decode
 from streamrl.queues.payloads import PayloadLimits, resolve
 from streamrl.queues.server import ClusterProcess
-
 from tests.chaos.harness import LedgerView
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 import trio
-from streamrl.testing.wait import wait_until
 
 from streamrl.net import distinct_free_ports, free_port, free_ports, wait_healthy, wait_healthy_sync
+from streamrl.testing.wait import wait_until
 
 SERVER = "import http.server as h; h.test(HandlerClass=h.SimpleHTTPRequestHandler, port={port}, bind='127.0.0.1')"  # noqa: E501
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from streamrl.learner.weights import version_dir
 
 REPO = Path(__file__).resolve().parents[1]

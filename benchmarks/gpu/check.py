@@ -31,6 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
+
 from streamrl.learner.batch import Batch
 from streamrl.learner.train import TrainConfig, Trainer
 from streamrl.learner.weights import load_state_into, save_weights, version_dir

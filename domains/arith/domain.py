@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, chat_prompt_ids
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 import structlog
+
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
 from streamrl.domains.cad.runtime import MARKER, runtime_dir
 from streamrl.domains.code.domain import extract_program

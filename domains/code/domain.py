@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 

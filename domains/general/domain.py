@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN, SplitFiles, chat_prompt_ids
 from streamrl.sandbox.base import ExecRequest, ExecResult
 

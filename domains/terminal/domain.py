@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from streamrl.domains.base import EpisodePolicy, SandboxSpec, SplitFiles, chat_prompt_ids
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 

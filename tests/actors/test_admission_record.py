@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+
 from streamrl.actors.context import ActorContext
 from streamrl.actors.dlq import list_dead, requeue
 from streamrl.actors.learner import serve as serve_learner
@@ -25,7 +26,6 @@ from streamrl.queues.acl import apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Executed, Rollout, Task, decode, encode
 from streamrl.queues.streams import Producer
-
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.actors.test_poison_refs import READER, WRITER, _config, _letters, _wait
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _executed, _rollout, _trajectory

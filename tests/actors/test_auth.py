@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from streamrl.actors.auth import apply_role_users, credentials_for_up, role_credentials
 from streamrl.actors.cli import main
 from streamrl.actors.config import Config, ConfigError, load_config

@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 import trio
+
 from streamrl.actors.context import ActorContext
 from streamrl.actors.executor import to_outcome
 from streamrl.actors.learner import serve as serve_learner
@@ -28,7 +29,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Executed, Rollout, Sample, Sampling, encode, new_id, now
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
 from streamrl.testing.messages import make_trajectory
-
 from tests.helpers import run_config
 
 ITEM = MathItem(id="m", prompt="What is 2+2?", answer="4", kind="t")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import trio
+
 from streamrl.actors.config import load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.dlq import list_dead, requeue

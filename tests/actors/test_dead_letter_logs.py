@@ -9,6 +9,8 @@ from typing import Any
 
 import msgspec
 import trio
+from structlog.testing import capture_logs
+
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve as serve_learner
 from streamrl.actors.monitor import Monitor
@@ -16,8 +18,6 @@ from streamrl.actors.runtime import serve_actor
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, decode, encode
-from structlog.testing import capture_logs
-
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.actors.test_admission_record import Refusing
 from tests.actors.test_poison_refs import _config, _letters, _wait

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve as learner_serve
 from streamrl.actors.scheduler import Scheduler
@@ -17,7 +18,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Task, WeightsPublished, decode, encode
 from streamrl.queues.streams import Producer, ensure_group
 from streamrl.testing.messages import make_trajectory
-
 from tests.helpers import run_config
 
 

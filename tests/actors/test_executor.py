@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+
 from streamrl.actors.config import DomainConfig, DomainSandboxConfig, ExecutorConfig
 from streamrl.actors.executor import Executor, Sandboxes
 from streamrl.actors.policies import Policies, Retry, RetryPolicy

@@ -11,6 +11,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import trio
+from structlog.testing import capture_logs
+
 from streamrl.actors.context import ActorContext
 from streamrl.actors.executor import serve as executor_serve
 from streamrl.actors.verifier import serve as verifier_serve
@@ -33,8 +35,6 @@ from streamrl.queues.messages import (
     now,
 )
 from streamrl.queues.streams import FIELD, Producer
-from structlog.testing import capture_logs
-
 from tests.helpers import run_config
 
 

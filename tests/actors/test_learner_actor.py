@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import trio
+
 from streamrl.actors.config import Config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve
@@ -19,7 +20,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, Trajectory, WeightsPublished, decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.testing.messages import make_trajectory
-
 from tests.helpers import run_config
 
 

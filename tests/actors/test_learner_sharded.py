@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve
 from streamrl.learner.checkpoint import Ledger
@@ -19,7 +20,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, WeightsPublished, decode, encode
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.streams import Producer, StreamConsumer
-
 from tests.actors.helpers import ONE_TINY_STEP, Died, contains_died, group
 from tests.helpers import run_config
 

@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import trio
+
 from streamrl.actors import learner as learner_actor
 from streamrl.actors.config import Config, load_config
 from streamrl.actors.context import ActorContext
@@ -18,7 +19,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, Task, decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.testing.messages import make_trajectory
-
 from tests.helpers import run_config
 
 GROUPS_PER_STEP = 2

@@ -12,6 +12,7 @@ import pytest
 import torch
 import trio
 from safetensors.torch import load_file
+
 from streamrl.actors.config import load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve

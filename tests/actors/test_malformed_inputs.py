@@ -7,6 +7,7 @@ from pathlib import Path
 
 import msgspec
 import trio
+
 from streamrl.actors.config import Config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve
@@ -15,7 +16,6 @@ from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import DeadLetter, StepMetrics, decode, encode
 from streamrl.queues.streams import Producer
-
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.helpers import run_config
 

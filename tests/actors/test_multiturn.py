@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import pytest
 import trio
+
 from streamrl.actors.config import DomainConfig
 from streamrl.actors.episodes import EpisodeSessions
 from streamrl.actors.executor import Executor, Sandboxes, from_outcome
@@ -51,7 +52,6 @@ from streamrl.queues.messages import (
 from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
 from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
 from streamrl.testing.wait import wait_until
-
 from tests.domains.test_terminal import fence, item_of, solution
 
 TERMINAL = get_domain("terminal")

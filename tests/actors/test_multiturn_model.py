@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import redis
 import torch
+
 from streamrl.learner.batch import build_batch
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs

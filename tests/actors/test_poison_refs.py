@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import trio
+
 from streamrl.actors.archiver import serve_stream
 from streamrl.actors.config import Config
 from streamrl.actors.context import ActorContext
@@ -25,7 +26,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import DeadLetter, Rollout, StepMetrics, decode, encode
 from streamrl.queues.payloads import REF_PREFIX
 from streamrl.testing.wait import wait_until
-
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _eval_trajectory
 from tests.helpers import role_credentials, run_config

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import redis
 import trio
+
 from streamrl.actors.auth import apply_role_users, credentials_for_up, serve_role_users
 from streamrl.actors.config import load_config
+from streamrl.net import free_port
 from streamrl.queues import names as N
 from streamrl.queues.acl import missing_users, role_url
 from streamrl.queues.client import Reconnect, RedisClient
 from streamrl.queues.server import find_server_binary
-
-from streamrl.net import free_port
 
 
 class ExternalRedis:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 import trio
 import trio.testing
+
 from streamrl.actors.policies import Policies, Reject, Retry, RetryPolicy, Unavailable
 from streamrl.actors.runtime import ActorRuntime, Output, RuntimeSettings
 from streamrl.queues import names as N

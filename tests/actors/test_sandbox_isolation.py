@@ -12,11 +12,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
+
 from streamrl.actors.config import load_config
 from streamrl.actors.executor import Sandboxes, isolation_report
 from streamrl.domains.registry import get_domain
 from streamrl.sandbox.base import NOT_ISOLATED, IsolationTooWeak
-from structlog.testing import capture_logs
 
 REPO = Path(__file__).resolve().parents[2]
 

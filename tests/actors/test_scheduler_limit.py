@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import trio
+
 from streamrl.actors.config import Config, load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.scheduler import Scheduler

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
+
 from streamrl.actors.context import ActorContext
 from streamrl.actors.scheduler import Scheduler
 from streamrl.queues import names as N
@@ -19,7 +20,6 @@ from streamrl.queues.server import ClusterProcess
 from streamrl.queues.shards import reserve_admission
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import ensure_group
-
 from tests.helpers import run_config
 
 SHARDS = 3

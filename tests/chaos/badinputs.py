@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
 from streamrl.queues import names as N
 from streamrl.queues.messages import (
     ExecOutcome,

@@ -39,6 +39,7 @@ from typing import Any
 
 import msgspec
 import trio
+
 from streamrl.actors.auth import apply_role_users, credentials_for_up
 from streamrl.actors.config import load_config
 from streamrl.learner.weights import latest_version

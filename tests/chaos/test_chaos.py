@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from streamrl.queues.client import RedisClient
 
+from streamrl.queues.client import RedisClient
 from tests.chaos.harness import (
     ChaosLog,
     Pipeline,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from streamrl.queues.server import ClusterProcess
 
+from streamrl.queues.server import ClusterProcess
 from tests.chaos.harness import check_run
 from tests.chaos.test_chaos import describe, run_chaos
 

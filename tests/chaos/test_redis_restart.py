@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import redis
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.queues.stats import group_state
-
 from tests.chaos.harness import (
     PIPELINE_STREAMS,
     LedgerView,

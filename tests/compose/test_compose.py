@@ -40,6 +40,8 @@ from typing import Any
 
 import pytest
 import redis
+
+from streamrl.net import distinct_free_ports
 from streamrl.queues import names as N
 from streamrl.queues.messages import (
     DeadLetter,
@@ -50,8 +52,6 @@ from streamrl.queues.messages import (
     WeightsPublished,
     decode,
 )
-
-from streamrl.net import distinct_free_ports
 
 pytestmark = pytest.mark.slow
 

@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import pytest
 import trio
+
 from streamrl.sandbox import ExecRequest, Limits
 from streamrl.sandbox.docker import DockerSandbox
 from streamrl.sandbox.socket_proxy import Policy, Proxy, serve_proxy
-
 from tests.sandbox.docker_engine import IMAGE, SOCKET, require_docker
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
+
 from streamrl.domains.arith import Arith, ArithItem, extract_program
 from streamrl.domains.arith.generate import make_splits, write_splits
 from streamrl.domains.registry import ENTRY_POINT_GROUP, get_domain

@@ -10,6 +10,7 @@ import math
 
 import pytest
 import trio
+
 from streamrl.domains.cad import CONSTRAINTS, Cad, CadItem, constraints, read_verdict
 from streamrl.domains.cad import generate as gen
 from streamrl.domains.cad.domain import nonce

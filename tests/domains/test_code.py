@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from streamrl.domains.code import Case, Code, CodeItem, nonce
 from streamrl.domains.code.generate import make_splits, write_splits
 from streamrl.domains.registry import get_domain

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from streamrl.actors.config import load_config
 from streamrl.domains.general import General, GeneralItem, extract_reply
 from streamrl.domains.general.generate import KINDS, make_eval

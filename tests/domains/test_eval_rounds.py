@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+
 from streamrl.actors.config import Config, load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.executor import Executor, Sandboxes

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from streamrl.domains.finance import Finance, FinanceItem, Row
 from streamrl.domains.finance.generate import make_splits, write_splits
 from streamrl.domains.registry import get_domain

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from streamrl.domains.math import Math, MathItem, extract_answer
 from streamrl.domains.math.equiv import SymbolicChecker, equivalent, screen
 from streamrl.domains.math.generate import make_splits, write_splits

@@ -9,6 +9,7 @@ import msgspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from streamrl.actors.config import ConfigError, load_config
 from streamrl.actors.scheduler import domain_sampling, shares
 from streamrl.domains.base import EpisodePolicy, SandboxSpec, load_task_file

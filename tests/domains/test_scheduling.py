@@ -7,6 +7,7 @@ import random
 from collections import Counter
 
 import pytest
+
 from streamrl.actors.executor import to_outcome
 from streamrl.actors.runtime import Count, Output
 from streamrl.actors.scheduler import make_task

@@ -15,6 +15,7 @@ import re
 from collections.abc import AsyncIterator
 
 import pytest
+
 from streamrl.domains.base import is_multi_turn
 from streamrl.domains.registry import get_domain
 from streamrl.domains.terminal import Terminal, TerminalItem, extract_command

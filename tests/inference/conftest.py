@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from streamrl.learner.model import resolve_model
-from streamrl.testing.serve_model import ServeModel, start_serve_model, wait_healthy
 
+from streamrl.learner.model import resolve_model
 from streamrl.net import free_port
+from streamrl.testing.serve_model import ServeModel, start_serve_model, wait_healthy
 
 __all__ = ["ServeModel", "free_port", "start_serve_model", "wait_healthy"]
 

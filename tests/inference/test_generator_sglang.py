@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+
 from streamrl.actors.config import ConfigError, load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.generator import Generator, open_engine, serve_weight_updates
@@ -29,7 +30,6 @@ from streamrl.queues.messages import (
 )
 from streamrl.queues.names import Names
 from streamrl.queues.streams import FIELD
-
 from tests.inference.conftest import ServeModel, free_port
 from tests.inference.test_weight_sync import publish_perturbed
 

@@ -14,6 +14,7 @@ import h2.config
 import h2.connection
 import h2.events
 import httpx
+
 from streamrl.testing.serve_model import ServeModel
 
 

@@ -11,8 +11,8 @@ import httpx
 import pytest
 import torch
 import trio
-from streamrl.learner.model import load_model
 
+from streamrl.learner.model import load_model
 from tests.inference.conftest import ServeModel
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import trio
+
 from streamrl.actors.config import load_config
 from streamrl.actors.context import ActorContext
 from streamrl.actors.generator import Generator, VersionGate, serve_weight_updates
@@ -20,7 +21,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Rollout, Sampling, WeightsPublished, encode, new_id, now
 from streamrl.queues.names import Names
 from streamrl.queues.streams import FIELD
-
 from tests.inference.test_weight_sync import publish_perturbed
 
 

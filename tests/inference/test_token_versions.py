@@ -4,6 +4,7 @@ which counts from the oldest token of a group."""
 from __future__ import annotations
 
 import msgspec
+
 from streamrl.learner.batch import group_staleness, split_stale
 from streamrl.queues.messages import Trajectory, decode, encode, ids_to_bytes
 from streamrl.testing.messages import make_trajectory
@@ -39,6 +40,7 @@ def test_staleness_counts_from_the_oldest_token() -> None:
 
 def test_client_reads_version_ranges_and_refuses_bad_ones() -> None:
     import pytest
+
     from streamrl.inference.sglang_client import ProtocolError, _completion
 
     def answer(ranges: list[dict] | None) -> dict:

@@ -11,6 +11,7 @@ import pytest
 import torch
 import trio
 import trio.testing
+
 from streamrl.inference.engine import Completion, Engine
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
 from streamrl.learner.model import load_model, resolve_model

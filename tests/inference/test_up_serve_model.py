@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from streamrl.queues import names as N
 from streamrl.queues.messages import Trajectory, decode
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from streamrl.learner.model import load_model, resolve_model
 
 

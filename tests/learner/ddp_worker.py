@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import torch
+
 from streamrl.learner import distributed as dist_util
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.queues.messages import Trajectory, decode, encode
-
 from tests.learner.test_distributed import CASES, fixed_groups, run_case
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from streamrl.learner.batch import build_batch, split_stale
 from streamrl.queues.messages import Trajectory, decode, encode
 from streamrl.testing.messages import make_trajectory

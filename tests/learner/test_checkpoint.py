@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from streamrl.learner.checkpoint import LEDGER_FILE, Ledger, LedgerError, StepRecord
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from streamrl.learner.batch import build_batch
 from streamrl.learner.distributed import shard_rows
 from streamrl.learner.model import load_model

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from streamrl.learner.loss import group_advantages, policy_loss
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from streamrl.learner.model import load_model
 from streamrl.learner.train import TrainConfig, Trainer
 from streamrl.queues.messages import Trajectory

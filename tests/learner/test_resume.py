@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from streamrl.learner.checkpoint import load_trainer_state, save_trainer_state
 from streamrl.learner.model import load_model
 from streamrl.learner.train import TrainConfig, Trainer

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from streamrl.learner.batch import build_batch
 from streamrl.learner.model import load_model, load_tokenizer
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs

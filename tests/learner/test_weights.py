@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
+
 from streamrl.learner.model import load_model, load_tokenizer
 from streamrl.learner.weights import latest_version, list_versions, load_state_into, save_weights
 

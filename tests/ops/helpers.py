@@ -17,7 +17,6 @@ from streamrl.queues.messages import (
     new_id,
     now,
 )
-
 from tests.helpers import run_config
 
 

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 import redis
-import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors.auth import apply_role_users, credentials_for_up, ops_url
 from streamrl.actors.config import Config
 from streamrl.actors.report import collect
@@ -39,7 +40,6 @@ from streamrl.queues.messages import (
 from streamrl.queues.payloads import REF_PREFIX, PayloadLimits, resolve
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.streams import Producer, StreamConsumer, ensure_group, requeue_dead_letter
-
 from tests.ops.helpers import config as ops_config
 from tests.ops.helpers import executed
 

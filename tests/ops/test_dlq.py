@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors.context import ActorContext
 from streamrl.actors.dlq import Selection, list_dead, requeue, run_dlq
 from streamrl.actors.verifier import serve
@@ -16,7 +17,6 @@ from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Trajectory, decode, encode
 from streamrl.queues.streams import Producer
-
 from tests.ops.helpers import config, executed
 
 

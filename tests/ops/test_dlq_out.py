@@ -14,8 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors.auth import apply_role_users, credentials_for_up
 from streamrl.actors.config import Config
 from streamrl.actors.context import ActorContext
@@ -26,7 +27,6 @@ from streamrl.queues.client import RedisClient, RedisURL
 from streamrl.queues.messages import DeadLetter, encode, now
 from streamrl.queues.payloads import REF_PREFIX
 from streamrl.queues.streams import Producer
-
 from tests.ops.helpers import config as ops_config
 
 TEN_MB = 10 * 1024 * 1024

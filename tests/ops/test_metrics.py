@@ -13,9 +13,10 @@ from pathlib import Path
 
 import msgspec
 import pytest
-import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
 from prometheus_client.parser import text_string_to_metric_families
+
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors import archiver
 from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve as serve_learner
@@ -30,7 +31,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, Task, decode, encode, new_id, now
 from streamrl.queues.streams import Producer, ensure_group
 from streamrl.testing.messages import make_trajectory
-
 from tests.ops.helpers import config, executed
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

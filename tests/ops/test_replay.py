@@ -12,8 +12,9 @@ from pathlib import Path
 import msgspec
 import pyarrow.parquet as pq
 import pytest
-import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors import archiver
 from streamrl.actors.context import ActorContext
 from streamrl.actors.executor import to_outcome
@@ -36,7 +37,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Executed, Trajectory, encode, now
 from streamrl.queues.streams import Producer
 from streamrl.testing.messages import make_trajectory
-
 from tests.ops.helpers import config, executed
 
 

@@ -10,7 +10,6 @@ from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, encode, new_id, now
 from streamrl.queues.streams import Producer
-
 from tests.ops.helpers import executed
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 import trio
+
+import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors import archiver
 from streamrl.actors.context import ActorContext
 from streamrl.actors.dlq import Selection, list_dead, run_dlq
@@ -28,7 +29,6 @@ from streamrl.queues.payloads import PayloadLimits, resolve
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.stats import group_state, stream_length
 from streamrl.queues.streams import Producer, StreamConsumer, ensure_group
-
 from tests.ops.helpers import config, executed
 
 SHARDS = 3

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import trio
+
 from streamrl.actors.context import open_context
 from streamrl.actors.monitor import Monitor
 from streamrl.actors.policies import Policies
@@ -20,7 +21,6 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Task, encode
 from streamrl.queues.stats import pipeline_state
 from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
-
 from tests.actors.test_runtime import _task
 from tests.ops.helpers import config
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import redis
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.acl import ROLES, Credentials, acl_rules, apply_acls, role_url
 from streamrl.queues.client import Reconnect, RedisClient
@@ -24,7 +25,6 @@ from streamrl.queues.streams import (
     ensure_group,
     open_stream_consumer,
 )
-
 from tests.helpers import role_credentials
 
 LIMITS = PayloadLimits(claim_check_bytes=64)  # payloads over 64 bytes go through blob keys

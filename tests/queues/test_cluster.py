@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ClusterProcess
@@ -32,7 +33,6 @@ from streamrl.queues.streams import (
     Producer,
     open_stream_consumer,
 )
-
 from tests.queues import test_crash, test_handoff_batch, test_streams, test_trim_and_limits
 
 RERUN = (test_streams, test_handoff_batch, test_trim_and_limits, test_crash)

@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import structlog
 import trio
+
 from streamrl.actors.scheduler import latest_version
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient

@@ -8,6 +8,7 @@ import secrets
 import pytest
 import redis
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.acl import ROLES, Credentials, apply_acls, role_url
 from streamrl.queues.client import RedisClient

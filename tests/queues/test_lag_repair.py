@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.acl import apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.queues.stats import group_state, repair_lag
 from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
-
 from tests.helpers import rewrite_aof, role_credentials, server_version, system_redis_server
 
 GROUP = N.GROUP_OF_STREAM[N.TASKS]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import Reconnect, RedisClient
 from streamrl.queues.server import ServerProcess

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.acl import Credentials, apply_acls, role_url
 from streamrl.queues.client import RedisClient

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import DeadLetter, decode

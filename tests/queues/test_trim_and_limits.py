@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import DeadLetter, decode

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import trio
+
 from streamrl.sandbox import ExecRequest, Limits, Sandbox, SandboxUnavailable, open_sandbox
 
 BACKENDS = ("process", "docker")

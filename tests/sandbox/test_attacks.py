@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 import trio
-from streamrl.sandbox import ExecRequest, ExecResult, Limits, Sandbox
 
+from streamrl.sandbox import ExecRequest, ExecResult, Limits, Sandbox
 from tests.sandbox.conftest import BACKENDS, PROCESS_MODES, usable_backend
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,9 +20,9 @@ from urllib.parse import quote
 
 import pytest
 import trio
+
 from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
 from streamrl.sandbox.docker import DockerSandbox
-
 from tests.sandbox.docker_engine import IMAGE, engine_get, require_docker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -252,7 +252,6 @@ async def test_the_executor_connects_afresh_once_an_unreachable_engine_is_back(
     from streamrl.actors.executor import Sandboxes
     from streamrl.domains.registry import get_domain
     from streamrl.sandbox.socket_proxy import Policy, Proxy, serve_proxy
-
     from tests.actors.test_executor import _program
     from tests.sandbox.docker_engine import SOCKET
 
@@ -286,7 +285,6 @@ async def test_the_executor_names_a_samples_container_after_the_message(
     # Given the executor on the Docker backend and a rollout whose program runs for a while
     from streamrl.actors.config import DomainConfig, DomainSandboxConfig
     from streamrl.actors.executor import Executor, Sandboxes
-
     from tests.actors.test_executor import _program, _rollout
 
     config = {"arith": DomainSandboxConfig(backend="docker", image=docker_image, pool_size=1)}

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import trio
+
 from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
 from streamrl.sandbox import process as sandbox_process
 from streamrl.sandbox.resident import ResidentSession

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import trio
+
 from streamrl.sandbox import ExecRequest, Limits, Sandbox, SandboxUnavailable
 
 from .conftest import processes_with
