@@ -10,6 +10,8 @@ from typing import Any, TextIO
 
 import structlog
 
+from streamrl.learner.model import route_transformers_logging
+
 
 def configure_logging(*, actor: str, level: str = "info", stream: TextIO | None = None) -> None:
     # Progress bars from model loading would interleave with the JSON lines.
@@ -43,6 +45,8 @@ def configure_logging(*, actor: str, level: str = "info", stream: TextIO | None 
     logging.captureWarnings(True)  # warnings.warn(...) too, as logger py.warnings
     for noisy in ("httpx", "urllib3", "transformers", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    if "transformers.utils.logging" in sys.modules:  # loaded already (else: when it loads)
+        route_transformers_logging()
     structlog.configure(
         processors=[
             *shared,

@@ -31,6 +31,10 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from streamrl.learner.model import route_transformers_logging
+
+route_transformers_logging()  # its records as JSON lines too (actors/logs.py)
+
 
 @dataclass(frozen=True)
 class Row:

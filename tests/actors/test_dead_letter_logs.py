@@ -18,9 +18,10 @@ from streamrl.actors.runtime import serve_actor
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import StepMetrics, decode, encode
+from streamrl.testing.wait import wait_until
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.actors.test_admission_record import Refusing
-from tests.actors.test_poison_refs import _config, _letters, _wait
+from tests.actors.test_poison_refs import _config, _letters
 from tests.chaos.badinputs import VALID
 
 
@@ -78,7 +79,7 @@ async def test_the_monitor_logs_its_dead_letters(
     with capture_logs() as logs:
         async with trio.open_nursery() as nursery:
             await nursery.start(Monitor(ctx, tmp_path, eval_items=1).serve)
-            await _wait(lambda: _any_letter(client, names))
+            await wait_until(lambda: _any_letter(client, names), timeout=30)
             nursery.cancel_scope.cancel()
 
     # Then the letter is logged with its reason
@@ -108,7 +109,7 @@ async def test_a_runtime_stage_logs_its_dead_letters(
         async with ctx.consumer(N.TASKS, "generator") as consumer, trio.open_nursery() as n:
             await n.start(serve_actor, consumer, actor, ctx.policies(10),
                           ctx.runtime_settings(1, N.TASKS))
-            await _wait(lambda: _any_letter(client, names))
+            await wait_until(lambda: _any_letter(client, names), timeout=30)
             n.cancel_scope.cancel()
 
     # Then it is logged once, with the reason

@@ -12,7 +12,12 @@ from streamrl.actors.logs import configure_logging, get_logger
 
 
 def test_stdlib_records_come_out_as_json_lines() -> None:
-    # Given the logging of an actor process
+    # Given transformers loaded (it sets up a stderr handler of its own, propagation off, as
+    # when a model was loaded before) and the logging of an actor process
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_default_handler()
+    hf_logging.disable_propagation()
     out = io.StringIO()
     configure_logging(actor="verifier", stream=out)
     # When our code logs through structlog and a library through stdlib logging (%s style)
