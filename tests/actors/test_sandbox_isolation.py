@@ -29,7 +29,9 @@ def _no_bwrap_path() -> str:
 
 
 def _streamrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PATH": _no_bwrap_path()}
+    # (PATH as it is: where the system's bwrap is in /usr/bin, so is unshare, which these
+    # runs force)
+    env = dict(os.environ)
     env.pop("STREAMRL_REDIS_URL", None)
     return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
