@@ -14,6 +14,12 @@ Where each domain's code runs (:class:`Sandboxes`): the backend and image come f
 ``memory_mb`` of ``[domain.<name>]`` on top; the spec's files are staged under the
 request's own.
 One backend instance per (backend, image), opened on first use, closed with the executor.
+Backends are structured: the executor enters :meth:`Sandboxes.opened` (or
+:func:`open_sandboxes`), whose nursery holds each backend's ``serve`` task (started with
+``nursery.start`` on first use: the Docker backend's engine connection and pool) and closes
+every backend on exit. A backend that fails (engine unreachable, its connection lost while
+commands run) raises :class:`SandboxUnavailable` chained to the failure into the calls in
+flight and later ones; the retry of the message gets a fresh backend, served anew.
 
 Isolation is never silent: every backend opened is logged with its isolation level and what
 that does not isolate (a warning below ``bwrap``), and one below ``executor.min_isolation``
@@ -30,8 +36,8 @@ the next turn (``tasks``) or, once every member ended, the whole episode (``exec
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import replace as dc_replace
 from typing import Any
 
@@ -126,6 +132,22 @@ class Sandboxes:
         self.limits = limits or {}
         self._open = opener
         self._boxes: dict[tuple[str, str], Sandbox] = {}
+        self._nursery: trio.Nursery | None = None
+        self._up: dict[int, trio.Event] = {}  # id(backend) -> its serve task has started
+
+    @asynccontextmanager
+    async def opened(self) -> AsyncIterator[Sandboxes]:
+        """These sandboxes with a nursery for their backends' serve tasks; every backend is
+        closed (its containers removed) when the ``async with`` ends, however it ends."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            try:
+                yield self
+            finally:
+                try:
+                    await self.aclose()
+                finally:
+                    self._nursery = None
 
     def choose(self, domain: Any, request: ExecRequest) -> tuple[str, str, ExecRequest]:
         """(backend, image, request with the domain's files and the configured limits)."""
@@ -142,14 +164,36 @@ class Sandboxes:
     async def run(self, domain: Any, request: ExecRequest, label: str = "") -> ExecResult:
         """One command; ``label`` (the message id) names what the backend uses for it."""
         backend, image, request = self.choose(domain, request)
-        return await self._box(domain, backend, image).run(request, label)
+        box = await self._served(self._box(domain, backend, image))
+        return await box.run(request, label)
 
-    def session(self, domain: Any, label: str) -> AbstractAsyncContextManager[SandboxSession]:
+    @asynccontextmanager
+    async def session(self, domain: Any, label: str) -> AsyncIterator[SandboxSession]:
         """A session for one member of a multi-turn episode, under the domain's limits."""
         spec = getattr(domain, "sandbox", None)
         base = ExecRequest(argv=[], limits=getattr(spec, "limits", Limits()))
         backend, image, request = self.choose(domain, base)
-        return self._box(domain, backend, image).session(request.limits, label)
+        box = await self._served(self._box(domain, backend, image))
+        async with box.session(request.limits, label) as session:
+            yield session
+
+    async def _served(self, box: Sandbox) -> Sandbox:
+        """``box`` with its serve task (if it has one) started in this nursery."""
+        serve = getattr(box, "serve", None)
+        if serve is None:
+            return box
+        up = self._up.get(id(box))
+        if up is None:
+            if self._nursery is None:
+                raise RuntimeError("the executor's sandboxes are not open: enter "
+                                   "`async with sandboxes.opened()` (or open_sandboxes)")
+            up = self._up[id(box)] = trio.Event()
+            try:
+                await self._nursery.start(serve)
+            finally:
+                up.set()
+        await up.wait()
+        return box
 
     def open_for(self, domains: Iterable[Any]) -> list[str]:
         """Open the backend of each domain that runs code (``NO_SANDBOX`` domains run none),
@@ -181,6 +225,7 @@ class Sandboxes:
             # fresh backend, which connects again, instead of the failure kept for good
             log.warning("sandbox backend stopped, opening a fresh one", backend=backend,
                         image=image, domain=domain.name)
+            self._up.pop(id(box), None)
             box = None
         if box is None:
             options: dict[str, Any] = {"image": image} if image else {}
@@ -216,6 +261,7 @@ class Sandboxes:
 
     async def aclose(self) -> None:
         boxes, self._boxes = list(self._boxes.values()), {}
+        self._up.clear()
         with trio.CancelScope(shield=True):
             for box in boxes:
                 await box.aclose()
@@ -247,7 +293,7 @@ class Executor:
             return await self.handle_turn(rollout, domain, item)
         results: list[ExecResult | None] = [None] * len(rollout.samples)
 
-        unavailable: list[str] = []
+        unavailable: list[SandboxUnavailable] = []
 
         async def run_one(i: int) -> None:
             request = domain.exec_request(item, rollout.samples[i].text)
@@ -256,14 +302,16 @@ class Executor:
             try:
                 # the message id names the sample's container (found by it while it runs)
                 results[i] = await self.sandboxes.run(domain, request, f"{rollout.id}-{i}")
-            except SandboxUnavailable as exc:
-                unavailable.append(str(exc))
+            except SandboxUnavailable as exc:  # chained to the backend's failure
+                unavailable.append(exc)
 
         async with trio.open_nursery() as nursery:
             for i in range(len(rollout.samples)):
                 nursery.start_soon(run_one, i)
         if unavailable:
-            raise Unavailable(f"sandbox unavailable ({len(unavailable)} samples): {unavailable[0]}")
+            raise Unavailable(
+                f"sandbox unavailable ({len(unavailable)} samples): {unavailable[0]}"
+            ) from unavailable[0]
         outcomes = [to_outcome(r) for r in results]
         log.info("executed", samples=len(outcomes), ok=sum(1 for o in outcomes if o.exit_code == 0))
         return [
@@ -359,6 +407,11 @@ class Executor:
             await self.sessions.release(ep.id, i)
 
 
+def open_sandboxes(*args: Any, **options: Any) -> AbstractAsyncContextManager[Sandboxes]:
+    """``Sandboxes(*args, **options)``, opened (:meth:`Sandboxes.opened`)."""
+    return Sandboxes(*args, **options).opened()
+
+
 def sandboxes_for(config: Config) -> Sandboxes:
     """The executor's sandbox backends as ``config`` sets them (none opened yet)."""
     cfg = config.executor
@@ -393,17 +446,17 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
     sandboxes = sandboxes_for(ctx.config)
     sessions = EpisodeSessions(sandboxes, snapshots=cfg.episode_snapshots,
                                idle_s=cfg.session_idle_s)
-    try:
-        sandboxes.open_for(run_domains(ctx.config))  # refuses to start below min_isolation
-        async with trio.open_nursery() as nursery:
-            await nursery.start(sessions.serve_idle_release)
-            await ctx.serve(
-                Executor(sandboxes, sessions, ctx.config.domain),
-                concurrency=cfg.concurrency,
-                time_limit_s=cfg.time_limit_s,
-                task_status=task_status,
-            )
-            nursery.cancel_scope.cancel()
-    finally:
-        await sessions.aclose()
-        await sandboxes.aclose()
+    async with sandboxes.opened():  # the backends' serve tasks; all closed on exit
+        try:
+            sandboxes.open_for(run_domains(ctx.config))  # refuses to start below min_isolation
+            async with trio.open_nursery() as nursery:
+                await nursery.start(sessions.serve_idle_release)
+                await ctx.serve(
+                    Executor(sandboxes, sessions, ctx.config.domain),
+                    concurrency=cfg.concurrency,
+                    time_limit_s=cfg.time_limit_s,
+                    task_status=task_status,
+                )
+                nursery.cancel_scope.cancel()
+        finally:
+            await sessions.aclose()

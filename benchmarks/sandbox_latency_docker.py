@@ -39,7 +39,7 @@ from sandbox_latency import CONCURRENCY, Call, bare, measure
 
 from streamrl.actors.logs import configure_logging
 from streamrl.sandbox import ExecRequest, ProcessSandbox
-from streamrl.sandbox.docker import DEFAULT_IMAGE, DockerSandbox
+from streamrl.sandbox.docker import DEFAULT_IMAGE, open_docker_sandbox
 
 ARGV = ["python3", "-c", "print(1)"]
 HOST_ARGV = ["/usr/bin/python3", "-c", "print(1)"]  # what sandbox_latency runs on the host
@@ -61,33 +61,32 @@ def cold_argv(image: str) -> list[str]:
 async def docker_report(runs: int, cold_runs: int, image: str = DEFAULT_IMAGE) -> dict[str, Any]:
     """The table: subject -> concurrency -> p50/p99/exec per s (also used by sandbox_latency)."""
     process = ProcessSandbox()
-    docker = DockerSandbox(image, pool_size=POOL)
     report: dict[str, Any] = {"argv": ARGV, "image": image, "pool_size": POOL, "concurrency": {}}
     labels = itertools.count()
     try:
-        await docker.run(ExecRequest(ARGV))
-        with trio.fail_after(120):  # the whole pool started before measuring
-            while docker.statistics().ready < POOL:
-                await trio.sleep(0.2)
+        async with open_docker_sandbox(image, pool_size=POOL) as docker:
+            await docker.run(ExecRequest(ARGV))
+            with trio.fail_after(120):  # the whole pool started before measuring
+                while docker.statistics().ready < POOL:
+                    await trio.sleep(0.2)
 
-        async def cold() -> object:
-            return await trio.run_process(cold_argv(image), capture_stdout=True, check=True)
+            async def cold() -> object:
+                return await trio.run_process(cold_argv(image), capture_stdout=True, check=True)
 
-        for c in CONCURRENCY:
-            subjects: dict[str, list[Call]] = {
-                "bare": [bare] * c,
-                "process": [lambda: process.run(ExecRequest(HOST_ARGV))] * c,
-                "docker-warm": [lambda: docker.run(ExecRequest(ARGV))] * c,
-                "docker-warm-label": [
-                    lambda: docker.run(ExecRequest(ARGV), label=f"bench-{next(labels)}")
-                ] * c,
-            }
-            rows = await measure(subjects, runs)
-            rows.update(await measure({"docker-cold": [cold] * c}, cold_runs))
-            report["concurrency"][str(c)] = rows
-        report["docker_statistics"] = docker.statistics().__dict__
+            for c in CONCURRENCY:
+                subjects: dict[str, list[Call]] = {
+                    "bare": [bare] * c,
+                    "process": [lambda: process.run(ExecRequest(HOST_ARGV))] * c,
+                    "docker-warm": [lambda: docker.run(ExecRequest(ARGV))] * c,
+                    "docker-warm-label": [
+                        lambda: docker.run(ExecRequest(ARGV), label=f"bench-{next(labels)}")
+                    ] * c,
+                }
+                rows = await measure(subjects, runs)
+                rows.update(await measure({"docker-cold": [cold] * c}, cold_runs))
+                report["concurrency"][str(c)] = rows
+            report["docker_statistics"] = docker.statistics().__dict__
     finally:
-        await docker.aclose()
         await process.aclose()
     one = report["concurrency"]["1"]
     report["docker_warm_p50_ms"] = one["docker-warm"]["p50_ms"]

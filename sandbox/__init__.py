@@ -2,13 +2,20 @@
 
 ``open_sandbox("process")`` gives the local process backend, ``open_sandbox("docker", image=...,
 pool_size=...)`` the Docker backend (imported on first use: aiodocker stays out of processes
-that do not need it). Each names its ``isolation`` level (:data:`ISOLATION_LEVELS`, weakest
-first) and :data:`NOT_ISOLATED` says what each level does not isolate.
+that do not need it). A backend with a ``serve`` task (Docker) is served by its owner, in the
+owner's nursery: ``async with opened(open_sandbox(...)) as box`` does that and closes it on
+exit (the executor's ``Sandboxes`` hold their own nursery). Each names its ``isolation``
+level (:data:`ISOLATION_LEVELS`, weakest first) and :data:`NOT_ISOLATED` says what each level
+does not isolate.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import trio
 
 from streamrl.sandbox.base import (
     ISOLATION_LEVELS,
@@ -23,6 +30,7 @@ from streamrl.sandbox.base import (
 from streamrl.sandbox.process import ProcessSandbox
 
 BACKENDS = ("process", "docker")
+S = TypeVar("S", bound=Sandbox)
 
 
 def open_sandbox(backend: str, **options: Any) -> Sandbox:
@@ -34,6 +42,21 @@ def open_sandbox(backend: str, **options: Any) -> Sandbox:
 
         return DockerSandbox(**options)
     raise ValueError(f"unknown sandbox backend {backend!r}; known: {', '.join(BACKENDS)}")
+
+
+@asynccontextmanager
+async def opened(box: S) -> AsyncIterator[S]:
+    """``box`` for the ``async with``: its ``serve`` task (if it has one) started in a nursery
+    of its own, and the backend closed on every exit path."""
+    async with trio.open_nursery() as nursery:
+        serve = getattr(box, "serve", None)
+        try:
+            if serve is not None:
+                await nursery.start(serve)
+            yield box
+        finally:
+            with trio.CancelScope(shield=True):
+                await box.aclose()
 
 
 __all__ = [
@@ -48,4 +71,5 @@ __all__ = [
     "Sandbox",
     "SandboxUnavailable",
     "open_sandbox",
+    "opened",
 ]

@@ -33,9 +33,20 @@ that costs the code its run, it cannot forge a reply, see :mod:`sandbox.runner`)
 count against the container's memory cgroup; ``oom_killed`` relies on the container's memory
 cgroup counter being readable inside it.
 
-aiodocker is asyncio: it runs through trio-asyncio, in one loop per sandbox, held by a trio
-system task started on first use. This is the only module that uses the bridge. A
-``DockerSandbox`` belongs to one ``trio.run``.
+Structured: a ``DockerSandbox`` is served by its owner, in the owner's nursery
+(``async with open_docker_sandbox(...) as box``, or ``await nursery.start(box.serve)`` as the
+executor's :class:`actors.executor.Sandboxes` does); ``serve`` holds the trio-asyncio loop,
+the engine connection and the pool tasks, and removes every container when it ends (the
+``async with`` exits, ``aclose``, or the nursery is cancelled). A backend failure propagates
+to its callers: when the engine is unreachable at start, or its connection fails later (a
+command's stream breaks and the engine does not answer), the calls in flight are cut short
+and they and every later call raise :class:`SandboxUnavailable` chained to the original
+exception (``__cause__``); the backend is then ``stopped`` and its owner opens a fresh one.
+A call on a sandbox nobody serves is a programming error (``RuntimeError``).
+
+aiodocker is asyncio: it runs through trio-asyncio, in one loop per sandbox, held by
+``serve``. This is the only module that uses the bridge. A ``DockerSandbox`` belongs to one
+``trio.run``.
 """
 
 from __future__ import annotations
@@ -48,8 +59,8 @@ import re
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -142,7 +153,8 @@ class DockerSandbox:
         self._ready = trio.Event()
         self._closing = trio.Event()
         self._stopped = trio.Event()
-        self._failure: str | None = None
+        self._error: BaseException | None = None  # why it stopped (the engine failed)
+        self._calls: set[trio.CancelScope] = set()  # calls in flight, cut short on a failure
         self._loop: Any = None
         self._docker: Any = None
         self._nursery: trio.Nursery | None = None
@@ -155,19 +167,21 @@ class DockerSandbox:
         concurrently with the command, never before it, and a command done sooner (most are)
         costs no engine call at all. The container gets its pool name back before the pool
         hands it out again."""
-        box = await self._acquire(self.image, request.limits, "")
-        if label:
-            box.rename_soon(self._label_name(label), self._name_after)
-        try:
-            return await box.run(request)
-        finally:
-            box.skip_pending_rename()
-            self._release(box)
+        with self._call():
+            box = await self._acquire(self.image, request.limits, "")
+            if label:
+                box.rename_soon(self._label_name(label), self._name_after)
+            try:
+                return await box.run(request)
+            finally:
+                box.skip_pending_rename()
+                self._release(box)
 
     @asynccontextmanager
     async def session(self, limits: Limits, label: str = "") -> AsyncIterator[DockerSession]:
         session = DockerSession(self, limits, label)
-        await session.open()
+        with self._call():
+            await session.open()
         try:
             yield session
         finally:
@@ -176,10 +190,10 @@ class DockerSandbox:
     @property
     def stopped(self) -> bool:
         """Its engine connection has ended for good (the engine was unreachable at start, or
-        the connection failed later; every call now raises :class:`SandboxUnavailable`): the
-        owner replaces it with a fresh instance, which connects again
-        (``actors.executor.Sandboxes``)."""
-        return self._stopped.is_set()
+        the connection failed later; every call now raises :class:`SandboxUnavailable`
+        chained to that failure): the owner replaces it with a fresh instance, served anew,
+        which connects again (``actors.executor.Sandboxes``)."""
+        return self._error is not None or self._stopped.is_set()
 
     async def aclose(self) -> None:
         self._closing.set()
@@ -219,21 +233,20 @@ class DockerSandbox:
             log.warning("sandbox.orphans_removed", containers=removed)
         return removed
 
-    # -- the asyncio side, in one system task ----------------------------------------------
+    # -- the asyncio side, in the owner's nursery ------------------------------------------
 
-    async def _start(self) -> None:
-        if self._closing.is_set():
-            raise SandboxUnavailable("DockerSandbox is closed")
-        if not self._started:
-            self._started = True
-            trio.lowlevel.spawn_system_task(self._serve, name="docker-sandbox")
-        await self._ready.wait()
-        if self._failure is not None:
-            raise SandboxUnavailable(self._failure)
-
-    async def _serve(self) -> None:
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the engine connection, the pool and the containers until :meth:`aclose` (or
+        cancellation); started (``nursery.start``) once connected, or once that failed: the
+        failure is kept for the callers (:class:`SandboxUnavailable`), never raised into the
+        owner's nursery. Removes every container before it returns."""
         import aiodocker
         import trio_asyncio
+
+        if self._started:
+            raise RuntimeError("a DockerSandbox is served once")
+        self._started = True
+        announced = False
 
         async def connect() -> Any:
             return aiodocker.Docker(url=self._url)
@@ -245,7 +258,7 @@ class DockerSandbox:
                     self._docker = await loop.run_aio_coroutine(connect())
                     await self._aio(self._docker.version())
                 except Exception as exc:
-                    self._failure = f"Docker engine unreachable: {exc!r}"
+                    self._fail(exc)
                     if self._docker is not None:
                         with contextlib.suppress(Exception):
                             await self._aio(self._docker.close())
@@ -254,6 +267,8 @@ class DockerSandbox:
                     async with trio.open_nursery() as nursery:
                         self._nursery = nursery
                         self._ready.set()
+                        announced = True
+                        task_status.started()
                         if self._reap_at_start:
                             nursery.start_soon(self._reap_quietly)
                         await self._closing.wait()
@@ -261,15 +276,76 @@ class DockerSandbox:
                 finally:
                     with trio.CancelScope(shield=True), trio.move_on_after(30):
                         await self._remove_all()
-                        await self._aio(self._docker.close())
-        except BaseException as exc:  # a system task must not crash the run
-            self._failure = self._failure or f"Docker sandbox stopped: {exc!r}"
-            if not isinstance(exc, (trio.Cancelled, Exception)):
-                raise
+                        with contextlib.suppress(Exception):
+                            await self._aio(self._docker.close())
+        except Exception as exc:  # the loop or a pool task failed: the callers get it
+            self._fail(exc)
         finally:
-            self._failure = self._failure or "DockerSandbox is closed"
+            self._closing.set()
             self._ready.set()
             self._stopped.set()
+            self._cut_calls()
+            if not announced:
+                task_status.started()  # the connection failed: the callers get why
+
+    def _fail(self, exc: BaseException) -> None:
+        """The backend failed for good: keep ``exc`` for every caller, cut calls in flight."""
+        if self._error is None:
+            self._error = exc
+            log.error("sandbox.docker_failed", error=repr(exc))
+        self._closing.set()
+        self._cut_calls()
+
+    def _cut_calls(self) -> None:
+        if self._error is not None:
+            for scope in self._calls:
+                scope.cancel()
+
+    def _unavailable(self) -> SandboxUnavailable:
+        """What a call raises once the backend stopped, chained to the failure."""
+        error = self._error
+        if error is None:
+            return SandboxUnavailable("DockerSandbox is closed")
+        what = "Docker engine unreachable" if self._nursery is None else "Docker sandbox stopped"
+        unavailable = SandboxUnavailable(f"{what}: {error!r}")
+        unavailable.__cause__ = error
+        return unavailable
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """One call in flight: cut short (:class:`SandboxUnavailable`, chained to the
+        failure) when the backend fails while it runs."""
+        scope = trio.CancelScope()
+        self._calls.add(scope)
+        try:
+            with scope:
+                yield
+        finally:
+            self._calls.discard(scope)
+        if scope.cancelled_caught:
+            raise self._unavailable()
+
+    async def _start(self) -> None:
+        if not self._started:
+            raise RuntimeError(
+                "this DockerSandbox is not served: open it with `async with "
+                "open_docker_sandbox(...)` or `await nursery.start(sandbox.serve)`"
+            )
+        await self._ready.wait()
+        if self._closing.is_set():
+            raise self._unavailable()
+
+    async def _engine_failed(self, exc: BaseException) -> bool:
+        """After a broken runner stream: whether the engine is gone too (then the backend
+        fails with ``exc``). A runner the code killed leaves the engine answering."""
+        if self._error is not None:
+            return True
+        with trio.move_on_after(max(self._grace, 1.0)):
+            with contextlib.suppress(Exception):
+                await self._aio(self._docker.version())
+                return False
+        self._fail(exc)
+        return True
 
     async def _aio(self, coro: Awaitable[T]) -> T:
         """Await an asyncio (aiodocker) coroutine from trio, through this sandbox's loop."""
@@ -465,6 +541,22 @@ class DockerSandbox:
         }
 
 
+@asynccontextmanager
+async def open_docker_sandbox(
+    image: str = DEFAULT_IMAGE, **options: Any
+) -> AsyncIterator[DockerSandbox]:
+    """A :class:`DockerSandbox` served in a nursery of its own for the ``async with``
+    (connected, or its connection failure kept for the calls); on exit every container of
+    it is removed."""
+    sandbox = DockerSandbox(image, **options)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sandbox.serve)
+        try:
+            yield sandbox
+        finally:
+            await sandbox.aclose()
+
+
 class _Pool:
     """The ready containers of one image, and a signal for every change."""
 
@@ -504,33 +596,42 @@ class DockerSession:
 
     async def run(self, request: ExecRequest) -> ExecResult:
         """Write ``request.files``, run ``request.argv`` under the session's limits."""
-        async with self._lock:
-            box = self._live_box()
-            return await box.run(replace(request, limits=self._limits))
+        with self._sandbox._call():
+            async with self._lock:
+                box = self._live_box()
+                return await box.run(replace(request, limits=self._limits))
 
     async def put_files(self, files: dict[str, bytes]) -> None:
-        async with self._lock:
-            await self._live_box().channel.put_files(files)
+        with self._sandbox._call():
+            async with self._lock:
+                await self._live_box().channel.put_files(files)
 
     async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
-        async with self._lock:
-            return await self._live_box().channel.get_files(paths, self._limits.max_file_mb << 20)
+        with self._sandbox._call():
+            async with self._lock:
+                return await self._live_box().channel.get_files(
+                    paths, self._limits.max_file_mb << 20
+                )
 
     async def reset(self) -> None:
         """Back to a clean state: the same container reset, or a fresh one if that fails."""
-        async with self._lock:
-            box = self._box
-            if box is not None and box.gone is None:
-                try:
-                    await box.reset()
-                    return
-                except (RunnerGone, SandboxUnavailable) as exc:
-                    log.warning("sandbox.reset_failed", container=box.name, error=str(exc))
-            if box is not None:
-                self._box = None
-                self._sandbox._discard(box)
-                self._sandbox._counts["replaced"] += 1
-            self._box = await self._sandbox._acquire(self._sandbox.image, self._limits, self._label)
+        with self._sandbox._call():
+            async with self._lock:
+                await self._reset()
+
+    async def _reset(self) -> None:
+        box = self._box
+        if box is not None and box.gone is None:
+            try:
+                await box.reset()
+                return
+            except (RunnerGone, SandboxUnavailable) as exc:
+                log.warning("sandbox.reset_failed", container=box.name, error=str(exc))
+        if box is not None:
+            self._box = None
+            self._sandbox._discard(box)
+            self._sandbox._counts["replaced"] += 1
+        self._box = await self._sandbox._acquire(self._sandbox.image, self._limits, self._label)
 
     async def aclose(self) -> None:
         box, self._box = self._box, None
@@ -538,6 +639,8 @@ class DockerSession:
             self._sandbox._release(box)
 
     def _live_box(self) -> _Box:
+        if self._sandbox._error is not None:
+            raise self._sandbox._unavailable()
         if self._box is None:
             raise SandboxUnavailable("the sandbox session is closed")
         if self._box.gone is not None:
@@ -640,6 +743,8 @@ class _Box:
         try:
             return await self.channel.run(request, limits, limits.timeout_s + self.sandbox._grace)
         except RunnerGone as exc:
+            if await self.sandbox._engine_failed(exc):
+                raise self.sandbox._unavailable() from exc
             oom = await self._oom_killed()
             await self.remove()
             return lost_result(exc, "container removed", oom, start)

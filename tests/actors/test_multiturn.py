@@ -50,7 +50,7 @@ from streamrl.queues.messages import (
     encode,
 )
 from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
-from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
+from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox, opened
 from streamrl.testing.wait import wait_until
 from tests.domains.test_terminal import fence, item_of, solution
 
@@ -395,11 +395,8 @@ async def test_sessions_are_released_on_every_exit_path(
 
 async def docker_unavailable() -> str | None:
     try:
-        box = open_sandbox("docker", pool_size=0)
-        try:
+        async with opened(open_sandbox("docker", pool_size=0)) as box:
             await box.run(ExecRequest(["true"], limits=Limits(timeout_s=60)))
-        finally:
-            await box.aclose()
     except (ValueError, ImportError, SandboxUnavailable) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -425,26 +422,27 @@ async def test_an_episode_moves_between_executors_on_docker(tokenizer: Any) -> N
                         {"terminal": DomainConfig(max_turns=4)})
 
     ex_a, ex_b = on_docker(), on_docker()
-    try:
-        # Given turn 1 run by executor A in Docker sessions
-        [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=2,
-                                                sampling=Sampling(), version=0))
-        [c1] = await ex_a.handle(r1.message)  # type: ignore[arg-type]
-        assert c1.stream == N.TASKS and len(ex_a.sessions) == 2
-        # When executor B takes turn 2 (A still holds its cached sessions)
-        [r2] = await generator.handle(c1.message)  # type: ignore[arg-type]
-        [done] = await ex_b.handle(r2.message)  # type: ignore[arg-type]
-        # Then B restored both members from the snapshots, saw turn 1's file, and solved it
-        assert done.stream == N.EXECUTED and ex_b.sessions.restored == 2
-        executed = done.message
-        for sample, outcome in zip(executed.rollout.samples, executed.outcomes, strict=True):  # type: ignore[attr-defined]
-            assert sample.turns[1].observation.startswith("exit code 0\nstdout:\na")
-            assert TERMINAL.score(item, sample.text, from_outcome(outcome)) == 1.0
-        assert len(ex_b.sessions) == 0
-    finally:
-        for ex in (ex_a, ex_b):
-            await ex.sessions.aclose()
-            await ex.sandboxes.aclose()
+    async with ex_a.sandboxes.opened(), ex_b.sandboxes.opened():
+        try:
+            # Given turn 1 run by executor A in Docker sessions
+            [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=2,
+                                                    sampling=Sampling(), version=0))
+            [c1] = await ex_a.handle(r1.message)  # type: ignore[arg-type]
+            assert c1.stream == N.TASKS and len(ex_a.sessions) == 2
+            # When executor B takes turn 2 (A still holds its cached sessions)
+            [r2] = await generator.handle(c1.message)  # type: ignore[arg-type]
+            [done] = await ex_b.handle(r2.message)  # type: ignore[arg-type]
+            # Then B restored both members from the snapshots, saw turn 1's file, and solved it
+            assert done.stream == N.EXECUTED and ex_b.sessions.restored == 2
+            executed = done.message
+            for sample, outcome in zip(executed.rollout.samples, executed.outcomes, strict=True):  # type: ignore[attr-defined]
+                assert sample.turns[1].observation.startswith("exit code 0\nstdout:\na")
+                assert TERMINAL.score(item, sample.text, from_outcome(outcome)) == 1.0
+            assert len(ex_b.sessions) == 0
+        finally:
+            for ex in (ex_a, ex_b):
+                await ex.sessions.aclose()
+                await ex.sandboxes.aclose()
 
 
 async def test_episode_state_that_does_not_fit_its_group_is_rejected(tokenizer: Any) -> None:

@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from streamrl.sandbox import ExecRequest, Limits
-from streamrl.sandbox.docker import DockerSandbox
+from streamrl.sandbox.docker import DockerSandbox, open_docker_sandbox
 from streamrl.sandbox.socket_proxy import Policy, Proxy, serve_proxy
 from tests.sandbox.docker_engine import IMAGE, SOCKET, require_docker
 
@@ -58,15 +58,13 @@ def hardened(**host: Any) -> dict[str, Any]:
 async def test_the_docker_backend_works_through_the_proxy(proxy: tuple[str, Proxy]) -> None:
     path, p = proxy
     # Given a Docker sandbox that knows only the proxy's socket
-    box = DockerSandbox(IMAGE, pool_size=1, host_grace_s=1.0, docker_url=f"unix://{path}")
-    try:
+    url = f"unix://{path}"
+    async with open_docker_sandbox(IMAGE, pool_size=1, host_grace_s=1.0, docker_url=url) as box:
         # When it runs code in a session (create, attach, start, update, rename, inspect)
         async with box.session(Limits(memory_mb=96, max_processes=16), label="proxied") as s:
             result = await s.run(ExecRequest(["python3", "-c", "print(6 * 7)"]))
         plain = await box.run(ExecRequest(["/bin/sh", "-c", "exit 3"]))
         orphans = await box.reap_orphans()  # lists by label
-    finally:
-        await box.aclose()  # kill + delete
     # Then everything worked and nothing was refused
     assert (result.exit_code, result.stdout) == (0, b"42\n")
     assert plain.exit_code == 3
@@ -151,24 +149,24 @@ async def test_exec_and_escalating_updates_on_a_sandbox_are_refused(
     proxy: tuple[str, Proxy],
 ) -> None:
     path, _ = proxy
-    box = DockerSandbox(IMAGE, pool_size=1, host_grace_s=1.0, docker_url=f"unix://{path}")
-    try:
-        async with box.session(Limits(), label="exec-target") as s:
-            await s.run(ExecRequest(["true"]))
-            name = s._live_box().name  # type: ignore[attr-defined]
-            async with _through(path) as client:
-                exec_ = await client.post(
-                    f"/containers/{name}/exec",
-                    json={"Cmd": ["id"], "User": "root", "Privileged": True},
-                )
-                unlimited = await client.post(f"/containers/{name}/update", json={"Memory": -1})
-                restart = await client.post(
-                    f"/containers/{name}/update", json={"RestartPolicy": {"Name": "always"}}
-                )
-                rename = await client.post(f"/containers/{name}/rename", params={"name": "x"})
-                inspect = await client.get(f"/containers/{name}/json")
-    finally:
-        await box.aclose()
+    url = f"unix://{path}"
+    async with (
+        open_docker_sandbox(IMAGE, pool_size=1, host_grace_s=1.0, docker_url=url) as box,
+        box.session(Limits(), label="exec-target") as s,
+    ):
+        await s.run(ExecRequest(["true"]))
+        name = s._live_box().name  # type: ignore[attr-defined]
+        async with _through(path) as client:
+            exec_ = await client.post(
+                f"/containers/{name}/exec",
+                json={"Cmd": ["id"], "User": "root", "Privileged": True},
+            )
+            unlimited = await client.post(f"/containers/{name}/update", json={"Memory": -1})
+            restart = await client.post(
+                f"/containers/{name}/update", json={"RestartPolicy": {"Name": "always"}}
+            )
+            rename = await client.post(f"/containers/{name}/rename", params={"name": "x"})
+            inspect = await client.get(f"/containers/{name}/json")
     assert [exec_.status_code, unlimited.status_code, restart.status_code,
             rename.status_code] == [403] * 4  # fmt: skip
     assert inspect.status_code == 200  # a sandbox may be inspected

@@ -23,7 +23,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from streamrl.sandbox import ExecRequest, Limits, Sandbox, SandboxUnavailable, open_sandbox
+from streamrl.sandbox import (
+    ExecRequest,
+    Limits,
+    Sandbox,
+    SandboxUnavailable,
+    open_sandbox,
+    opened,
+)
 
 BACKENDS = ("process", "docker")
 # the process backend's fallback modes, each a backend name of its own (``process:<mode>``):
@@ -107,11 +114,10 @@ async def _probe(name: str) -> str | None:
     except (ValueError, ImportError, SandboxUnavailable) as exc:
         return f"{type(exc).__name__}: {exc}"
     try:  # an engine that is installed but down shows only when used
-        result = await box.run(ExecRequest(["true"], limits=Limits(timeout_s=60)))
+        async with opened(box):
+            result = await box.run(ExecRequest(["true"], limits=Limits(timeout_s=60)))
     except SandboxUnavailable as exc:
         return f"SandboxUnavailable: {exc}"
-    finally:
-        await box.aclose()
     assert result.exit_code == 0, f"{name}: `true` did not succeed: {result}"
     return None
 
@@ -150,11 +156,7 @@ def usable_backend(name: str, unavailable: dict[str, str | None]) -> str:
 
 @pytest.fixture
 async def backend(backend_name: str, marker: str) -> AsyncIterator[Sandbox]:
-    box = open_backend(backend_name)
-    try:
+    async with opened(open_backend(backend_name)) as box:
         yield box
-    finally:
-        with trio.CancelScope(shield=True):
-            await box.aclose()
     if backend_name == "docker" and shutil.which("docker"):
         assert not containers_with(marker), "containers outlived the test"

@@ -21,8 +21,8 @@ from urllib.parse import quote
 import pytest
 import trio
 
-from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox
-from streamrl.sandbox.docker import DockerSandbox
+from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox, opened
+from streamrl.sandbox.docker import DockerSandbox, open_docker_sandbox
 from tests.sandbox.docker_engine import IMAGE, engine_get, require_docker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,11 +53,8 @@ def docker_image() -> str:
 
 @pytest.fixture
 async def box(docker_image: str) -> AsyncIterator[DockerSandbox]:
-    sandbox = DockerSandbox(docker_image, pool_size=1, host_grace_s=1.0)
-    try:
+    async with open_docker_sandbox(docker_image, pool_size=1, host_grace_s=1.0) as sandbox:
         yield sandbox
-    finally:
-        await sandbox.aclose()
 
 
 def sh(script: str, **limits: float) -> ExecRequest:
@@ -156,18 +153,15 @@ async def test_two_executors_name_sessions_of_one_label_apart(
 ) -> None:
     """Two executors on one engine (replicas on one host) may hold sessions with the same
     label (an episode member moved between them): their container names must not collide."""
-    other = DockerSandbox(docker_image, pool_size=1, host_grace_s=1.0)
-    try:
-        async with (
-            box.session(Limits(), label="ep-1/0") as one,
-            other.session(Limits(), label="ep-1/0") as two,
-        ):
-            assert one.container_name and two.container_name
-            assert one.container_name != two.container_name
-            assert (await one.run(sh("echo one"))).stdout == b"one\n"
-            assert (await two.run(sh("echo two"))).stdout == b"two\n"
-    finally:
-        await other.aclose()
+    async with (
+        open_docker_sandbox(docker_image, pool_size=1, host_grace_s=1.0) as other,
+        box.session(Limits(), label="ep-1/0") as one,
+        other.session(Limits(), label="ep-1/0") as two,
+    ):
+        assert one.container_name and two.container_name
+        assert one.container_name != two.container_name
+        assert (await one.run(sh("echo one"))).stdout == b"one\n"
+        assert (await two.run(sh("echo two"))).stdout == b"two\n"
 
 
 async def _names_with(fragment: str) -> list[str]:
@@ -265,18 +259,84 @@ async def test_the_executor_connects_afresh_once_an_unreachable_engine_is_back(
     arith = get_domain("arith")
     request = arith.exec_request(arith.load_items("eval")[0], _program("print(6 * 7)"))
     assert request is not None
-    try:
+    async with sandboxes.opened():
         # When a run is tried before the engine is reachable, then again once it is
-        with pytest.raises(SandboxUnavailable, match="unreachable"):
+        with pytest.raises(SandboxUnavailable, match="unreachable") as refused:
             await sandboxes.run(arith, request)
         async with trio.open_nursery() as nursery:
             await nursery.start(serve_proxy, f"unix:{path}", Proxy(SOCKET, Policy()))
             result = await sandboxes.run(arith, request)
             nursery.cancel_scope.cancel()
-    finally:
-        await sandboxes.aclose()
+    # Then the refusal carried the connection's own error
+    assert refused.value.__cause__ is not None
     # Then the retry got a fresh backend that connected, not the first one's failure kept
     assert result.ok and result.stdout == b"42\n"
+
+
+async def test_an_engine_lost_while_a_command_runs_raises_into_the_caller(
+    docker_image: str, tmp_path: Path
+) -> None:
+    # Given the executor's sandboxes (opened in their nursery) on a Docker engine reached
+    # through its socket proxy, as in the compose cluster, and a rollout whose program runs long
+    from streamrl.actors.config import DomainConfig, DomainSandboxConfig
+    from streamrl.actors.executor import Executor, Sandboxes
+    from streamrl.actors.policies import Unavailable
+    from streamrl.sandbox.runner_channel import RunnerGone
+    from streamrl.sandbox.socket_proxy import Policy, Proxy, serve_proxy
+    from streamrl.testing.wait import wait_until
+    from tests.actors.test_executor import _program, _rollout
+    from tests.sandbox.docker_engine import SOCKET
+
+    path, made = tmp_path / "docker.sock", []
+
+    def opener(backend: str, **options: object) -> DockerSandbox:
+        made.append(DockerSandbox(docker_url=f"unix://{path}", host_grace_s=1.0, **options))  # type: ignore[arg-type]
+        return made[-1]
+
+    config = {"arith": DomainSandboxConfig(backend="docker", image=docker_image, pool_size=1)}
+    sandboxes = Sandboxes("process", config, {"arith": DomainConfig(timeout_s=30)}, opener=opener)
+    rollout = _rollout(_program("import time; time.sleep(6)"))
+    engine = trio.CancelScope()
+
+    async def proxy(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with engine:
+            await serve_proxy(f"unix:{path}", Proxy(SOCKET, Policy()), task_status=task_status)
+
+    async with trio.open_nursery() as outer:
+        await outer.start(proxy)
+        async with sandboxes.opened():
+            async with trio.open_nursery() as nursery:
+                caught: list[BaseException] = []
+
+                async def handle() -> None:
+                    try:
+                        await Executor(sandboxes).handle(rollout)
+                    except Unavailable as exc:
+                        caught.append(exc)
+
+                nursery.start_soon(handle)
+                # When the engine connection fails while the sample's command runs
+                await wait_until(lambda: _names_with(rollout.id), timeout=30)
+                start = time.monotonic()
+                engine.cancel()
+            # Then the call in flight raised (Unavailable, for the runtime's retry policy),
+            # soon, chained to the backend's failure and to the lost connection itself
+            assert time.monotonic() - start < 5
+            [unavailable] = caught
+            assert isinstance(unavailable.__cause__, SandboxUnavailable), unavailable
+            assert "Docker sandbox stopped" in str(unavailable.__cause__)
+            assert isinstance(unavailable.__cause__.__cause__, RunnerGone)
+            # And a later call on that backend raises it too, and the backend is stopped
+            [backend] = made
+            assert backend.stopped
+            with pytest.raises(SandboxUnavailable, match="stopped") as later:
+                await backend.run(ExecRequest(["true"]))
+            assert later.value.__cause__ is unavailable.__cause__.__cause__
+    # And once the sandboxes' nursery closed, no container of that backend is left
+    async def none_left() -> bool:
+        return not await _names_with(backend.instance)
+
+    await wait_until(none_left, timeout=30, interval=0.5)
 
 
 async def test_the_executor_names_a_samples_container_after_the_message(
@@ -291,15 +351,12 @@ async def test_the_executor_names_a_samples_container_after_the_message(
     sandboxes = Sandboxes("process", config, {"arith": DomainConfig(timeout_s=10)})
     rollout = _rollout(_program("import time; time.sleep(1.5); print(7)"))
     seen: list[str] = []
-    try:
-        # When it handles the message while the engine is watched for the message id
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_for, rollout.id, seen)
-            [output] = await Executor(sandboxes).handle(rollout)
-            during = list(seen)
-            nursery.cancel_scope.cancel()
-    finally:
-        await sandboxes.aclose()
+    # When it handles the message while the engine is watched for the message id
+    async with sandboxes.opened(), trio.open_nursery() as nursery:
+        nursery.start_soon(_watch_for, rollout.id, seen)
+        [output] = await Executor(sandboxes).handle(rollout)
+        during = list(seen)
+        nursery.cancel_scope.cancel()
     # Then the sample's container carried the message id (and the sample's index) as it ran
     assert output.message.outcomes[0].stdout == "7\n"  # type: ignore[attr-defined]
     assert len(during) == 1 and during[0].startswith(f"streamrl-{rollout.id}-0-"), during
@@ -372,9 +429,9 @@ async def test_orphans_of_a_dead_executor_are_reaped(docker_image: str, tmp_path
     script.write_text(
         "import sys, trio\n"
         "from streamrl.sandbox import ExecRequest, Limits\n"
-        "from streamrl.sandbox.docker import DockerSandbox\n"
+        "from streamrl.sandbox.docker import open_docker_sandbox\n"
         "async def main():\n"
-        f"    box = DockerSandbox({docker_image!r}, pool_size=2)\n"
+        f"  async with open_docker_sandbox({docker_image!r}, pool_size=2) as box:\n"
         "    async with box.session(Limits(), label='orphan') as s:\n"
         "        print('NAME=' + s.container_name, flush=True)\n"
         "        await s.run(ExecRequest(['sh', '-c', 'kill -STOP $PPID'],"
@@ -403,11 +460,8 @@ async def test_orphans_of_a_dead_executor_are_reaped(docker_image: str, tmp_path
     assert _container_exists(name)
 
     # When a new executor starts, it reaps what the dead one left.
-    survivor = DockerSandbox(docker_image, pool_size=0, reap_at_start=False)
-    try:
+    async with open_docker_sandbox(docker_image, pool_size=0, reap_at_start=False) as survivor:
         removed = await survivor.reap_orphans()
-    finally:
-        await survivor.aclose()
 
     # Then the stuck container is gone; the idle one ended itself when its stdin closed.
     assert name in removed
@@ -420,34 +474,33 @@ async def test_orphans_of_a_dead_executor_are_reaped(docker_image: str, tmp_path
 
 
 async def test_open_sandbox_registry_runs_docker(docker_image: str) -> None:
-    sandbox = open_sandbox("docker", image=docker_image, pool_size=1)
-    try:
+    async with opened(open_sandbox("docker", image=docker_image, pool_size=1)) as sandbox:
         result = await sandbox.run(ExecRequest(["python3", "-c", "print(1)"]))
-    finally:
-        await sandbox.aclose()
     assert (sandbox.name, result.exit_code, result.stdout) == ("docker", 0, b"1\n")
 
 
 async def test_engine_down_is_sandbox_unavailable(tmp_path: Path) -> None:
-    sandbox = DockerSandbox(docker_url=f"unix://{tmp_path}/no-docker.sock", pool_size=1)
-    try:
-        with pytest.raises(SandboxUnavailable, match="Docker engine unreachable"):
+    url = f"unix://{tmp_path}/no-docker.sock"
+    async with open_docker_sandbox(docker_url=url, pool_size=1) as sandbox:
+        with pytest.raises(SandboxUnavailable, match="Docker engine unreachable") as refused:
             await sandbox.run(ExecRequest(["true"]))
-    finally:
-        await sandbox.aclose()
+    assert refused.value.__cause__ is not None  # the connection's own error, chained
+    assert sandbox.stopped
+
+
+async def test_an_unserved_sandbox_is_a_programming_error() -> None:
+    with pytest.raises(RuntimeError, match="not served"):
+        await DockerSandbox().run(ExecRequest(["true"]))
 
 
 async def test_a_run_cancelled_at_any_point_leaves_no_container(docker_image: str) -> None:
     # Given runs cancelled at points spread over create, attach, start and the command itself
     instances = []
     for delay in (0.0, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.4):
-        sandbox = DockerSandbox(docker_image, pool_size=0, reap_at_start=False)
-        instances.append(sandbox.instance)
-        try:
+        async with open_docker_sandbox(docker_image, pool_size=0, reap_at_start=False) as box:
+            instances.append(box.instance)
             with trio.move_on_after(delay):
-                await sandbox.run(ExecRequest(["python3", "-c", "print(1)"]))
-        finally:
-            await sandbox.aclose()
+                await box.run(ExecRequest(["python3", "-c", "print(1)"]))
     # Then none of their containers exists any more, started or not
     status, body = engine_get("/containers/json?all=1")
     names = [n for c in json.loads(body) for n in c["Names"]]
