@@ -246,7 +246,6 @@ class DockerSandbox:
         if self._started:
             raise RuntimeError("a DockerSandbox is served once")
         self._started = True
-        announced = False
 
         async def connect() -> Any:
             return aiodocker.Docker(url=self._url)
@@ -262,12 +261,13 @@ class DockerSandbox:
                     if self._docker is not None:
                         with contextlib.suppress(Exception):
                             await self._aio(self._docker.close())
+                    self._ready.set()
+                    task_status.started()  # the calls get why, not the owner's nursery
                     return
                 try:
                     async with trio.open_nursery() as nursery:
                         self._nursery = nursery
                         self._ready.set()
-                        announced = True
                         task_status.started()
                         if self._reap_at_start:
                             nursery.start_soon(self._reap_quietly)
@@ -280,13 +280,14 @@ class DockerSandbox:
                             await self._aio(self._docker.close())
         except Exception as exc:  # the loop or a pool task failed: the callers get it
             self._fail(exc)
+            if not self._ready.is_set():  # (failed before it was started)
+                self._ready.set()
+                task_status.started()
         finally:
             self._closing.set()
             self._ready.set()
             self._stopped.set()
             self._cut_calls()
-            if not announced:
-                task_status.started()  # the connection failed: the callers get why
 
     def _fail(self, exc: BaseException) -> None:
         """The backend failed for good: keep ``exc`` for every caller, cut calls in flight."""
