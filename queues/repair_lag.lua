@@ -16,16 +16,7 @@
 local stream = KEYS[1]
 local group = ARGV[1]
 
-local function parse(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
-local function less(a, b)
-  local am, as = parse(a)
-  local bm, bs = parse(b)
-  return am < bm or (am == bm and as < bs)
-end
-
+-- parse(id), less(a, b): ids.lua, put in front by queues/scripts.py
 if redis.call('EXISTS', stream) == 0 then return {} end
 local sinfo = {}
 local raw = redis.call('XINFO', 'STREAM', stream)

@@ -35,7 +35,6 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
-from importlib import resources
 from typing import Any
 
 import msgspec
@@ -44,6 +43,7 @@ import trio
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.payloads import PayloadLimits
+from streamrl.queues.scripts import lua
 from streamrl.queues.streams import (
     ConsumerSettings,
     Delivery,
@@ -53,7 +53,7 @@ from streamrl.queues.streams import (
     open_stream_consumer,
 )
 
-_RESERVE_COUNTED = resources.files("streamrl.queues").joinpath("reserve_counted.lua").read_text()
+_RESERVE_COUNTED = lua("reserve_counted.lua")
 
 
 def qualify(shard: int, entry_id: str) -> str:

@@ -21,16 +21,16 @@ import contextlib
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from importlib import resources
 from typing import Any
 
 import redis
 
 from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
+from streamrl.queues.scripts import lua
 
-_BACKLOG = resources.files("streamrl.queues").joinpath("backlog.lua").read_text()
-_REPAIR_LAG = resources.files("streamrl.queues").joinpath("repair_lag.lua").read_text()
+_BACKLOG = lua("backlog.lua")
+_REPAIR_LAG = lua("repair_lag.lua")
 _BACKLOG_SHA = hashlib.sha1(_BACKLOG.encode()).hexdigest()
 
 

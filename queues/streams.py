@@ -30,7 +30,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from importlib import resources
 from typing import Any
 
 import redis
@@ -48,15 +47,16 @@ from streamrl.queues.payloads import (
     resolve,
     store_blobs,
 )
+from streamrl.queues.scripts import lua
 from streamrl.queues.stats import repair_lag
 
-_HANDOFF = resources.files("streamrl.queues").joinpath("handoff.lua").read_text()
-_DEADLETTER = resources.files("streamrl.queues").joinpath("deadletter.lua").read_text()
-_TRIM = resources.files("streamrl.queues").joinpath("trim.lua").read_text()
-_HANDOFF_BATCH = resources.files("streamrl.queues").joinpath("handoff_batch.lua").read_text()
-_PUBLISH_COUNTED = resources.files("streamrl.queues").joinpath("publish_counted.lua").read_text()
-_PUBLISH_ONCE = resources.files("streamrl.queues").joinpath("publish_once.lua").read_text()
-_REQUEUE = resources.files("streamrl.queues").joinpath("requeue.lua").read_text()
+_HANDOFF = lua("handoff.lua")
+_DEADLETTER = lua("deadletter.lua")
+_TRIM = lua("trim.lua")
+_HANDOFF_BATCH = lua("handoff_batch.lua")
+_PUBLISH_COUNTED = lua("publish_counted.lua")
+_PUBLISH_ONCE = lua("publish_once.lua")
+_REQUEUE = lua("requeue.lua")
 
 FIELD = b"d"
 _FLUSHES_IN_FLIGHT = 2  # hand-off script calls one consumer has in flight at once

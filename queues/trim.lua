@@ -21,16 +21,7 @@ local prefix = ARGV[3]
 local forget_idle_ms = tonumber(ARGV[4])
 local blobs = stream .. ':blob:'
 
-local function parse(id)
-  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
-  return tonumber(ms), tonumber(seq)
-end
-local function less(a, b)
-  local am, as = parse(a)
-  local bm, bs = parse(b)
-  return am < bm or (am == bm and as < bs)
-end
-
+-- parse(id), less(a, b): ids.lua, put in front by queues/scripts.py
 if redis.call('EXISTS', stream) == 0 then return 0 end
 local groups = redis.call('XINFO', 'GROUPS', stream)
 if #groups == 0 then return 0 end
