@@ -9,11 +9,10 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from streamrl.queues.acl import apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.names import Names
 from streamrl.queues.server import ClusterProcess, ServerProcess
-from tests.helpers import redis_server_for_tests, role_credentials
+from tests.helpers import open_roles, redis_server_for_tests
 
 
 @pytest.fixture(scope="session")
@@ -66,13 +65,8 @@ def client(redis_url: str) -> Iterator[RedisClient]:
 async def roles(client: RedisClient, names: Names) -> AsyncIterator[dict[str, RedisClient]]:
     """A client per ACL role, each connected as that role's user of this test's run; the
     users are deleted afterwards."""
-    credentials = role_credentials(names)
-    await apply_acls(client, names, credentials)
-    clients = {r: RedisClient(role_url(client.url.url, c)) for r, c in credentials.items()}
-    yield clients
-    for c in clients.values():
-        c.close()
-    client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
+    async with open_roles(client, names) as clients:
+        yield clients
 
 
 # -- parallel runs (pytest-xdist, `make test`: -n 2 --dist loadgroup) ----------------------

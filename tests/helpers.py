@@ -7,12 +7,15 @@ import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import redis
 
 from streamrl.actors.config import Config, load_config
-from streamrl.queues.acl import ROLES, Credentials
+from streamrl.queues.acl import ROLES, Credentials, apply_acls, role_url
+from streamrl.queues.client import RedisClient
 from streamrl.queues.names import Names
 from streamrl.queues.server import find_server_binary
 
@@ -29,6 +32,21 @@ def run_config(tmp_path: Path, redis_url: str, run: str, *overrides: str) -> Con
 def role_credentials(names: Names) -> dict[str, Credentials]:
     """A user and a random password for every ACL role of run ``names``."""
     return {r: Credentials(f"streamrl-{names.run}-{r}", secrets.token_hex(16)) for r in ROLES}
+
+
+@asynccontextmanager
+async def open_roles(client: RedisClient, names: Names) -> AsyncIterator[dict[str, RedisClient]]:
+    """A client per ACL role, each connected as that role's user of the run ``names`` (every
+    shard of it); the users are deleted afterwards."""
+    credentials = role_credentials(names)
+    await apply_acls(client, names, credentials, shards=names.shards if names.sharded else 0)
+    clients = {r: RedisClient(role_url(client.url.url, c)) for r, c in credentials.items()}
+    try:
+        yield clients
+    finally:
+        for c in clients.values():
+            c.close()
+        client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
 
 
 def redis_server_for_tests() -> str:

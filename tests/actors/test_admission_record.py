@@ -22,7 +22,6 @@ from streamrl.actors.policies import Reject
 from streamrl.actors.runtime import Output, serve_actor
 from streamrl.actors.scheduler import Scheduler
 from streamrl.queues import names as N
-from streamrl.queues.acl import apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import Executed, Rollout, Task, decode, encode
 from streamrl.queues.streams import Producer
@@ -30,7 +29,7 @@ from streamrl.testing.wait import wait_until
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.actors.test_poison_refs import READER, WRITER, _config, _letters
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _executed, _rollout, _trajectory
-from tests.helpers import role_credentials
+from tests.helpers import open_roles
 
 
 class Refusing:
@@ -189,10 +188,7 @@ async def test_sharded_admission_records_each_group_in_its_shard(
     # Given a run of 2 shards and its users, 6 groups admitted by the real scheduler and
     # 2 forged training tasks in each shard
     names = N.Names(run=f"t{uuid.uuid4().hex[:10]}", shards=2)
-    credentials = role_credentials(names)
-    await apply_acls(client, names, credentials, shards=2)
-    roles = {r: RedisClient(role_url(client.url.url, c)) for r, c in credentials.items()}
-    try:
+    async with open_roles(client, names) as roles:
         config = _config(tmp_path, redis_url, names.run, "queues.shards=2",
                          "scheduler.max_backlog=100")
         scheduler = Scheduler(ActorContext(config, roles["scheduler"], names))
@@ -213,10 +209,6 @@ async def test_sharded_admission_records_each_group_in_its_shard(
         assert await _dead_groups(client, names) == 6
         for layout in names.layouts():
             assert await client.call(client.sync.scard, layout.admitted_groups) == 0
-    finally:
-        for c in roles.values():
-            c.close()
-        client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
 
 
 async def test_groups_the_learner_trains_leave_the_record(

@@ -21,14 +21,13 @@ from streamrl.actors.learner import serve as serve_learner
 from streamrl.actors.monitor import Monitor
 from streamrl.actors.runtime import Output, serve_actor
 from streamrl.queues import names as N
-from streamrl.queues.acl import apply_acls, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.messages import DeadLetter, Rollout, StepMetrics, decode, encode
 from streamrl.queues.payloads import REF_PREFIX
 from streamrl.testing.wait import wait_until
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _eval_trajectory
-from tests.helpers import role_credentials, run_config
+from tests.helpers import open_roles, run_config
 
 MAX_DELIVERIES = 3
 FAST = (
@@ -154,10 +153,7 @@ async def test_poison_references_are_dead_lettered_by_a_sharded_consumer(
 ) -> None:
     # Given a run of 2 shards, its role users, and poison references in both shards' tasks
     names = N.Names(run=f"t{uuid.uuid4().hex[:10]}", shards=2)
-    credentials = role_credentials(names)
-    await apply_acls(client, names, credentials, shards=2)
-    roles = {r: RedisClient(role_url(client.url.url, c)) for r, c in credentials.items()}
-    try:
+    async with open_roles(client, names) as roles:
         planted: dict[int, dict[str, tuple[str, str]]] = {}
         for shard in range(2):
             local = names.in_shard(shard)
@@ -191,10 +187,6 @@ async def test_poison_references_are_dead_lettered_by_a_sharded_consumer(
             _check_letters(await _letters(client, names.in_shard(shard)), planted[shard],
                            N.TASKS)
         assert actor.handled == 2
-    finally:
-        for c in roles.values():
-            c.close()
-        client.sync.execute_command("ACL", "DELUSER", *(c.user for c in credentials.values()))
 
 
 async def test_poison_references_are_dead_lettered_by_the_learner(
