@@ -36,7 +36,7 @@ from streamrl.queues.messages import Message, MessageError, decode, encode, trai
 from streamrl.queues.payloads import REF_PREFIX, PayloadTooLarge
 from streamrl.queues.shards import Consumer
 from streamrl.queues.stats import Paused, group_state, mark_paused
-from streamrl.queues.streams import Delivery, Handoff
+from streamrl.queues.streams import Delivery, Handoff, over_delivery_limit
 
 log = structlog.get_logger()
 
@@ -207,13 +207,10 @@ class ActorRuntime:
             return await self._dead_letter(delivery, f"malformed message: {exc}")
         with structlog.contextvars.bound_contextvars(episode_id=message.episode_id):
             if delivery.deliveries > self.policies.max_deliveries:
-                return await self._dead_letter(
-                    delivery,
-                    f"delivered {delivery.deliveries} times (> {self.policies.max_deliveries}):"
-                    " its handler's process died or hung, or its infrastructure was"
-                    " unavailable, every time",
-                    message,
-                )
+                # (a consumer with ConsumerSettings.max_deliveries refused it unread already)
+                limit = self.policies.max_deliveries
+                reason = over_delivery_limit(delivery.deliveries, limit)
+                return await self._dead_letter(delivery, reason, message)
             results = await self._handle_with_retries(delivery, message)
             if results is None:
                 return None

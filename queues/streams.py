@@ -112,6 +112,14 @@ class ConsumerSettings:
     ``payload`` None, ``past_limit``) for the caller to dead-letter (0: no limit here)."""
 
 
+def over_delivery_limit(deliveries: int, limit: int) -> str:
+    """The dead-letter reason of an entry delivered more than ``limit`` times."""
+    return (
+        f"delivered {deliveries} times (> {limit}): its handler's process died or hung, or"
+        " its infrastructure was unavailable, every time"
+    )
+
+
 def _decode_entries(raw: Any) -> list[tuple[str, bytes | None]]:
     out = []
     for entry_id, fields in raw or []:
@@ -248,10 +256,7 @@ class StreamConsumer:
         for eid, raw in entries:
             n = counts.get(eid, 1)
             if eid in past:
-                error = (
-                    f"delivered {n} times (> {limit}): its handler's process died or hung, or"
-                    " its infrastructure was unavailable, every time"
-                )
+                error = over_delivery_limit(n, limit)
                 out.append(Delivery(eid, None, n, error, raw, past_limit=True))
             else:
                 r = by_id[eid]
