@@ -155,8 +155,17 @@ async def test_event_reader_on_cluster(client: RedisClient, names: N.Names) -> N
 async def test_blocking_read_follows_a_moved_slot(
     client: RedisClient, redis_cluster: ClusterProcess
 ) -> None:
-    # Given an event reader blocking on an (empty) stream's node
-    names = _run_where(client, lambda n: True)
+    # Given an event reader blocking on an (empty) stream's node, in a slot no other test's
+    # run has keys in (a slot holding keys cannot be given to another node without them)
+    def empty_slot(n: N.Names) -> bool:
+        key = n.stream(N.WEIGHTS)
+        owner = redis.Redis(port=_port(client, key), password=redis_cluster.password)
+        try:
+            return int(owner.execute_command("CLUSTER", "COUNTKEYSINSLOT", N.key_slot(key))) == 0
+        finally:
+            owner.close()
+
+    names = _run_where(client, empty_slot)
     key = names.stream(N.WEIGHTS)
     reader = EventReader(client, names, N.WEIGHTS, block_ms=5000)
     try:
