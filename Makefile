@@ -23,7 +23,7 @@ test: venv
 	$(BIN)/pytest -q --durations=25 -n 2 --dist loadgroup
 
 lint: venv
-	$(BIN)/ruff check streamrl queues actors sandbox learner domains inference testing tests \
+	$(BIN)/ruff check streamrl queues protocol runtime config cli actors sandbox learner domains inference testing tests \
 		benchmarks
 
 # mypy reads the package as installed (streamrl.<folder>), through a tree of links to the
@@ -32,7 +32,7 @@ TYPECHECK := .cache/typecheck
 typecheck: venv
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/streamrl
 	cp streamrl/*.py $(TYPECHECK)/streamrl/
-	for d in queues actors sandbox learner domains inference testing; do ln -s ../../../$$d $(TYPECHECK)/streamrl/$$d; done
+	for d in queues protocol runtime config cli actors sandbox learner domains inference testing; do ln -s ../../../$$d $(TYPECHECK)/streamrl/$$d; done
 	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p streamrl
 
 clean:

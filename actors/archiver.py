@@ -25,13 +25,14 @@ from typing import Any
 import structlog
 import trio
 
-from streamrl.actors import metrics
-from streamrl.actors.context import ActorContext
-from streamrl.queues import names as N
-from streamrl.queues.messages import MessageError, StepMetrics, Trajectory, decode
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Trajectory
+from streamrl.protocol.pipeline import pipeline_state
+from streamrl.queues.codec import MessageError, decode
 from streamrl.queues.shards import Consumer
-from streamrl.queues.stats import pipeline_state
 from streamrl.queues.streams import Delivery, EventReader
+from streamrl.runtime import metrics
+from streamrl.runtime.context import ActorContext
 
 log = structlog.get_logger()
 

@@ -57,7 +57,7 @@ import structlog
 import trio
 
 from streamrl.domains.base import chat_observation_ids
-from streamrl.queues.messages import (
+from streamrl.protocol.messages import (
     Episode,
     ExecOutcome,
     Sample,

@@ -45,15 +45,15 @@ import msgspec
 import structlog
 import trio
 
-from streamrl.actors.config import Config, DomainConfig, DomainSandboxConfig
-from streamrl.actors.context import ActorContext, domain_item
 from streamrl.actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed
-from streamrl.actors.policies import Reject, Unavailable
-from streamrl.actors.runtime import Output
+from streamrl.config.schema import Config, DomainConfig, DomainSandboxConfig
 from streamrl.domains.base import NO_SANDBOX, is_multi_turn
 from streamrl.domains.registry import get_domain
-from streamrl.queues import names as N
-from streamrl.queues.messages import Episode, ExecOutcome, Executed, Rollout, new_id, now
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Episode, ExecOutcome, Executed, Rollout, new_id, now
+from streamrl.runtime.context import ActorContext, domain_item
+from streamrl.runtime.policies import Reject, Unavailable
+from streamrl.runtime.serve import Output
 from streamrl.sandbox import (
     ExecRequest,
     ExecResult,

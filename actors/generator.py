@@ -22,16 +22,13 @@ from typing import Any
 import structlog
 import trio
 
-from streamrl.actors.config import GeneratorConfig
-from streamrl.actors.context import ActorContext, domain_item
 from streamrl.actors.episodes import generate_turn
-from streamrl.actors.policies import Reject, Unavailable
-from streamrl.actors.runtime import Output
+from streamrl.config.schema import GeneratorConfig
 from streamrl.domains.base import is_multi_turn
 from streamrl.inference.engine import Completion, Engine
 from streamrl.inference.sglang_client import ServerUnavailable, SGLangEngine
-from streamrl.queues import names as N
-from streamrl.queues.messages import (
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import (
     Rollout,
     Sample,
     Sampling,
@@ -43,6 +40,9 @@ from streamrl.queues.messages import (
     now,
 )
 from streamrl.queues.streams import EventReader
+from streamrl.runtime.context import ActorContext, domain_item
+from streamrl.runtime.policies import Reject, Unavailable
+from streamrl.runtime.serve import Output
 
 log = structlog.get_logger()
 

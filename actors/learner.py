@@ -39,10 +39,7 @@ import structlog
 import torch
 import trio
 
-from streamrl.actors.config import Config
-from streamrl.actors.context import ActorContext
-from streamrl.actors.metrics import record_dropped_stale, record_learner_step, record_policy_version
-from streamrl.actors.runtime import peek
+from streamrl.config.schema import Config
 from streamrl.learner import distributed as dist_util
 from streamrl.learner.batch import build_batch, group_staleness
 from streamrl.learner.checkpoint import (
@@ -56,21 +53,26 @@ from streamrl.learner.checkpoint import (
 from streamrl.learner.model import resolve_model
 from streamrl.learner.train import StepStats, TrainConfig, Trainer, rng_state
 from streamrl.learner.weights import latest_version, save_weights, version_dir
-from streamrl.queues import names as N
-from streamrl.queues.messages import (
-    MessageError,
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import (
     StepMetrics,
     Trajectory,
     WeightsPublished,
-    decode,
-    encode,
     new_id,
     now,
     training_group,
 )
+from streamrl.queues.codec import MessageError, decode, encode
 from streamrl.queues.shards import Consumer
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import Delivery
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.metrics import (
+    record_dropped_stale,
+    record_learner_step,
+    record_policy_version,
+)
+from streamrl.runtime.serve import peek
 
 log = structlog.get_logger()
 
@@ -461,9 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     Without torchrun it is the plain single-process learner."""
     import argparse
 
-    from streamrl.actors.config import load_config
-    from streamrl.actors.logs import configure_logging
-    from streamrl.actors.process import run_actor
+    from streamrl.config.schema import load_config
+    from streamrl.runtime.logs import configure_logging
+    from streamrl.runtime.process import run_actor
 
     parser = argparse.ArgumentParser(prog="python -m streamrl.actors.learner")
     parser.add_argument("--config", default=None)

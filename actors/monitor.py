@@ -19,12 +19,13 @@ from typing import Any
 import msgspec
 import trio
 
-from streamrl.actors.context import ActorContext
-from streamrl.actors.status import Stall, assess_stall, lag_flag
-from streamrl.queues import names as N
-from streamrl.queues.messages import MessageError, StepMetrics, Trajectory, decode
-from streamrl.queues.stats import GroupState, pipeline_state, stream_length
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Trajectory
+from streamrl.protocol.pipeline import Stall, assess_stall, lag_flag, pipeline_state
+from streamrl.queues.codec import MessageError, decode
+from streamrl.queues.stats import GroupState, stream_length
 from streamrl.queues.streams import EventReader, Handoff
+from streamrl.runtime.context import ActorContext
 
 
 @dataclass

@@ -44,16 +44,17 @@ import msgspec
 import structlog
 import trio
 
-from streamrl.actors import metrics
-from streamrl.actors.config import Config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.scheduling import FairShare, Share
+from streamrl.config.schema import Config
 from streamrl.domains.registry import get_domain
-from streamrl.queues import names as N
-from streamrl.queues.messages import Sampling, Task, WeightsPublished, encode, new_id, now
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Sampling, Task, WeightsPublished, new_id, now
+from streamrl.queues.codec import encode
 from streamrl.queues.shards import finish_admissions, publish_counted_routed
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import EventReader
+from streamrl.runtime import metrics
+from streamrl.runtime.context import ActorContext
 
 log = structlog.get_logger()
 
@@ -215,7 +216,7 @@ class Scheduler:
 
     async def counted(self, name: str) -> int:
         """Counter ``name`` of the run, summed over the shards (each shard's key is written by
-        the hand-offs of that shard, in their script: :meth:`queues.names.Names.counter`)."""
+        the hand-offs of that shard, in their script: :meth:`protocol.names.Names.counter`)."""
         c = self.ctx
         total = 0
         for key in c.names.counter_keys(name):

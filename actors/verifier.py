@@ -9,7 +9,7 @@ equal carries no GRPO signal (every advantage is zero); it is acknowledged witho
 and counted (``count:zero_variance``), and every training group is counted per domain as
 resolved, and as trained if forwarded (``count:resolved:<domain>``, ``count:trained:<domain>``;
 the scheduler's adaptive share reads them). The counters are results of the handler
-(:class:`actors.runtime.Count`), added by the runtime's hand-off in the same script as its
+(:class:`runtime.serve.Count`), added by the runtime's hand-off in the same script as its
 outputs and under the same dedup key: a replayed hand-off (redelivery, reclaim, a repeated
 script call) counts a group once, so the staleness bound the scheduler computes from
 ``zero_variance`` stays exact. A domain's ``score`` runs in a worker thread (a verifier may
@@ -23,12 +23,12 @@ from typing import Any
 import structlog
 import trio
 
-from streamrl.actors.context import ActorContext, domain_item
 from streamrl.actors.executor import from_outcome
-from streamrl.actors.policies import Reject
-from streamrl.actors.runtime import Count, Output, Result
-from streamrl.queues import names as N
-from streamrl.queues.messages import Executed, Trajectory, new_id, now
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Trajectory, new_id, now
+from streamrl.runtime.context import ActorContext, domain_item
+from streamrl.runtime.policies import Reject
+from streamrl.runtime.serve import Count, Output, Result
 
 log = structlog.get_logger()
 

@@ -67,26 +67,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from streamrl.actors import learner as learner_actor
 from streamrl.actors import scheduler as scheduler_actor
-from streamrl.actors.config import load_config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.generator import Generator, VersionGate, serve_weight_updates
-from streamrl.actors.logs import configure_logging
-from streamrl.actors.runtime import Output
+from streamrl.config.schema import load_config
 from streamrl.inference.engine import Completion
 from streamrl.learner.model import load_tokenizer, resolve_model
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Rollout, Sampling, StepMetrics, Trajectory, new_id, now
+from streamrl.protocol.names import Names
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import (
-    Rollout,
-    Sampling,
-    StepMetrics,
-    Trajectory,
-    decode,
-    new_id,
-    now,
-)
-from streamrl.queues.names import Names
+from streamrl.queues.codec import decode
 from streamrl.queues.server import ServerProcess
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.logs import configure_logging
+from streamrl.runtime.serve import Output
 
 
 class LongTailEngine:

@@ -38,7 +38,7 @@ import trio
 from streamrl.domains.registry import get_domain
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
 from streamrl.learner.model import resolve_model
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 from streamrl.sandbox.process import ProcessSandbox
 
 

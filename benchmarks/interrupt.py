@@ -34,10 +34,10 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from streamrl.actors.logs import configure_logging
 from streamrl.inference.sglang_client import open_sglang_engine
 from streamrl.learner.model import load_model, resolve_model
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
+from streamrl.runtime.logs import configure_logging
 from streamrl.testing.serve_model import start_serve_model, wait_healthy
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356]

@@ -31,7 +31,8 @@ from streamrl.actors.scheduler import make_task
 from streamrl.actors.scheduling import FairShare, Share
 from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN
 from streamrl.domains.registry import get_domain, register
-from streamrl.queues.messages import Sampling, encode
+from streamrl.protocol.messages import Sampling
+from streamrl.queues.codec import encode
 
 
 class GenItem(msgspec.Struct, frozen=True, kw_only=True):

@@ -32,22 +32,23 @@ from typing import Any
 import numpy as np
 import trio
 
-from streamrl.actors.config import DomainConfig
 from streamrl.actors.episodes import EpisodeSessions
 from streamrl.actors.executor import Executor, Sandboxes
 from streamrl.actors.generator import Generator
-from streamrl.actors.policies import Policies, RetryPolicy
-from streamrl.actors.runtime import ActorRuntime, RuntimeSettings
 from streamrl.actors.scheduler import make_task
 from streamrl.actors.verifier import Verifier
+from streamrl.config.schema import DomainConfig
 from streamrl.domains.registry import get_domain
 from streamrl.inference.engine import Completion
 from streamrl.learner.model import load_tokenizer, resolve_model
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Sampling, Trajectory
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Sampling, Trajectory, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.server import server_url
 from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
+from streamrl.runtime.policies import Policies, RetryPolicy
+from streamrl.runtime.serve import ActorRuntime, RuntimeSettings
 
 STEP = "```sh\necho step >> log.txt; wc -l < log.txt\n```"
 

@@ -16,7 +16,7 @@ Payloads are distinct 4 KB random bytes. Definitions (also in the JSON, ``defini
   per entry), at most ``--in-flight`` entries read but not acked, so reads overlap hand-offs.
   Rate = messages / wall time from the first read to the last hand-off applied.
 - ``hop_task_per_s``: the same with one trio task per message calling ``complete``, as
-  ``actors.runtime`` does (the flusher batches the concurrent calls).
+  ``runtime.serve`` does (the flusher batches the concurrent calls).
 - ``hop_unbatched_per_s``: ``read(1)``, then ``complete``, one message per round trip.
 - ``hop_p50_ms`` / ``hop_p99_ms``: a producer process adds one entry at a time at ``--rate``
   msg/s while the consumer waits in a blocking read (``read(64)`` then ``complete_many``).
@@ -72,7 +72,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import server_url
 from streamrl.queues.streams import (

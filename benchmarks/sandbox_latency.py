@@ -205,7 +205,7 @@ if __name__ == "__main__":
     )  # fmt: skip
     args = parser.parse_args()
     if args.docker:
-        from streamrl.actors.logs import configure_logging
+        from streamrl.runtime.logs import configure_logging
 
         configure_logging(actor="benchmark", level="warning")  # logs to stderr, not the JSON
     trio.run(main, args.runs, args.json, args.docker)

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sandbox_latency import CONCURRENCY, Call, bare, measure
 
-from streamrl.actors.logs import configure_logging
+from streamrl.runtime.logs import configure_logging
 from streamrl.sandbox import ExecRequest, ProcessSandbox
 from streamrl.sandbox.docker import DEFAULT_IMAGE, open_docker_sandbox
 

@@ -12,7 +12,7 @@ everysec, no replicas) started here, or ``--redis-url``. Definitions:
   shards, not timed); one consumer (``queues.shards.open_consumer``: a plain consumer for 1
   shard, a sharded one otherwise) reads up to ``--in-flight`` entries and hands each off in
   its own trio task with ``complete`` (one 4 KB output, a dedup key), as
-  ``actors.runtime`` does. Rate = messages / wall time from the first read to the last
+  ``runtime.serve`` does. Rate = messages / wall time from the first read to the last
   hand-off applied; checked: every output published, nothing pending.
 - ``admit_ms_p50[shards]``: median wall time of one counted admission of ``--batch`` 1 KB
   tasks: ``Producer.publish_counted`` (1 shard, one script) or
@@ -35,7 +35,7 @@ from typing import Any
 
 import trio
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.shards import Consumer, open_consumer, publish_counted_routed, publish_routed

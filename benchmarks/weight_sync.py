@@ -41,21 +41,22 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from streamrl.actors.config import load_config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.generator import serve_weight_updates
-from streamrl.actors.logs import configure_logging
+from streamrl.config.schema import load_config
 from streamrl.inference.sglang_client import WeightBroadcaster, open_sglang_engine
 from streamrl.inference.transformers_engine import open_transformers_engine
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
 from streamrl.net import free_port
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import WeightsPublished, new_id, now
+from streamrl.protocol.names import Names
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import WeightsPublished, encode, new_id, now
-from streamrl.queues.names import Names
+from streamrl.queues.codec import encode
 from streamrl.queues.server import ServerProcess
 from streamrl.queues.streams import FIELD
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.logs import configure_logging
 from streamrl.testing.serve_model import start_serve_model, wait_healthy
 
 

@@ -5,7 +5,7 @@ policy (single- or multi-turn), a sandbox spec (backend, image, limits, files to
 verifier. Built-in domains are registered exactly as third-party ones are, through the
 ``streamrl.domains`` entry-point group (``domains.registry``); adding one touches no actor
 code, and its weight, priority, limits and turns come from a ``[domain.<name>]`` TOML table
-(``actors.config.DomainConfig``).
+(``config.schema.DomainConfig``).
 
 Guarantees every domain keeps:
 - ``item_type`` is a msgspec-convertible type (a ``msgspec.Struct``) with at least ``id`` and

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from streamrl.learner.model import route_transformers_logging
 
-route_transformers_logging()  # its records as JSON lines too (actors/logs.py)
+route_transformers_logging()  # its records as JSON lines too (runtime/logs.py)
 
 
 @dataclass(frozen=True)

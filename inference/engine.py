@@ -27,7 +27,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 
 FinishReason = Literal["stop", "length", "abort"]
 

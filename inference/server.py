@@ -53,7 +53,7 @@ from starlette.routing import Route
 
 from streamrl.inference.engine import Completion
 from streamrl.inference.transformers_engine import EngineClosed, TransformersEngine
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 
 log = structlog.get_logger()
 PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose HTTP shapes this server answers

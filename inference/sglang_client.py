@@ -52,7 +52,7 @@ import structlog
 import trio
 
 from streamrl.inference.engine import Completion
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 
 log = structlog.get_logger()
 

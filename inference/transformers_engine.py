@@ -49,7 +49,7 @@ import trio
 from streamrl.inference.decode import Row, RowResult, decode_batch
 from streamrl.inference.engine import Completion
 from streamrl.learner.model import load_model, load_tokenizer
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 
 
 class EngineClosed(RuntimeError):

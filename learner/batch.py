@@ -34,7 +34,7 @@ from torch import Tensor
 from streamrl.learner.loss import group_advantages
 
 if TYPE_CHECKING:
-    from streamrl.queues.messages import Trajectory
+    from streamrl.protocol.messages import Trajectory
 
 # The wire types are imported where they are used, so that ``Batch`` and the training step
 # on a ready batch need only torch (benchmarks/gpu/check.py runs without msgspec).
@@ -121,7 +121,7 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
     one, an empty prompt, or a sampling temperature <= 0 (greedy decoding has no logprobs to
     train on).
     """
-    from streamrl.queues.messages import bytes_to_floats, bytes_to_ids
+    from streamrl.protocol.messages import bytes_to_floats, bytes_to_ids
 
     rows: list[tuple[Tensor, Tensor, Tensor, Tensor, float, float, float]] = []
     for traj in trajectories:

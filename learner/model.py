@@ -27,7 +27,7 @@ from typing import Any
 def route_transformers_logging() -> None:
     """transformers logs through a stderr handler of its own with propagation off, set up when
     it is first imported: drop that handler, so its records reach the root handler of the
-    process (actors/logs.py: JSON lines). Called right after every import of transformers in
+    process (runtime/logs.py: JSON lines). Called right after every import of transformers in
     the package, and by configure_logging when it is loaded already."""
     from transformers.utils import logging as hf_logging
 

@@ -48,7 +48,7 @@ from streamrl.learner.loss import policy_loss
 from streamrl.learner.model import load_model
 
 if TYPE_CHECKING:
-    from streamrl.queues.messages import Trajectory
+    from streamrl.protocol.messages import Trajectory
 
 
 @dataclass(frozen=True)

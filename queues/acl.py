@@ -37,27 +37,14 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
 import redis
 
-from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient, RedisURL
-
-ROLES = (
-    "scheduler", "generator", "executor", "verifier", "learner", "monitor", "archiver", "admin"
-)
-"""The roles that get a user. ``monitor`` is what ``streamrl up`` does itself (progress,
-evaluation rounds, the final evaluation); ``archiver`` keeps every trajectory on disk
-(actors/archiver.py) through its own consumer groups; ``admin`` is the operator's, for
-``streamrl status``, ``dlq``, ``replay`` and ``report`` on this run (actors/auth.py
-``ops_url``)."""
-
-OPERATOR_ROLES = ("admin",)
-"""Roles of a person, not of a process of the run: no actor runs as one, and ``streamrl acl
-apply`` creates their user only where their password is set."""
+from streamrl.queues.keys import Layout
 
 CONNECTION = (
     "ping",
@@ -131,232 +118,43 @@ class Credentials:
     password: str = field(repr=False)
 
 
-def _glob(key: str) -> str:
+def glob(key: str) -> str:
     """``key`` as an ACL pattern matching only itself (run names may hold glob characters)."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", key)
 
 
-def _stream(names: N.Names, stream: str) -> str:
-    return _glob(names.stream(stream))
+def stream_pattern(layout: Layout, stream: str) -> str:
+    """The key of ``stream`` in ``layout`` as an ACL pattern."""
+    return glob(layout.stream(stream))
 
 
-def _blobs(names: N.Names, stream: str) -> str:
+def blob_pattern(layout: Layout, stream: str) -> str:
     """The claim-check blobs of ``stream`` (``<stream key>:blob:<id>``, queues/payloads.py)."""
-    return _glob(names.stream(stream) + ":blob:") + "*"
+    return glob(layout.stream(stream) + ":blob:") + "*"
 
 
-def _consume(
-    names: N.Names,
-    stream: str,
-    stage: str,
-    outputs: tuple[str, ...] = (),
-    counters: tuple[str, ...] = (),
-) -> list[Grant]:
-    """Consume ``stream`` in its group, trim it, and hand its entries off into ``outputs``
-    (handoff scripts: dedup key, XADD, XACK) or to the dead-letter stream; observe the
-    backlog of the work streams it feeds (producer-side backpressure)."""
-    source, blobs = _stream(names, stream), _blobs(names, stream)
-    dead, dead_groups = _stream(names, N.DEAD), _glob(names.dead_groups)
-    admitted_groups = _glob(names.admitted_groups)
-    outs = tuple(_stream(names, s) for s in outputs)
-    out_blobs = tuple(_blobs(names, s) for s in outputs)
-    dedup = (_glob(names.dedup(stage, "")) + "*",) if outputs else ()
-    grants = [
-        Grant(CONSUME + TRIM + REPAIR, rw=(source,)),
-        Grant(("get", "del"), rw=(blobs,)),  # claim checks: fetched, deleted by the trim
-        Grant(
-            SCRIPTS,
-            rw=(source, blobs, dead, dead_groups, admitted_groups, *outs, *dedup, *out_blobs,
-                *counters),
-        ),
-        Grant(("xadd",), write=(dead, *outs)),
-        Grant(("incr",), rw=(dead_groups,)),  # deadletter.lua: a training group's slot freed
-        # ... if the group is in the admission record (once); the learner's hand-off takes
-        # the groups it trained or dropped out of it
-        Grant(("srem",), rw=(admitted_groups,)),
-    ]
-    if outputs:
-        grants.append(Grant(("set",), write=(*dedup, *out_blobs)))
-    if counters:  # the hand-off scripts add the counters they cause (Handoff.counters)
-        grants.append(Grant(("incrby",), rw=counters))
-    fed = tuple(_stream(names, s) for s in outputs if s in N.WORK_STREAMS)
-    if fed:  # backpressure: the backlog of the groups it feeds; say it is paused on it
-        grants.append(Grant(OBSERVE, read=fed))
-        grants.append(Grant(("set",), write=(_glob(names.paused(stage)),)))
-    return grants
-
-
-def _produce(names: N.Names, *streams: str) -> list[Grant]:
-    """queues.streams.Producer.publish: XADD, claim-check blobs first."""
-    return [
-        Grant(("xadd",), write=tuple(_stream(names, s) for s in streams)),
-        Grant(("set",), write=tuple(_blobs(names, s) for s in streams)),
-    ]
-
-
-def _follow(names: N.Names, *streams: str) -> list[Grant]:
-    return [Grant(FOLLOW, read=tuple(_stream(names, s) for s in streams))]
-
-
-def role_grants(names: N.Names, role: str) -> list[Grant]:
-    """Everything a process of ``role`` in run ``names`` may do, beyond :data:`CONNECTION`."""
-    n = names
-    tasks = _stream(n, N.TASKS)
-    if role == "scheduler":
-        admitted = _glob(n.admitted)
-        admissions = _glob(n.admissions)
-        admit_dedup = _glob(n.dedup("admit", "")) + "*"
-        admitted_groups = _glob(n.admitted_groups)  # the admission record, per shard
-        return [
-            *_follow(n, N.WEIGHTS),  # the policy version
-            Grant(OBSERVE, read=(tasks,)),  # the generator group's backlog
-            *_produce(n, N.TASKS),  # evaluation rounds
-            # publish_counted.lua: admission, the admitted groups recorded with it
-            Grant(SCRIPTS, rw=(tasks, admitted, admitted_groups)),
-            Grant(("sadd",), write=(admitted_groups,)),
-            Grant(("get", "incrby"), rw=(admitted,)),
-            # sharded runs (queues.shards): reserve_counted.lua in the run's slot, then
-            # publish_once.lua into each shard, then the record is deleted
-            Grant(SCRIPTS, rw=(admitted, admissions)),
-            Grant(("hget", "hset", "hgetall", "hdel"), rw=(admissions,)),
-            Grant(SCRIPTS, rw=(tasks, admit_dedup, _blobs(n, N.TASKS), admitted_groups)),
-            Grant(("set",), write=(admit_dedup,)),
-            Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
-            Grant(("exists",), read=(_glob(n.stop),)),
-            Grant(("get",), read=(_glob(n.counter("dropped_stale")),)),  # replaces drops
-            Grant(("get",), read=(_glob(n.dead_groups),)),  # ... and dead-lettered groups
-            # per-domain shares (actors/scheduling.py) and skipped zero-variance groups
-            Grant(
-                ("get", "mget"),
-                read=(
-                    _glob(n.counter("zero_variance")),
-                    _glob(n.counter("resolved:")) + "*",
-                    _glob(n.counter("trained:")) + "*",
-                ),
-            ),
-        ]
-    if role == "generator":
-        return [*_consume(n, N.TASKS, role, (N.ROLLOUTS,)), *_follow(n, N.WEIGHTS)]
-    if role == "executor":
-        # multi-turn episodes: the next turn goes back to tasks (actors/episodes.py)
-        return _consume(n, N.ROLLOUTS, role, (N.EXECUTED, N.TASKS))
-    if role == "verifier":
-        # zero_variance, resolved:<domain>, trained:<domain> (dynamic sampling, shares),
-        # added by its hand-offs
-        shares = (
-            _glob(n.counter("zero_variance")),
-            _glob(n.counter("resolved:")) + "*",
-            _glob(n.counter("trained:")) + "*",
-        )
-        return _consume(n, N.EXECUTED, role, (N.TRAJECTORIES, N.EVALS), shares)
-    if role == "learner":
-        return [
-            # dropped_stale, duplicates_skipped: added by the hand-off that settles the group
-            *_consume(
-                n, N.TRAJECTORIES, role, (N.WEIGHTS, N.METRICS),
-                (_glob(n.counter("dropped_stale")), _glob(n.counter("duplicates_skipped"))),
-            ),
-            # the last, part-filled step of a run with max_train_groups (actors/learner.py):
-            # admission closed and nothing left upstream
-            Grant(("get",), read=(_glob(n.admitted),)),
-            Grant(("hlen",), read=(_glob(n.admissions),)),
-            Grant(
-                OBSERVE,
-                read=tuple(
-                    _stream(n, s) for s in (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
-                ),
-            ),
-            Grant(("xtrim",), write=(_stream(n, N.WEIGHTS), _stream(n, N.METRICS))),
-        ]
-    if role == "monitor":
-        observed = tuple(_stream(n, s) for s in (*N.WORK_STREAMS, N.DEAD, N.METRICS))
-        return [
-            *_consume(n, N.EVALS, role),  # record held-out results, acknowledge
-            *_follow(n, N.METRICS, N.WEIGHTS),
-            Grant(OBSERVE, read=observed),
-            Grant(("get", "mget"), read=(_glob(n.paused("")) + "*",)),  # stall: who is paused
-            # the final evaluation of `streamrl up`: stop admission, publish one more round
-            Grant(("set",), write=(_glob(n.stop),)),
-            Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
-            *_produce(n, N.TASKS),
-        ]
-    if role == "archiver":
-        observed = tuple(_stream(n, s) for s in (*N.WORK_STREAMS, N.DEAD))
-        return [
-            # its own group on both; acknowledges after the Parquet file is durable
-            *_consume(n, N.TRAJECTORIES, role),
-            *_consume(n, N.EVALS, role),
-            *_follow(n, N.METRICS),  # learner staleness and busy fraction, for /metrics
-            Grant(OBSERVE, read=observed),  # every stream's lag, for /metrics
-        ]
-    if role == "admin":
-        return _admin(n)
-    raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
-
-
-def _admin(n: N.Names) -> list[Grant]:
-    """The operator commands (actors/status.py, dlq.py, replay.py, report.py): observe every
-    queue, read the dead letters, the trajectories, the policy version and the learner's
-    metrics, the claim-check blobs of every work stream; requeue a dead letter (requeue.lua:
-    XRANGE and XDEL of the letter, XADD of its payload, claim-check blob first) and purge one
-    (XDEL). No consumer group, no counter, no flag, no deletion of anything but dead letters."""
-    work = tuple(_stream(n, s) for s in N.WORK_STREAMS)
-    dead, dead_groups = _stream(n, N.DEAD), _glob(n.dead_groups)
-    admitted_groups = _glob(n.admitted_groups)
-    return [
-        # status: length, lag, pending entries and consumers of every group; dead letters
-        Grant((*OBSERVE, "xpending", "xinfo|consumers"), read=(*work, dead)),
-        # status, stalls: when the learner last stepped, which stages are paused
-        Grant(OBSERVE, read=(_stream(n, N.METRICS),)),
-        Grant(("get", "mget"), read=(_glob(n.paused("")) + "*",)),
-        # status, report, replay retrain: the policy version, the learner's step metrics
-        Grant(("xrange", "xrevrange"), read=tuple(_stream(n, s) for s in N.RUN_GLOBAL_STREAMS)),
-        # replay, report: trajectories stored behind a claim check; dlq show --out: the
-        # blob a dead letter's claim-check reference names
-        Grant(("get",), read=tuple(_blobs(n, s) for s in N.WORK_STREAMS)),
-        # dlq requeue (a training group's letter takes its admission slot back), purge
-        # (and goes back into the admission record)
-        Grant(SCRIPTS, rw=(dead, dead_groups, admitted_groups, *work)),
-        Grant(("decr",), rw=(dead_groups,)),
-        Grant(("sadd",), write=(admitted_groups,)),
-        Grant(("xdel",), write=(dead,)),
-        Grant(("xadd",), write=work),
-        Grant(("set",), write=tuple(_blobs(n, s) for s in N.WORK_STREAMS)),
-    ]
-
-
-def acl_rules(
-    names: N.Names,
-    role: str,
+def user_rules(
     password: str,
+    grants: Iterable[Grant],
     *,
-    shards: int = 0,
     cluster: bool = False,
     leave_out: frozenset[str] = frozenset(),
 ) -> list[str]:
-    """The ``ACL SETUSER`` rules of ``role`` in run ``names`` (after the user name).
-
-    ``shards``: the run's work streams are also split into this many shards (queues.shards),
-    each granted like the unsharded layout; ``cluster``: also what redis-py's cluster client
-    sends; ``leave_out``: commands of :data:`OPTIONAL` the server does not know.
-    """
+    """The ``ACL SETUSER`` rules (after the user name) of a user with ``password`` allowed
+    :data:`CONNECTION` and ``grants`` (one selector each, duplicates once); ``cluster``: also
+    what redis-py's cluster client sends; ``leave_out``: commands of :data:`OPTIONAL` the
+    server does not know."""
     digest = hashlib.sha256(password.encode()).hexdigest()
     connection = [f"+{c}" for c in CONNECTION + (CLUSTER if cluster else ()) if c not in leave_out]
-    layouts = [names, *(names.in_shard(k) for k in range(shards))]
-    grants = dict.fromkeys(g for layout in layouts for g in role_grants(layout, role))
-    selectors = [g.selector(leave_out) for g in grants]
+    selectors = [g.selector(leave_out) for g in dict.fromkeys(grants)]
     reset = ["reset", "on", f"#{digest}", "resetkeys", "resetchannels", "-@all"]
     return [*reset, *connection, *selectors]
 
 
-def _setuser(
-    sync: redis.Redis, names: N.Names, role: str, creds: Credentials, shards: int, cluster: bool
-) -> None:
+def _setuser(sync: redis.Redis, creds: Credentials, grants: list[Grant], cluster: bool) -> None:
     leave_out: frozenset[str] = frozenset()
     while True:
-        rules = acl_rules(
-            names, role, creds.password, shards=shards, cluster=cluster, leave_out=leave_out
-        )
+        rules = user_rules(creds.password, grants, cluster=cluster, leave_out=leave_out)
         try:
             # ACL users are per node: on a cluster, set them on every node
             on_all = {"target_nodes": "all"} if cluster else {}
@@ -372,15 +170,10 @@ def _setuser(
             leave_out |= unknown
 
 
-async def apply_acls(
-    client: RedisClient,
-    names: N.Names,
-    credentials: Mapping[str, Credentials],
-    *,
-    shards: int = 0,
+async def apply_users(
+    client: RedisClient, users: Iterable[tuple[Credentials, list[Grant]]]
 ) -> None:
-    """Create or update the user of every role in ``credentials`` (role -> user, password),
-    for a run whose work streams are also split in ``shards`` shards (see :func:`acl_rules`).
+    """Create or update each user (credentials, grants).
 
     ``client`` connects as an admin (a user allowed ``ACL SETUSER``; on a cluster the users
     are set on every node). A user whose rules or password changed is updated in place: its
@@ -391,8 +184,8 @@ async def apply_acls(
     live in memory only and must be applied again after a restart.
     """
     cluster = client.url.cluster
-    for role, creds in credentials.items():
-        await client.call(_setuser, client.sync, names, role, creds, shards, cluster)
+    for creds, grants in users:
+        await client.call(_setuser, client.sync, creds, grants, cluster)
     await client.call(_save_if_aclfile, client.sync, cluster)
 
 

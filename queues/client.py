@@ -9,7 +9,7 @@ leave a thread reading and swallowing entries).
 Redis Cluster (``redis+cluster://`` URLs) is used through the same API: ``RedisClient.sync``
 is then a :class:`redis.cluster.RedisCluster`, which routes each command to the node owning
 its keys' slot. Every call the queue layer makes touches keys of one slot (see
-:mod:`queues.names`), so it runs there unchanged. A blocking connection is opened to the
+:mod:`protocol.names`), so it runs there unchanged. A blocking connection is opened to the
 primary owning the slot of the key it blocks on, and ``CLIENT UNBLOCK`` goes to that node.
 
 Transient connection errors (Redis restarting or loading its AOF, a dropped connection, a

@@ -1,19 +1,19 @@
 """Work streams split into shards, one hash slot each; one consumer covering several shards.
 
 A stream family (``tasks``, ``rollouts``, ...) of a run can be split into shards
-(:class:`queues.names.Names` with ``shard=k``): shard ``k``'s streams, dedup keys, dead
+(:class:`queues.keys.Layout` with ``shard=k``): shard ``k``'s streams, dedup keys, dead
 letters and blobs share one slot, so on Redis Cluster the shards spread over the nodes and
 every hand-off inside a shard stays one atomic script on one node.
 
 Guarantees, on top of :mod:`queues.streams`:
 
 - :func:`publish_routed` sends each payload to the shard of its routing key
-  (:func:`queues.names.shard_for`: stable across processes), in order within a shard;
+  (:func:`queues.keys.shard_for`: stable across processes), in order within a shard;
 - :class:`ShardedConsumer` consumes one group on a stream in several shards, with the
   interface of :class:`queues.streams.StreamConsumer`. Its entry ids are qualified by the
   shard (``"<k>:<entry id>"``, safe in file names); a hand-off is acknowledged in the
   entry's own shard and its dedup key and outputs, named by the unsharded layout
-  (``Names(run)``), are moved into that shard (:meth:`queues.names.Names.localize`), so a
+  (``Names(run)``), are moved into that shard (:meth:`queues.keys.Layout.localize`), so a
   hand-off never crosses slots. Run-global
   outputs (``weights``, ``metrics``) stay run-global: such a hand-off is two idempotent
   steps, see :meth:`ShardedConsumer.ack_many`;
@@ -40,8 +40,8 @@ from typing import Any
 import msgspec
 import trio
 
-from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
+from streamrl.queues.keys import Layout, one_slot, shard_for
 from streamrl.queues.payloads import PayloadLimits
 from streamrl.queues.scripts import lua
 from streamrl.queues.streams import (
@@ -76,7 +76,7 @@ def split_qualified(entry_id: str) -> tuple[int | None, str]:
 
 async def publish_routed(
     client: RedisClient,
-    names: N.Names,
+    names: Layout,
     stream: str,
     items: list[tuple[str, bytes]],
     shards: int,
@@ -86,7 +86,7 @@ async def publish_routed(
     returns the qualified entry ids, in the order of ``items``. One round trip per shard."""
     by_shard: dict[int, list[int]] = defaultdict(list)
     for i, (key, _) in enumerate(items):
-        by_shard[N.shard_for(key, shards)].append(i)
+        by_shard[shard_for(key, shards)].append(i)
     ids = [""] * len(items)
     for shard, positions in sorted(by_shard.items()):
         producer = Producer(client, names.in_shard(shard), limits)
@@ -100,7 +100,7 @@ class ShardedConsumer:
     """One consumer of one group on ``stream`` in several shards. Use
     :func:`open_sharded_consumer`; the interface is :class:`StreamConsumer`'s."""
 
-    def __init__(self, names: N.Names, consumers: dict[int, StreamConsumer]) -> None:
+    def __init__(self, names: Layout, consumers: dict[int, StreamConsumer]) -> None:
         if not consumers:
             raise ValueError("a sharded consumer needs at least one shard")
         self.names = names.in_shard(None)
@@ -192,7 +192,7 @@ class ShardedConsumer:
         self, shard: int, counters: list[tuple[str, int]] | None
     ) -> list[tuple[str, int]]:
         """Counter keys named by the unsharded layout, moved into ``shard`` (the counters of
-        the work path are per shard: :meth:`queues.names.Names.counter`)."""
+        the work path are per shard: :meth:`queues.keys.Layout.counter`)."""
         local = self.names.in_shard(shard)
         return [(local.localize(k), n) for k, n in counters or ()]
 
@@ -238,7 +238,7 @@ class ShardedConsumer:
             consumer = self.consumers[shard]
             counted = self._localize_counters(shard, counters)
             keys = [consumer.stream, dedup, *(k for k, _ in outs), *(k for k, _ in counted)]
-            if N.one_slot(keys):
+            if one_slot(keys):
                 await consumer.ack_many(eids, dedup, outs, settled=groups[shard], counters=counted)
                 return
         if outputs:
@@ -259,7 +259,7 @@ class ShardedConsumer:
 @asynccontextmanager
 async def open_sharded_consumer(
     client: RedisClient,
-    names: N.Names,
+    names: Layout,
     stream: str,
     shards: Iterable[int],
     *,
@@ -295,7 +295,7 @@ Consumer = StreamConsumer | ShardedConsumer
 @asynccontextmanager
 async def open_consumer(
     client: RedisClient,
-    names: N.Names,
+    names: Layout,
     stream: str,
     *,
     stage: str,
@@ -307,7 +307,7 @@ async def open_consumer(
     the run has one shard (the default layout, keys unchanged), else a
     :class:`ShardedConsumer` over all of ``names.shards``."""
     kw: dict[str, Any] = dict(stage=stage, group=group, consumer=consumer, settings=settings)
-    if names.shard is None and names.sharded and stream not in N.RUN_GLOBAL_STREAMS:
+    if names.spans_shards(stream):
         async with open_sharded_consumer(client, names, stream, range(names.shards), **kw) as c:
             yield c
     else:
@@ -321,7 +321,7 @@ async def open_consumer(
 class _Admission(msgspec.Struct, array_like=True, frozen=True):
     stream: str
     items: list[tuple[str, bytes]]  # (routing key, payload)
-    record: bool = False  # routing keys join their shard's names.admitted_groups
+    record: bool = False  # routing keys join their shard's names.open_tickets
 
 
 _TOKEN_LEN = 32  # uuid4().hex
@@ -329,7 +329,7 @@ _TOKEN_LEN = 32  # uuid4().hex
 
 async def publish_counted_routed(
     client: RedisClient,
-    names: N.Names,
+    names: Layout,
     stream: str,
     items: list[tuple[str, bytes]],
     counter: str,
@@ -342,12 +342,12 @@ async def publish_counted_routed(
     """Publish ``items`` [(routing key, payload)] routed over ``names.shards`` shards and add
     their number to the run-global ``counter``, only if it still holds ``expected``; returns
     how many were admitted (0 or ``len(items)``). ``record``: each routing key (a group id)
-    joins its shard's admission record (:attr:`queues.names.Names.admitted_groups`) in the
+    joins its shard's admission record (:attr:`queues.keys.Layout.open_tickets`) in the
     same script that publishes its entry there.
 
     The entries (one slot per shard) and the counter (the run's slot) cannot move in one
     script on a cluster, so this is three idempotent steps: (1) ``reserve_counted.lua``, in
-    the run's slot: compare-and-set the counter and record the batch in ``names.admissions``
+    the run's slot: compare-and-set the counter and record the batch in ``names.reservations``
     (the write-ahead record; a replay after a lost reply is recognised by its token); (2) per
     shard, :meth:`Producer.publish_once` of that shard's entries under the dedup key
     ``(admit, expected)`` in the shard's slot; (3) delete the record. A crash after (1) leaves
@@ -364,7 +364,7 @@ async def publish_counted_routed(
 
 async def reserve_admission(
     client: RedisClient,
-    names: N.Names,
+    names: Layout,
     stream: str,
     items: list[tuple[str, bytes]],
     counter: str,
@@ -386,7 +386,7 @@ async def reserve_admission(
     return int(
         await client.call(
             script,
-            keys=[counter, names.admissions],
+            keys=[counter, names.reservations],
             args=[expected, token, encoded, len(items)],
         )
     )
@@ -394,7 +394,7 @@ async def reserve_admission(
 
 async def finish_admissions(
     client: RedisClient,
-    names: N.Names,
+    names: Layout,
     limits: PayloadLimits | None = None,
     *,
     dedup_ttl_s: int = 24 * 3600,
@@ -402,14 +402,14 @@ async def finish_admissions(
     """Publish every reserved admission of the run (see :func:`publish_counted_routed`) that
     is still recorded, each entry once, and delete the records; returns how many records were
     finished. Idempotent; safe to run from several processes at once."""
-    raw: Any = await client.call(client.sync.hgetall, names.admissions)
+    raw: Any = await client.call(client.sync.hgetall, names.reservations)
     done = 0
     for field_raw, value in sorted((raw or {}).items(), key=lambda kv: int(kv[0])):
         start = field_raw.decode() if isinstance(field_raw, bytes) else str(field_raw)
         admission = msgspec.msgpack.decode(value[_TOKEN_LEN:], type=_Admission)
         by_shard: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
         for key, payload in admission.items:
-            by_shard[N.shard_for(key, names.shards)].append((key, payload))
+            by_shard[shard_for(key, names.shards)].append((key, payload))
         for shard, shard_items in sorted(by_shard.items()):
             local = names.in_shard(shard) if names.sharded else names.in_shard(None)
             await Producer(client, local, limits).publish_once(
@@ -418,6 +418,6 @@ async def finish_admissions(
                 dedup_ttl_s=dedup_ttl_s,
                 members=[k for k, _ in shard_items] if admission.record else None,
             )
-        await client.call(client.sync.hdel, names.admissions, start)
+        await client.call(client.sync.hdel, names.reservations, start)
         done += 1
     return done

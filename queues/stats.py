@@ -25,8 +25,8 @@ from typing import Any
 
 import redis
 
-from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
+from streamrl.queues.keys import Layout
 from streamrl.queues.scripts import lua
 
 _BACKLOG = lua("backlog.lua")
@@ -62,14 +62,9 @@ def _as_str(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def spans_shards(names: N.Names, stream: str) -> bool:
-    """Whether ``stream`` of the run view ``names`` lives in several shards."""
-    return names.shard is None and names.sharded and stream not in N.RUN_GLOBAL_STREAMS
-
-
-async def group_state(client: RedisClient, names: N.Names, stream: str, group: str) -> GroupState:
+async def group_state(client: RedisClient, names: Layout, stream: str, group: str) -> GroupState:
     """The group's state; summed over the shards for the run view of a sharded run."""
-    if spans_shards(names, stream):
+    if names.spans_shards(stream):
         parts = [await _group_state(client, n, stream, group) for n in names.layouts()]
         reported = [p.reported_lag for p in parts]
         return GroupState(
@@ -93,7 +88,7 @@ def _run_read_only(client: RedisClient, key: str, *args: Any) -> Any:
         return client.sync.eval_ro(_BACKLOG, 1, key, *args)
 
 
-async def _group_state(client: RedisClient, names: N.Names, stream: str, group: str) -> GroupState:
+async def _group_state(client: RedisClient, names: Layout, stream: str, group: str) -> GroupState:
     row = await client.call(_run_read_only, client, names.stream(stream), group)
     length, found, reported, lag, pending, consumers, last_id, _ = row
     last_ms = int(_as_str(last_id).split("-")[0])
@@ -127,13 +122,9 @@ async def repair_lag(client: RedisClient, stream_key: str, group: str) -> LagRep
     return LagRepair(stream_key, group, was, now, lag)
 
 
-async def pipeline_state(client: RedisClient, names: N.Names) -> list[GroupState]:
-    return [await group_state(client, names, s, N.GROUP_OF_STREAM[s]) for s in N.WORK_STREAMS]
-
-
-async def stream_length(client: RedisClient, names: N.Names, stream: str) -> int:
+async def stream_length(client: RedisClient, names: Layout, stream: str) -> int:
     """XLEN; summed over the shards for the run view of a sharded run."""
-    if spans_shards(names, stream):
+    if names.spans_shards(stream):
         return sum([await stream_length(client, n, stream) for n in names.layouts()])
     return int(await client.call(client.sync.xlen, names.stream(stream)))
 
@@ -149,7 +140,7 @@ class Paused:
 
 
 async def mark_paused(
-    client: RedisClient, names: N.Names, paused: Paused, *, ttl_s: float
+    client: RedisClient, names: Layout, paused: Paused, *, ttl_s: float
 ) -> None:
     """Say that a process of ``paused.stage`` is paused; it expires ``ttl_s`` after the last
     call (a stage that resumes, or dies, stops renewing it)."""
@@ -158,7 +149,7 @@ async def mark_paused(
     await client.call(client.sync.set, names.paused(paused.stage), value, px=ttl_ms)
 
 
-async def paused_stages(client: RedisClient, names: N.Names, stages: list[str]) -> list[Paused]:
+async def paused_stages(client: RedisClient, names: Layout, stages: list[str]) -> list[Paused]:
     """The stages among ``stages`` that are paused on backpressure now."""
     if not stages:
         return []
@@ -172,13 +163,13 @@ async def paused_stages(client: RedisClient, names: N.Names, stages: list[str]) 
 
 
 async def newest_entry_age_s(
-    client: RedisClient, names: N.Names, streams: tuple[str, ...]
+    client: RedisClient, names: Layout, streams: tuple[str, ...]
 ) -> float | None:
     """Seconds (on the server's clock) since an entry was last added to any of ``streams``
     (every shard of the work streams); None when none ever was."""
     newest, now_ms = 0, 0
     for stream in streams:
-        layouts = names.layouts() if spans_shards(names, stream) else [names]
+        layouts = names.layouts() if names.spans_shards(stream) else [names]
         for layout in layouts:
             row = await client.call(_run_read_only, client, layout.stream(stream), "")
             newest = max(newest, int(_as_str(row[6]).split("-")[0]))

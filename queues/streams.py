@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -36,9 +37,9 @@ import redis
 import structlog
 import trio
 
-from streamrl.queues import names as N
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import DeadLetter, M, MessageError, decode, encode, now
+from streamrl.queues.codec import DeadLetter, M, MessageError, decode, encode
+from streamrl.queues.keys import DEAD, Layout, one_slot
 from streamrl.queues.payloads import (
     REF_PREFIX,
     Blob,
@@ -89,7 +90,7 @@ class Handoff:
     counters: list[tuple[str, int]] = field(default_factory=list)
     """[(counter key, increment)] added in the same script as the outputs, under the same
     dedup key: only by the delivery that publishes them, so a replayed hand-off counts once.
-    The keys must be in the slot of the input stream (:meth:`queues.names.Names.counter`)."""
+    The keys must be in the slot of the input stream (:meth:`queues.keys.Layout.counter`)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class StreamConsumer:
     def __init__(
         self,
         client: RedisClient,
-        names: N.Names,
+        names: Layout,
         stream: str,
         group: str,
         *,
@@ -169,7 +170,7 @@ class StreamConsumer:
         self.stage = stage
         self.consumer = consumer or consumer_name()
         self.settings = settings or ConsumerSettings()
-        self.dead_stream = names.stream(N.DEAD)
+        self.dead_stream = names.stream(DEAD)
         self._blocking = client.blocking_connection(self.stream)
         self._handoff = client.sync.register_script(_HANDOFF)
         self._deadletter = client.sync.register_script(_DEADLETTER)
@@ -422,14 +423,14 @@ class StreamConsumer:
     ) -> None:
         """Acknowledge a batch of entries and publish ``outputs`` once, atomically; the
         ``settled`` members (group ids of the entries, trained or dropped) leave the shard's
-        admission record (:attr:`queues.names.Names.admitted_groups`) in the same step, and
+        admission record (:attr:`queues.keys.Layout.open_tickets`) in the same step, and
         ``counters`` [(key, increment)] are added with the outputs, under the same dedup key
         (once, as in :attr:`Handoff.counters`)."""
         outputs, blobs = prepare_many(outputs, self.settings.limits)
         if blobs:
             await self._store_blobs(blobs)
         members = sorted(set(settled or ()))
-        record = [self.names.admitted_groups] if members else []
+        record = [self.names.open_tickets] if members else []
         counted = counters or []
         keys = [self.stream, dedup_id, *record, *(k for k, _ in counted)]
         keys += [s for s, _ in outputs]
@@ -450,8 +451,8 @@ class StreamConsumer:
     ) -> None:
         """Move an entry to the dead-letter stream with its error; acknowledge it. ``group``:
         the id of the training group the entry carries; if that group was admitted and is not
-        settled yet (:attr:`queues.names.Names.admitted_groups`), its admission slot is freed
-        with the letter, once (:attr:`queues.names.Names.dead_groups`; the scheduler admits a
+        settled yet (:attr:`queues.keys.Layout.open_tickets`), its admission slot is freed
+        with the letter, once (:attr:`queues.keys.Layout.released_tickets`; the scheduler admits a
         replacement)."""
         letter = DeadLetter(
             stream=self.stream_name,
@@ -460,12 +461,12 @@ class StreamConsumer:
             error=error[:4000],
             deliveries=delivery.deliveries,
             payload=delivery.payload if delivery.payload is not None else delivery.raw or b"",
-            at=now(),
+            at=time.time(),
         )
         written = await self.client.call(
             self._deadletter,
-            keys=[self.stream, self.dead_stream, self.names.dead_groups,
-                  self.names.admitted_groups],
+            keys=[self.stream, self.dead_stream, self.names.released_tickets,
+                  self.names.open_tickets],
             args=[self.group, delivery.entry_id, encode(letter), error[:4000], group or ""],
         )
         if written:
@@ -530,7 +531,7 @@ class StreamConsumer:
 @asynccontextmanager
 async def open_stream_consumer(
     client: RedisClient,
-    names: N.Names,
+    names: Layout,
     stream: str,
     *,
     stage: str,
@@ -542,7 +543,7 @@ async def open_stream_consumer(
         client,
         names,
         stream,
-        group or N.GROUP_OF_STREAM[stream],
+        group or names.group(stream),
         stage=stage,
         consumer=consumer,
         settings=settings,
@@ -571,7 +572,7 @@ class Producer:
     """Publishes to streams of one run (for stages that only produce, e.g. the scheduler)."""
 
     def __init__(
-        self, client: RedisClient, names: N.Names, limits: PayloadLimits | None = None
+        self, client: RedisClient, names: Layout, limits: PayloadLimits | None = None
     ) -> None:
         self.client = client
         self.names = names
@@ -607,7 +608,7 @@ class Producer:
         if the counter still holds ``expected`` (compare-and-set). Safe to replay: after a
         lost reply, or when another producer moved the counter, it adds nothing. Returns the
         number of entries added (0 or ``len(payloads)``). ``members`` (the group ids of the
-        entries) are added to the admission record :attr:`queues.names.Names.admitted_groups`
+        entries) are added to the admission record :attr:`queues.keys.Layout.open_tickets`
         in the same step."""
         key = self.names.stream(stream)
         prepared, blobs = prepare_many([(key, p) for p in payloads], self.limits)
@@ -617,7 +618,7 @@ class Producer:
                 pipe = self.client.sync.pipeline(transaction=False)
                 store_blobs(pipe, blobs, self.limits)
                 pipe.execute()
-            record = [self.names.admitted_groups] if members else []
+            record = [self.names.open_tickets] if members else []
             args: list[Any] = [expected, len(members or ()), *(members or ())]
             args += [p for _, p in prepared]
             return int(self._publish_counted(keys=[key, counter, *record], args=args))
@@ -638,10 +639,10 @@ class Producer:
         :meth:`StreamConsumer.ack` after it, this is the cross-slot hand-off: not atomic, but
         idempotent (a crash in between leaves the input pending; handled again, the publish
         adds nothing and the acknowledgement goes through). ``members`` are added to this
-        layout's admission record (:attr:`queues.names.Names.admitted_groups`) with them."""
+        layout's admission record (:attr:`queues.keys.Layout.open_tickets`) with them."""
         keys = [self.names.stream(s) for s, _ in outputs]
-        record = [self.names.admitted_groups] if members else []
-        if not N.one_slot([dedup_key, *record, *keys]):
+        record = [self.names.open_tickets] if members else []
+        if not one_slot([dedup_key, *record, *keys]):
             raise ValueError(f"publish_once: {dedup_key} and {keys} are not in one hash slot")
         prepared, blobs = prepare_many(
             [(k, p) for k, (_, p) in zip(keys, outputs, strict=True)], self.limits
@@ -662,7 +663,7 @@ class Producer:
 class EventReader:
     """Reads an event stream (no group) from an offset; blocking and cancellable."""
 
-    def __init__(self, client: RedisClient, names: N.Names, stream: str, *, block_ms: int = 2000):
+    def __init__(self, client: RedisClient, names: Layout, stream: str, *, block_ms: int = 2000):
         self.client = client
         self.stream = names.stream(stream)
         self.block_ms = block_ms
@@ -736,8 +737,8 @@ async def requeue_dead_letter(
     """Put a dead letter's payload back on ``stream`` as a new entry and delete the letter
     from ``dead_stream``, atomically (``requeue.lua``; all keys in one slot). A letter that
     freed a training group's admission slot takes it back from ``dead_groups`` and puts the
-    group back in ``admitted_groups`` (the shard's :attr:`queues.names.Names.dead_groups`,
-    :attr:`queues.names.Names.admitted_groups`). A payload over the claim-check size is stored
+    group back in ``admitted_groups`` (the shard's :attr:`queues.keys.Layout.released_tickets`,
+    :attr:`queues.keys.Layout.open_tickets`). A payload over the claim-check size is stored
     out of band first. Returns the new entry id, or None when the letter was gone already
     (requeued or purged): repeatable."""
     script = client.sync.register_script(_REQUEUE)

@@ -1,5 +1,5 @@
 """``python -m streamrl ...`` is the ``streamrl`` command."""
 
-from streamrl.actors.cli import main
+from streamrl.cli.main import main
 
 raise SystemExit(main())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from streamrl.queues.messages import (
+from streamrl.protocol.messages import (
     Rollout,
     Sample,
     Sampling,

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
+from streamrl.protocol.names import Names
 from streamrl.queues.client import RedisClient
-from streamrl.queues.names import Names
 from streamrl.queues.server import ClusterProcess, ServerProcess
 from tests.helpers import open_roles, redis_server_for_tests
 

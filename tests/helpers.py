@@ -13,10 +13,11 @@ from pathlib import Path
 
 import redis
 
-from streamrl.actors.config import Config, load_config
-from streamrl.queues.acl import ROLES, Credentials, apply_acls, role_url
+from streamrl.config.schema import Config, load_config
+from streamrl.protocol.names import Names
+from streamrl.protocol.roles import ROLES, apply_acls
+from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import RedisClient
-from streamrl.queues.names import Names
 from streamrl.queues.server import find_server_binary
 
 

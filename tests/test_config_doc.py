@@ -4,9 +4,9 @@ from pathlib import Path
 
 import msgspec
 
-from streamrl.actors import config as C
-from streamrl.actors.cli import main
-from streamrl.actors.config_doc import render
+from streamrl.cli.main import main
+from streamrl.config import schema as C
+from streamrl.config.doc import render
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 

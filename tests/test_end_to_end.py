@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from streamrl.queues import names as N
-from streamrl.queues.acl import ROLES
-from streamrl.queues.messages import StepMetrics, Trajectory, WeightsPublished, decode
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Trajectory, WeightsPublished
+from streamrl.protocol.roles import ROLES
+from streamrl.queues.codec import decode
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +38,7 @@ def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "streamrl.actors.cli",
+            "streamrl.cli.main",
             "up",
             "--config",
             "configs/tiny.toml",

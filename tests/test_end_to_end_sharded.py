@@ -21,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Task, Trajectory, WeightsPublished
+from streamrl.queues import keys as K
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import StepMetrics, Task, Trajectory, WeightsPublished, decode
+from streamrl.queues.codec import decode
 from streamrl.queues.payloads import PayloadLimits, resolve
 from streamrl.queues.server import ClusterProcess
 from tests.chaos.harness import LedgerView
@@ -87,7 +89,7 @@ def test_sharded_pipeline_on_cluster_loses_and_duplicates_nothing(
         }
         assert all(tasks.values()), {k: len(v) for k, v in tasks.items()}
         for k, ts in tasks.items():
-            assert all(N.shard_for(t.episode_id, SHARDS) == k for t in ts)
+            assert all(K.shard_for(t.episode_id, SHARDS) == k for t in ts)
         train = [t.id for ts in tasks.values() for t in ts if t.split == "train"]
         assert len(train) == len(set(train)) == int(sync.get(names.admitted))
         assert sync.hlen(names.admissions) == 0
@@ -101,7 +103,7 @@ def test_sharded_pipeline_on_cluster_loses_and_duplicates_nothing(
         assert sorted(e for e, n in Counter(episodes).items() if n > 1) == []
         assert set(episodes) <= set(train)
         for k, ts in trajs.items():
-            assert all(N.shard_for(t.episode_id, SHARDS) == k for t in ts)
+            assert all(K.shard_for(t.episode_id, SHARDS) == k for t in ts)
 
         # Nothing pending anywhere but the learner's partial batch; the rest is accounted for
         waiting_upstream = 0

@@ -15,13 +15,16 @@ from pathlib import Path
 import streamrl
 
 REPO = Path(__file__).resolve().parents[1]
-FOLDERS = ("queues", "actors", "sandbox", "learner", "inference", "domains", "testing")
+FOLDERS = (
+    "queues", "protocol", "runtime", "config", "cli", "actors", "sandbox", "learner", "inference",
+    "domains", "testing",
+)
 
 
 def test_only_streamrl_is_importable_outside_the_checkout(tmp_path: Path) -> None:
     # Given a Python started outside the checkout (isolated: no PYTHONPATH, no user site)
     probe = (
-        "import importlib.util, streamrl.queues.streams, streamrl.actors.cli\n"
+        "import importlib.util, streamrl.queues.streams, streamrl.cli.main\n"
         f"print([n for n in {FOLDERS!r} if importlib.util.find_spec(n) is not None])\n"
     )
     done = subprocess.run(
@@ -144,3 +147,38 @@ def test_the_installed_package_has_no_import_cycle() -> None:
     assert len(modules) > 80
     assert sum(map(len, graph.values())) > 200  # the graph is really read
     assert _cycles(graph) == []
+
+
+LAYERS = (
+    ("streamrl",),  # backoff, net: used by everything
+    ("queues", "sandbox"),  # the broker; the sandboxes
+    ("protocol",),  # the pipeline's names, messages, roles, over the broker
+    ("config", "learner", "domains", "inference"),  # configuration; the libraries actors use
+    ("runtime",),  # the serve loop, an actor's context, metrics, logs, process entry
+    ("actors",),  # the actors: config + handle
+    ("cli",),  # the command, the supervisor (`up`) and the operator tools
+)
+"""Which way imports flow (docs/architecture.md): a folder imports only from its own layer or
+the layers above it in this list."""
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FOLDERS) else "streamrl"
+
+
+def test_imports_flow_one_way_between_folders() -> None:
+    layer = {folder: i for i, folders in enumerate(LAYERS) for folder in folders}
+    assert set(layer) == {"streamrl", *FOLDERS} - {"testing"}
+    modules = dict(_modules())
+    known = set(modules)
+    upward = []
+    for module, path in modules.items():
+        here = _folder(module)
+        if here == "testing" or module == "streamrl.__main__":  # test helpers; `python -m`
+            continue
+        for dep in _imports(module, path, known):
+            there = _folder(dep)
+            if there != "testing" and layer[there] > layer[here]:
+                upward.append(f"{module} -> {dep}")
+    assert upward == []

@@ -1,6 +1,6 @@
 """The processes ``streamrl up`` starts die with it: after a second SIGTERM (a double Ctrl-C)
 no actor, nor the embedded Redis, outlives it; after a SIGKILL no actor does
-(actors/lifeline.py). The real ``streamrl up`` on configs/tiny.toml, processes by pid."""
+(runtime/lifeline.py). The real ``streamrl up`` on configs/tiny.toml, processes by pid."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamrl.queues.messages import Trajectory
+from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 
 ONE_TINY_STEP = (

@@ -14,17 +14,18 @@ from typing import Any
 import pytest
 import trio
 
-from streamrl.actors.context import ActorContext
-from streamrl.actors.dlq import list_dead, requeue
 from streamrl.actors.learner import serve as serve_learner
 from streamrl.actors.monitor import Monitor
-from streamrl.actors.policies import Reject
-from streamrl.actors.runtime import Output, serve_actor
 from streamrl.actors.scheduler import Scheduler
-from streamrl.queues import names as N
+from streamrl.cli.dlq import list_dead, requeue
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Rollout, Task
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Executed, Rollout, Task, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.policies import Reject
+from streamrl.runtime.serve import Output, serve_actor
 from streamrl.testing.wait import wait_until
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.actors.test_poison_refs import READER, WRITER, _config, _letters

@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from streamrl.actors.auth import apply_role_users, credentials_for_up, role_credentials
-from streamrl.actors.cli import main
-from streamrl.actors.config import Config, ConfigError, load_config
-from streamrl.actors.context import open_context
-from streamrl.actors.supervisor import _children
-from streamrl.queues.acl import ROLES, role_url
+from streamrl.cli.main import main
+from streamrl.cli.up import _children
+from streamrl.config.schema import Config, ConfigError, load_config
+from streamrl.protocol.names import Names
+from streamrl.protocol.roles import ROLES
+from streamrl.queues.acl import role_url
 from streamrl.queues.client import RedisClient, RedisURL
-from streamrl.queues.names import Names
+from streamrl.runtime.auth import apply_role_users, credentials_for_up, role_credentials
+from streamrl.runtime.context import open_context
 
 
 @pytest.fixture

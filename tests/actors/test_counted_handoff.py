@@ -14,20 +14,21 @@ from typing import Any
 import redis
 import trio
 
-from streamrl.actors.context import ActorContext
 from streamrl.actors.executor import to_outcome
 from streamrl.actors.learner import serve as serve_learner
-from streamrl.actors.policies import Policies
-from streamrl.actors.runtime import ActorRuntime, RuntimeSettings
 from streamrl.actors.scheduler import Scheduler, make_task
 from streamrl.actors.verifier import Verifier
 from streamrl.domains.math import MathItem
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Rollout, Sample, Sampling, new_id, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Executed, Rollout, Sample, Sampling, encode, new_id, now
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.policies import Policies
+from streamrl.runtime.serve import ActorRuntime, RuntimeSettings
 from streamrl.testing.messages import make_trajectory
 from tests.helpers import run_config
 

@@ -10,16 +10,17 @@ from pathlib import Path
 
 import trio
 
-from streamrl.actors.config import load_config
-from streamrl.actors.context import ActorContext
-from streamrl.actors.dlq import list_dead, requeue
-from streamrl.actors.policies import Policies, Reject
-from streamrl.actors.runtime import ActorRuntime, Output, RuntimeSettings
 from streamrl.actors.scheduler import Scheduler
-from streamrl.queues import names as N
+from streamrl.cli.dlq import list_dead, requeue
+from streamrl.config.schema import load_config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Sampling, Task, new_id, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Sampling, Task, encode, new_id, now
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.policies import Policies, Reject
+from streamrl.runtime.serve import ActorRuntime, Output, RuntimeSettings
 
 
 def _task(split: str, eval_round: int = -1) -> Task:

@@ -11,13 +11,14 @@ import msgspec
 import trio
 from structlog.testing import capture_logs
 
-from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve as serve_learner
 from streamrl.actors.monitor import Monitor
-from streamrl.actors.runtime import serve_actor
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import StepMetrics, decode, encode
+from streamrl.queues.codec import decode, encode
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.serve import serve_actor
 from streamrl.testing.wait import wait_until
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.actors.test_admission_record import Refusing

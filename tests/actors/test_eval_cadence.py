@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import trio
 
-from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve as learner_serve
 from streamrl.actors.scheduler import Scheduler
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Task, WeightsPublished
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Task, WeightsPublished, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer, ensure_group
+from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
 from tests.helpers import run_config
 

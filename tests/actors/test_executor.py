@@ -13,25 +13,16 @@ import msgspec
 import pytest
 import trio
 
-from streamrl.actors.config import DomainConfig, DomainSandboxConfig, ExecutorConfig
 from streamrl.actors.executor import Executor, Sandboxes
-from streamrl.actors.policies import Policies, Retry, RetryPolicy
-from streamrl.actors.runtime import ActorRuntime, RuntimeSettings
+from streamrl.config.schema import DomainConfig, DomainSandboxConfig, ExecutorConfig
 from streamrl.domains.registry import get_domain
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Rollout, Sample, Sampling, Task, new_id, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import (
-    Executed,
-    Rollout,
-    Sample,
-    Sampling,
-    Task,
-    decode,
-    encode,
-    new_id,
-    now,
-)
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
+from streamrl.runtime.policies import Policies, Retry, RetryPolicy
+from streamrl.runtime.serve import ActorRuntime, RuntimeSettings
 from streamrl.sandbox import ProcessSandbox, Sandbox, open_sandbox
 
 

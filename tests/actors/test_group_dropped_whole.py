@@ -13,28 +13,26 @@ import pytest
 import trio
 from structlog.testing import capture_logs
 
-from streamrl.actors.context import ActorContext
 from streamrl.actors.executor import serve as executor_serve
 from streamrl.actors.verifier import serve as verifier_serve
 from streamrl.domains.registry import get_domain
-from streamrl.queues import names as N
-from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import (
-    DeadLetter,
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import (
     Executed,
     Rollout,
     Sample,
     Sampling,
     Task,
     Trajectory,
-    decode,
-    encode,
     floats_to_bytes,
     ids_to_bytes,
     new_id,
     now,
 )
+from streamrl.queues.client import RedisClient
+from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.streams import FIELD, Producer
+from streamrl.runtime.context import ActorContext
 from tests.helpers import run_config
 
 

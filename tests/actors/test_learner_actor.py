@@ -8,17 +8,19 @@ from pathlib import Path
 import msgspec
 import trio
 
-from streamrl.actors.config import Config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve
+from streamrl.config.schema import Config
 from streamrl.learner.checkpoint import LEDGER_FILE, TRAINER_STATE_FILE, Ledger
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
-from streamrl.queues import names as N
-from streamrl.queues.acl import Credentials, apply_acls, role_url
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Trajectory, WeightsPublished
+from streamrl.protocol.roles import apply_acls
+from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import StepMetrics, Trajectory, WeightsPublished, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
 from tests.helpers import run_config
 

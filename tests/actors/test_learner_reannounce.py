@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import trio
 
-from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import Learner, serve
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, WeightsPublished
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import StepMetrics, WeightsPublished, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 from tests.actors.helpers import ONE_TINY_STEP, Died, contains_died, group
 from tests.helpers import run_config
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import trio
 
 from streamrl.actors import learner as learner_actor
-from streamrl.actors.config import Config, load_config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.scheduler import Scheduler
 from streamrl.actors.scheduler import serve as serve_scheduler
-from streamrl.queues import names as N
+from streamrl.config.schema import Config, load_config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Task
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import StepMetrics, Task, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
 from tests.helpers import run_config
 

@@ -13,14 +13,15 @@ import torch
 import trio
 from safetensors.torch import load_file
 
-from streamrl.actors.config import load_config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve
-from streamrl.queues import names as N
+from streamrl.config.schema import load_config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import WeightsPublished
+from streamrl.protocol.names import Names
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import WeightsPublished, decode, encode
-from streamrl.queues.names import Names
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
 
 ROOT = Path(__file__).resolve().parents[2]

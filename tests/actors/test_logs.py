@@ -1,4 +1,4 @@
-"""actors/logs.py: every line an actor logs is one JSON object, stdlib ``logging`` included."""
+"""runtime/logs.py: every line an actor logs is one JSON object, stdlib ``logging`` included."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import subprocess
 import sys
 
-from streamrl.actors.logs import configure_logging, get_logger
+from streamrl.runtime.logs import configure_logging, get_logger
 
 
 def test_stdlib_records_come_out_as_json_lines() -> None:
@@ -41,7 +41,7 @@ def test_an_actor_process_log_has_only_json_lines() -> None:
     # Given a process set up as an actor (its stderr is its log file under `streamrl up`)
     code = (
         "import logging, warnings\n"
-        "from streamrl.actors.logs import configure_logging, get_logger\n"
+        "from streamrl.runtime.logs import configure_logging, get_logger\n"
         "configure_logging(actor='generator')\n"
         "get_logger().info('started')\n"
         "logging.getLogger('httpx').warning('HTTP Request: %s %s', 'GET', 'http://x/health')\n"

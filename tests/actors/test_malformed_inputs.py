@@ -8,14 +8,15 @@ from pathlib import Path
 import msgspec
 import trio
 
-from streamrl.actors.config import Config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve
 from streamrl.actors.monitor import Monitor
-from streamrl.queues import names as N
+from streamrl.config.schema import Config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import DeadLetter, StepMetrics, decode, encode
+from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.helpers import run_config
 

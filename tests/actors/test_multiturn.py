@@ -22,15 +22,13 @@ import numpy as np
 import pytest
 import trio
 
-from streamrl.actors.config import DomainConfig
 from streamrl.actors.episodes import EpisodeSessions
 from streamrl.actors.executor import Executor, Sandboxes, from_outcome
 from streamrl.actors.generator import Generator
-from streamrl.actors.policies import Policies, Reject, RetryPolicy
-from streamrl.actors.replay import Found, render_episode
-from streamrl.actors.runtime import Actor, ActorRuntime, RuntimeSettings
 from streamrl.actors.scheduler import make_task
 from streamrl.actors.verifier import Verifier
+from streamrl.cli.replay import Found, render_episode
+from streamrl.config.schema import DomainConfig
 from streamrl.domains import registry
 from streamrl.domains.base import EpisodePolicy, chat_observation_ids
 from streamrl.domains.registry import get_domain, register
@@ -38,18 +36,13 @@ from streamrl.domains.terminal import Terminal, TerminalItem
 from streamrl.inference.engine import Completion
 from streamrl.learner.batch import build_batch
 from streamrl.learner.model import load_tokenizer, resolve_model
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Sampling, Trajectory, bytes_to_floats, bytes_to_ids
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import (
-    DeadLetter,
-    Sampling,
-    Trajectory,
-    bytes_to_floats,
-    bytes_to_ids,
-    decode,
-    encode,
-)
+from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stream_consumer
+from streamrl.runtime.policies import Policies, Reject, RetryPolicy
+from streamrl.runtime.serve import Actor, ActorRuntime, RuntimeSettings
 from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox, opened
 from streamrl.testing.wait import wait_until
 from tests.domains.test_terminal import fence, item_of, solution

@@ -22,8 +22,9 @@ import torch
 from streamrl.learner.batch import build_batch
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
-from streamrl.queues import names as N
-from streamrl.queues.messages import StepMetrics, Trajectory, decode
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Trajectory
+from streamrl.queues.codec import decode
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -14,8 +14,8 @@ from streamrl.actors.generator import Generator
 from streamrl.actors.scheduler import make_task
 from streamrl.inference.sglang_client import open_sglang_engine
 from streamrl.learner.model import load_tokenizer, resolve_model
-from streamrl.queues import names as N
-from streamrl.queues.messages import Sampling
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Sampling
 from streamrl.testing.serve_model import start_serve_model, wait_healthy
 from tests.actors.test_multiturn import executor
 from tests.domains.test_terminal import item_of

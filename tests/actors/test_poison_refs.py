@@ -15,15 +15,16 @@ import pytest
 import trio
 
 from streamrl.actors.archiver import serve_stream
-from streamrl.actors.config import Config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve as serve_learner
 from streamrl.actors.monitor import Monitor
-from streamrl.actors.runtime import Output, serve_actor
-from streamrl.queues import names as N
+from streamrl.config.schema import Config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Rollout, StepMetrics
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import DeadLetter, Rollout, StepMetrics, decode, encode
+from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.payloads import REF_PREFIX
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.serve import Output, serve_actor
 from streamrl.testing.wait import wait_until
 from tests.actors.helpers import ONE_TINY_STEP, group
 from tests.chaos.badinputs import INPUT_TYPES, VALID, _eval_trajectory

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import trio
 
-from streamrl.actors.context import ActorContext
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 from tests.helpers import run_config
 
 TASKS_IDLE_MS, ROLLOUTS_IDLE_MS = 200, 3000

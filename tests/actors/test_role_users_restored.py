@@ -1,5 +1,5 @@
 """An external Redis without an ACL file keeps the run's role users in memory only: its
-restart loses them. ``streamrl up``'s supervision (actors.auth.serve_role_users) creates them
+restart loses them. ``streamrl up``'s supervision (runtime.auth.serve_role_users) creates them
 again, and an actor whose logins were refused meanwhile goes on. A real Redis, restarted on
 its own port with its AOF, and no ``aclfile``."""
 
@@ -16,13 +16,13 @@ import pytest
 import redis
 import trio
 
-from streamrl.actors.auth import apply_role_users, credentials_for_up, serve_role_users
-from streamrl.actors.config import load_config
+from streamrl.config.schema import load_config
 from streamrl.net import free_port
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.acl import missing_users, role_url
 from streamrl.queues.client import Reconnect, RedisClient
 from streamrl.queues.server import find_server_binary
+from streamrl.runtime.auth import apply_role_users, credentials_for_up, serve_role_users
 
 
 class ExternalRedis:

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from streamrl.actors.config import load_config
 from streamrl.actors.executor import Sandboxes, isolation_report
+from streamrl.config.schema import load_config
 from streamrl.domains.registry import get_domain
 from streamrl.sandbox.base import NOT_ISOLATED, IsolationTooWeak
 

@@ -7,13 +7,14 @@ from pathlib import Path
 
 import trio
 
-from streamrl.actors.config import Config, load_config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.scheduler import Scheduler
-from streamrl.queues import names as N
+from streamrl.config.schema import Config, load_config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Task
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Task, decode
+from streamrl.queues.codec import decode
 from streamrl.queues.streams import ensure_group
+from streamrl.runtime.context import ActorContext
 
 
 def _config(tmp_path: Path, redis_url: str, run: str) -> Config:

@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 import trio
 
-from streamrl.actors.context import ActorContext
 from streamrl.actors.scheduler import Scheduler
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Task
+from streamrl.queues import keys as K
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Task, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.shards import reserve_admission
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import ensure_group
+from streamrl.runtime.context import ActorContext
 from tests.helpers import run_config
 
 SHARDS = 3
@@ -79,7 +81,7 @@ async def test_sharded_scheduler_admits_exactly_and_finishes_a_dead_ones_admissi
     for k, layout in enumerate(names.layouts()):
         rows = await client.call(client.sync.xrange, layout.stream(N.TASKS))
         shard_tasks = [decode(f[b"d"], Task) for _, f in rows]
-        assert all(N.shard_for(t.episode_id, SHARDS) == k for t in shard_tasks)
+        assert all(K.shard_for(t.episode_id, SHARDS) == k for t in shard_tasks)
         tasks += shard_tasks
     train = [t.id for t in tasks if t.split == "train"]
     assert (

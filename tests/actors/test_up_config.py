@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from streamrl.actors.cli import _public
-from streamrl.actors.config import load_config
-from streamrl.actors.supervisor import _children, _serve_models, write_child_config
+from streamrl.cli.main import _public
+from streamrl.cli.up import _children, _serve_models, write_child_config
+from streamrl.config.schema import load_config
 
 
 def test_children_load_exactly_the_merged_config_of_up(tmp_path: Path) -> None:

@@ -28,11 +28,10 @@ from typing import Any
 
 import msgspec
 
-from streamrl.queues import names as N
-from streamrl.queues.messages import (
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import (
     ExecOutcome,
     Executed,
-    MessageError,
     Rollout,
     Sample,
     Sampling,
@@ -40,10 +39,10 @@ from streamrl.queues.messages import (
     Task,
     Trajectory,
     WeightsPublished,
-    decode,
     floats_to_bytes,
     ids_to_bytes,
 )
+from streamrl.queues.codec import MessageError, decode
 
 INPUT_TYPES: dict[str, type[msgspec.Struct]] = {
     N.TASKS: Task,

@@ -40,24 +40,16 @@ from typing import Any
 import msgspec
 import trio
 
-from streamrl.actors.auth import apply_role_users, credentials_for_up
-from streamrl.actors.config import load_config
+from streamrl.config.schema import load_config
 from streamrl.learner.weights import latest_version
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Task, Trajectory, WeightsPublished
 from streamrl.queues.acl import Credentials
 from streamrl.queues.client import RedisClient, RedisURL
-from streamrl.queues.messages import (
-    DeadLetter,
-    MessageError,
-    StepMetrics,
-    Task,
-    Trajectory,
-    WeightsPublished,
-    decode,
-    encode,
-)
+from streamrl.queues.codec import DeadLetter, MessageError, decode, encode
 from streamrl.queues.shards import qualify
 from streamrl.queues.stats import group_state, stream_length
+from streamrl.runtime.auth import apply_role_users, credentials_for_up
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = ("scheduler", "generator", "executor", "verifier", "learner")

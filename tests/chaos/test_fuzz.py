@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from streamrl.actors.config import load_config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.monitor import Monitor
-from streamrl.queues import names as N
+from streamrl.config.schema import load_config
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
+from streamrl.runtime.context import ActorContext
 from tests.chaos.badinputs import INPUT_TYPES, BadInput, generate
 from tests.chaos.harness import (
     REPO,

@@ -19,7 +19,7 @@ import pytest
 import redis
 import trio
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.queues.stats import group_state
@@ -154,8 +154,12 @@ async def test_redis_restarts_after_aof_rewrites_lose_nothing(tmp_path: Path, ki
     )
     # and every admitted group was trained exactly once, nothing pending, no dead letter
     check_run(scenario, pipeline, report, planted=[])
-    # Redis 7.0 did get the lag wrong after a restart (the test reproduces the bug); by the end
-    # every group's consumers had repaired it: Redis's own lag is right again
+    # Redis 7.0 did get the lag wrong after a restart (the test reproduces the bug: seen in
+    # the sample taken after a restart, or, where a consumer repaired it before that sample,
+    # in that consumer's log); by the end every group's consumers had repaired it: Redis's
+    # own lag is right again
     if kind == "redis-7.0":
-        assert any(r["wrong_lag"] for r in restarts), restarts
+        repaired = [a.name for a in pipeline.actors if "consumer group lag repaired" in
+                    a.log_tail(10**8)]  # fmt: skip
+        assert any(r["wrong_lag"] for r in restarts) or repaired, restarts
     assert {s.stream: s.reported_lag for s in final if s.lag_inconsistent} == {}

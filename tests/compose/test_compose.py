@@ -42,16 +42,9 @@ import pytest
 import redis
 
 from streamrl.net import distinct_free_ports
-from streamrl.queues import names as N
-from streamrl.queues.messages import (
-    DeadLetter,
-    Executed,
-    Rollout,
-    StepMetrics,
-    Task,
-    WeightsPublished,
-    decode,
-)
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Rollout, StepMetrics, Task, WeightsPublished
+from streamrl.queues.codec import DeadLetter, decode
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from streamrl.actors.config import load_config
+from streamrl.config.schema import load_config
 from streamrl.domains.general import General, GeneralItem, extract_reply
 from streamrl.domains.general.generate import KINDS, make_eval
 from streamrl.domains.registry import get_domain

@@ -21,19 +21,20 @@ import msgspec
 import pytest
 import trio
 
-from streamrl.actors.config import Config, load_config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.executor import Executor, Sandboxes
 from streamrl.actors.monitor import Monitor
-from streamrl.actors.report import charts, collect, forgetting
 from streamrl.actors.scheduler import eval_domains, eval_round_size, publish_eval_round
 from streamrl.actors.verifier import Verifier
+from streamrl.cli.report import charts, collect, forgetting
+from streamrl.config.schema import Config, load_config
 from streamrl.domains.cad.runtime import install
 from streamrl.domains.finance.domain import FinanceItem, parts_of, ratio_of
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Rollout, Sample, Task, new_id, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Executed, Rollout, Sample, Task, decode, encode, new_id, now
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 
 TRAINED = ["math", "finance", "cad"]
 

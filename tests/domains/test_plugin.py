@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from streamrl.actors.config import ConfigError, load_config
 from streamrl.actors.scheduler import domain_sampling, shares
+from streamrl.config.schema import ConfigError, load_config
 from streamrl.domains.base import EpisodePolicy, SandboxSpec, load_task_file
 from streamrl.domains.math import MathItem
 from streamrl.domains.registry import ENTRY_POINT_GROUP, available, entry_points, get_domain

@@ -9,13 +9,13 @@ from collections import Counter
 import pytest
 
 from streamrl.actors.executor import to_outcome
-from streamrl.actors.runtime import Count, Output
 from streamrl.actors.scheduler import make_task
 from streamrl.actors.scheduling import FairShare, Share
 from streamrl.actors.verifier import Verifier
 from streamrl.domains.math import MathItem
-from streamrl.queues import names as N
-from streamrl.queues.messages import Executed, Rollout, Sample, Sampling, Trajectory, new_id, now
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Rollout, Sample, Sampling, Trajectory, new_id, now
+from streamrl.runtime.serve import Count, Output
 
 
 def test_wfq_admits_in_proportion_to_weights_in_every_window() -> None:

@@ -10,26 +10,26 @@ import httpx
 import pytest
 import trio
 
-from streamrl.actors.config import ConfigError, load_config
-from streamrl.actors.context import ActorContext
 from streamrl.actors.generator import Generator, open_engine, serve_weight_updates
-from streamrl.actors.policies import Unavailable
 from streamrl.actors.scheduler import make_task
+from streamrl.config.schema import ConfigError, load_config
 from streamrl.domains.registry import get_domain
 from streamrl.learner.model import load_tokenizer
-from streamrl.queues import names as N
-from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import (
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import (
     Rollout,
     Sampling,
     WeightsPublished,
     bytes_to_ids,
-    encode,
     new_id,
     now,
 )
-from streamrl.queues.names import Names
+from streamrl.protocol.names import Names
+from streamrl.queues.client import RedisClient
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import FIELD
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.policies import Unavailable
 from tests.inference.conftest import ServeModel, free_port
 from tests.inference.test_weight_sync import publish_perturbed
 

@@ -11,7 +11,7 @@ import trio
 
 from streamrl.inference.engine import Engine
 from streamrl.inference.sglang_client import ServerUnavailable, SGLangEngine, open_sglang_engine
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 from tests.inference.conftest import ServeModel, start_serve_model, wait_healthy
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356]

@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from streamrl.inference.sglang_client import open_sglang_engine
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 from tests.inference.conftest import ServeModel, free_port
 from tests.inference.test_interruptible import LONG, PROMPT, rows_served
 from tests.inference.test_weight_sync import publish_perturbed

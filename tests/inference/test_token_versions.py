@@ -6,7 +6,8 @@ from __future__ import annotations
 import msgspec
 
 from streamrl.learner.batch import group_staleness, split_stale
-from streamrl.queues.messages import Trajectory, decode, encode, ids_to_bytes
+from streamrl.protocol.messages import Trajectory, ids_to_bytes
+from streamrl.queues.codec import decode, encode
 from streamrl.testing.messages import make_trajectory
 
 

@@ -15,7 +15,7 @@ import trio.testing
 from streamrl.inference.engine import Completion, Engine
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
 from streamrl.learner.model import load_model, resolve_model
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356],

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from streamrl.queues import names as N
-from streamrl.queues.messages import Trajectory, decode
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Trajectory
+from streamrl.queues.codec import decode
 
 REPO = Path(__file__).resolve().parents[2]
 

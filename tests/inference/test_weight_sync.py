@@ -14,7 +14,7 @@ import trio
 from streamrl.inference.sglang_client import open_sglang_engine
 from streamrl.learner.model import load_model
 from streamrl.learner.weights import save_weights
-from streamrl.queues.messages import Sampling
+from streamrl.protocol.messages import Sampling
 from tests.inference.conftest import ServeModel, free_port, start_serve_model, wait_healthy
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356]

@@ -11,7 +11,8 @@ import torch
 
 from streamrl.learner import distributed as dist_util
 from streamrl.learner.model import load_model, resolve_model
-from streamrl.queues.messages import Trajectory, decode, encode
+from streamrl.protocol.messages import Trajectory
+from streamrl.queues.codec import decode, encode
 from tests.learner.test_distributed import CASES, fixed_groups, run_case
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from streamrl.learner.batch import build_batch, split_stale
-from streamrl.queues.messages import Trajectory, decode, encode
+from streamrl.protocol.messages import Trajectory
+from streamrl.queues.codec import decode, encode
 from streamrl.testing.messages import make_trajectory
 
 PAD = 2  # SmolLM2's pad token is its EOS token

@@ -17,7 +17,7 @@ from streamrl.learner.batch import build_batch
 from streamrl.learner.distributed import shard_rows
 from streamrl.learner.model import load_model
 from streamrl.learner.train import StepStats, TrainConfig, Trainer
-from streamrl.queues.messages import Trajectory
+from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 
 ROOT = Path(__file__).resolve().parents[2]

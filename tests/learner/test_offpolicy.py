@@ -9,7 +9,7 @@ import torch
 
 from streamrl.learner.model import load_model
 from streamrl.learner.train import TrainConfig, Trainer
-from streamrl.queues.messages import Trajectory
+from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 
 

@@ -13,7 +13,7 @@ from streamrl.learner.checkpoint import load_trainer_state, save_trainer_state
 from streamrl.learner.model import load_model
 from streamrl.learner.train import TrainConfig, Trainer
 from streamrl.learner.weights import save_weights, version_dir
-from streamrl.queues.messages import Trajectory
+from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 
 STEPS = 4

@@ -11,7 +11,7 @@ import torch
 from streamrl.learner.batch import build_batch
 from streamrl.learner.model import load_model, load_tokenizer
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
-from streamrl.queues.messages import Trajectory
+from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 
 TEMPERATURE = 0.7

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from streamrl.actors.config import Config
-from streamrl.queues.messages import (
+from streamrl.config.schema import Config
+from streamrl.protocol.messages import (
     ExecOutcome,
     Executed,
     Rollout,

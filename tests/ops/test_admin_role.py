@@ -1,4 +1,4 @@
-"""The operator's ``admin`` role (queues/acl.py): ``streamrl status``, ``dlq list|show|requeue|
+"""The operator's ``admin`` role (protocol/roles.py): ``streamrl status``, ``dlq list|show|requeue|
 purge``, a live ``replay`` selection and the report's reads run end to end as the run's own
 admin user, on one shard and on two; the same user is refused every administrative command
 and every key of another run."""
@@ -20,26 +20,20 @@ import redis
 import trio
 
 import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
-from streamrl.actors.auth import apply_role_users, credentials_for_up, ops_url
-from streamrl.actors.config import Config
-from streamrl.actors.report import collect
-from streamrl.actors.status import ops_client
 from streamrl.actors.verifier import Verifier
-from streamrl.queues import names as N
-from streamrl.queues.acl import ROLES, Credentials, role_url
+from streamrl.cli.report import collect
+from streamrl.cli.status import ops_client
+from streamrl.config.schema import Config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Task, Trajectory, WeightsPublished, new_id, now
+from streamrl.protocol.roles import ROLES
+from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import RedisClient, RedisURL
-from streamrl.queues.messages import (
-    DeadLetter,
-    Task,
-    Trajectory,
-    WeightsPublished,
-    encode,
-    new_id,
-    now,
-)
+from streamrl.queues.codec import DeadLetter, encode
 from streamrl.queues.payloads import REF_PREFIX, PayloadLimits, resolve
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.streams import Producer, StreamConsumer, ensure_group, requeue_dead_letter
+from streamrl.runtime.auth import apply_role_users, credentials_for_up, ops_url
 from tests.ops.helpers import config as ops_config
 from tests.ops.helpers import executed
 

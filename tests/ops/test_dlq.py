@@ -10,13 +10,14 @@ import pytest
 import trio
 
 import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
-from streamrl.actors.context import ActorContext
-from streamrl.actors.dlq import Selection, list_dead, requeue, run_dlq
 from streamrl.actors.verifier import serve
-from streamrl.queues import names as N
+from streamrl.cli.dlq import Selection, list_dead, requeue, run_dlq
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Trajectory
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Trajectory, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 from tests.ops.helpers import config, executed
 
 
@@ -72,7 +73,8 @@ async def test_requeue_is_once_and_purge_needs_confirmation(
 ) -> None:
     # Given two dead letters from different streams
     dead_key = names.stream(N.DEAD)
-    from streamrl.queues.messages import DeadLetter, now
+    from streamrl.protocol.messages import now
+    from streamrl.queues.codec import DeadLetter
 
     for stream, err in ((N.EXECUTED, "boom: bad sandbox"), (N.TASKS, "unknown domain")):
         letter = DeadLetter(stream=stream, group="g", entry_id="1-0", error=err, deliveries=3,

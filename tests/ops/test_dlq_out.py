@@ -17,16 +17,17 @@ import pytest
 import trio
 
 import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
-from streamrl.actors.auth import apply_role_users, credentials_for_up
-from streamrl.actors.config import Config
-from streamrl.actors.context import ActorContext
-from streamrl.actors.dlq import list_dead
 from streamrl.actors.verifier import serve
-from streamrl.queues import names as N
+from streamrl.cli.dlq import list_dead
+from streamrl.config.schema import Config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import now
 from streamrl.queues.client import RedisClient, RedisURL
-from streamrl.queues.messages import DeadLetter, encode, now
+from streamrl.queues.codec import DeadLetter, encode
 from streamrl.queues.payloads import REF_PREFIX
 from streamrl.queues.streams import Producer
+from streamrl.runtime.auth import apply_role_users, credentials_for_up
+from streamrl.runtime.context import ActorContext
 from tests.ops.helpers import config as ops_config
 
 TEN_MB = 10 * 1024 * 1024

@@ -18,18 +18,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors import archiver
-from streamrl.actors.context import ActorContext
 from streamrl.actors.learner import serve as serve_learner
-from streamrl.actors.metrics import start_metrics_server
 from streamrl.actors.scheduler import Scheduler
-from streamrl.actors.supervisor import _children
 from streamrl.actors.verifier import serve
+from streamrl.cli.up import _children
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Task, new_id, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import StepMetrics, Task, decode, encode, new_id, now
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer, ensure_group
+from streamrl.runtime.context import ActorContext
+from streamrl.runtime.metrics import start_metrics_server
 from streamrl.testing.messages import make_trajectory
 from tests.ops.helpers import config, executed
 

@@ -16,10 +16,10 @@ import trio
 
 import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors import archiver
-from streamrl.actors.context import ActorContext
 from streamrl.actors.executor import to_outcome
 from streamrl.actors.learner import serve as serve_learner
-from streamrl.actors.replay import (
+from streamrl.actors.verifier import Verifier
+from streamrl.cli.replay import (
     Query,
     export,
     ledger_groups,
@@ -29,13 +29,14 @@ from streamrl.actors.replay import (
     retrain,
     select,
 )
-from streamrl.actors.verifier import Verifier
 from streamrl.domains import registry
 from streamrl.domains.arith.domain import Arith
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Trajectory, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Executed, Trajectory, encode, now
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
 from tests.ops.helpers import config, executed
 

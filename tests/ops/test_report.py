@@ -6,9 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, new_id, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import StepMetrics, encode, new_id, now
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
 from tests.ops.helpers import executed
 

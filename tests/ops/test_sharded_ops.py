@@ -18,17 +18,18 @@ import trio
 
 import streamrl.domains.arith.domain  # noqa: F401  (registers the arith domain)
 from streamrl.actors import archiver
-from streamrl.actors.context import ActorContext
-from streamrl.actors.dlq import Selection, list_dead, run_dlq
-from streamrl.actors.replay import Query, select
 from streamrl.actors.verifier import Verifier, serve
-from streamrl.queues import names as N
+from streamrl.cli.dlq import Selection, list_dead, run_dlq
+from streamrl.cli.replay import Query, select
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Trajectory
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Trajectory, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.payloads import PayloadLimits, resolve
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.stats import group_state, stream_length
 from streamrl.queues.streams import Producer, StreamConsumer, ensure_group
+from streamrl.runtime.context import ActorContext
 from tests.ops.helpers import config, executed
 
 SHARDS = 3

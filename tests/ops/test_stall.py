@@ -11,16 +11,17 @@ from pathlib import Path
 
 import trio
 
-from streamrl.actors.context import open_context
 from streamrl.actors.monitor import Monitor
-from streamrl.actors.policies import Policies
-from streamrl.actors.runtime import ActorRuntime, Output, RuntimeSettings
-from streamrl.actors.status import assess_stall, render, snapshot
-from streamrl.queues import names as N
+from streamrl.cli.status import render, snapshot
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Task
+from streamrl.protocol.pipeline import assess_stall, pipeline_state
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Task, encode
-from streamrl.queues.stats import pipeline_state
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
+from streamrl.runtime.context import open_context
+from streamrl.runtime.policies import Policies
+from streamrl.runtime.serve import ActorRuntime, Output, RuntimeSettings
 from tests.actors.test_runtime import _task
 from tests.ops.helpers import config
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.actors.status import bottleneck, sample, snapshot
-from streamrl.queues import names as N
+from streamrl.cli.status import bottleneck, sample, snapshot
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, WeightsPublished, new_id, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import StepMetrics, WeightsPublished, encode, new_id, now
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer, StreamConsumer, ensure_group
 from tests.ops.helpers import config, executed
 

@@ -10,13 +10,15 @@ import pytest
 import redis
 import trio
 
-from streamrl.queues import names as N
-from streamrl.queues.acl import ROLES, Credentials, acl_rules, apply_acls, role_url
+from streamrl.protocol import names as N
+from streamrl.protocol.pipeline import pipeline_state
+from streamrl.protocol.roles import ROLES, acl_rules, apply_acls
+from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import Reconnect, RedisClient
 from streamrl.queues.payloads import PayloadLimits
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.shards import open_sharded_consumer, publish_routed
-from streamrl.queues.stats import group_state, pipeline_state, stream_length
+from streamrl.queues.stats import group_state, stream_length
 from streamrl.queues.streams import (
     ConsumerSettings,
     EventReader,

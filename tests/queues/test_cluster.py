@@ -22,7 +22,8 @@ import pytest
 import redis
 import trio
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.queues import keys as K
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.shards import open_sharded_consumer, publish_routed, unqualify
@@ -89,7 +90,7 @@ def test_keys_of_one_handoff_share_a_slot(redis_cluster: ClusterProcess) -> None
                 names.counter("dropped_stale"),  # counters: written by the hand-off
             ]
             assert {slot(k) for k in keys} == {slot(names.stream(N.TASKS))}
-            assert {N.key_slot(k) for k in keys} == {slot(names.stream(N.TASKS))}
+            assert {K.key_slot(k) for k in keys} == {slot(names.stream(N.TASKS))}
         # run-global keys stay in the run's slot whatever the shard
         run_slot = slot(N.Names("r1").stream(N.TASKS))
         for key in (
@@ -161,7 +162,7 @@ async def test_blocking_read_follows_a_moved_slot(
         key = n.stream(N.WEIGHTS)
         owner = redis.Redis(port=_port(client, key), password=redis_cluster.password)
         try:
-            return int(owner.execute_command("CLUSTER", "COUNTKEYSINSLOT", N.key_slot(key))) == 0
+            return int(owner.execute_command("CLUSTER", "COUNTKEYSINSLOT", K.key_slot(key))) == 0
         finally:
             owner.close()
 
@@ -170,7 +171,7 @@ async def test_blocking_read_follows_a_moved_slot(
     reader = EventReader(client, names, N.WEIGHTS, block_ms=5000)
     try:
         # When the slot moves to another node (as after resharding or a failover)
-        slot = N.key_slot(key)
+        slot = K.key_slot(key)
         nodes = {
             n.port: redis.Redis(port=n.port, password=redis_cluster.password)
             for n in redis_cluster.nodes
@@ -212,9 +213,9 @@ async def test_shards_on_different_nodes_hand_off_within_each(client: RedisClien
     domains = [f"domain-{i}" for i in range(12)]
     items = [(d, d.encode()) for d in domains]
     ids = await publish_routed(client, names, N.TASKS, items, shards=2)
-    by_shard = {k: [d for d in domains if N.shard_for(d, 2) == k] for k in (0, 1)}
+    by_shard = {k: [d for d in domains if K.shard_for(d, 2) == k] for k in (0, 1)}
     assert by_shard[0] and by_shard[1]
-    assert [unqualify(i)[0] for i in ids] == [N.shard_for(d, 2) for d in domains]
+    assert [unqualify(i)[0] for i in ids] == [K.shard_for(d, 2) for d in domains]
 
     # When one consumer covering both shards hands every task off to rollouts, naming its
     # outputs and dedup keys with the unsharded names (as the actor runtime does)
@@ -344,7 +345,7 @@ def test_pipeline_end_to_end_on_cluster(redis_cluster: ClusterProcess, tmp_path:
         [
             sys.executable,
             "-m",
-            "streamrl.actors.cli",
+            "streamrl.cli.main",
             "up",
             "--config",
             "configs/tiny.toml",

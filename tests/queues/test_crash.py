@@ -11,7 +11,7 @@ from pathlib import Path
 
 import trio
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
 
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONSUMER = textwrap.dedent("""
     import sys, trio
     from streamrl.queues.client import RedisClient
-    from streamrl.queues.names import Names
+    from streamrl.protocol.names import Names
     from streamrl.queues.streams import open_stream_consumer
 
     async def main(url, run):

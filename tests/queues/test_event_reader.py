@@ -8,9 +8,10 @@ import structlog
 import trio
 
 from streamrl.actors.scheduler import latest_version
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import WeightsPublished
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import WeightsPublished, encode
+from streamrl.queues.codec import encode
 from streamrl.queues.payloads import REF_PREFIX
 from streamrl.queues.streams import EventReader, Producer
 

@@ -9,8 +9,9 @@ import pytest
 import redis
 import trio
 
-from streamrl.queues import names as N
-from streamrl.queues.acl import ROLES, Credentials, apply_acls, role_url
+from streamrl.protocol import names as N
+from streamrl.protocol.roles import ROLES, apply_acls
+from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.payloads import PayloadLimits, PayloadTooLarge
 from streamrl.queues.streams import (

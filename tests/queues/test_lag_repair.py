@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from streamrl.queues import names as N
-from streamrl.queues.acl import apply_acls, role_url
+from streamrl.protocol import names as N
+from streamrl.protocol.roles import apply_acls
+from streamrl.queues.acl import role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.queues.stats import group_state, repair_lag

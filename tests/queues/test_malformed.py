@@ -6,19 +6,10 @@ from __future__ import annotations
 import pytest
 import trio
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Sampling, Task, new_id, now
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import (
-    DeadLetter,
-    Executed,
-    MessageError,
-    Sampling,
-    Task,
-    decode,
-    encode,
-    new_id,
-    now,
-)
+from streamrl.queues.codec import DeadLetter, MessageError, decode, encode
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
 from streamrl.testing.messages import make_trajectory
 

@@ -4,7 +4,7 @@ make the trim delete that key, nor fail (as the consumer's ACL user, it may not 
 
 from __future__ import annotations
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.payloads import REF_PREFIX
 from streamrl.queues.streams import ConsumerSettings, Handoff, open_stream_consumer

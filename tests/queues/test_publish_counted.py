@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.streams import Producer
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 import trio
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import Reconnect, RedisClient
 from streamrl.queues.server import ServerProcess
 from streamrl.queues.streams import (

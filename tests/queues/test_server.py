@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from streamrl.actors.config import load_config
+from streamrl.config.schema import load_config
 from streamrl.queues.server import ServerProcess, find_server_binary
 
 

@@ -10,8 +10,10 @@ import uuid
 import pytest
 import trio
 
-from streamrl.queues import names as N
-from streamrl.queues.acl import Credentials, apply_acls, role_url
+from streamrl.protocol import names as N
+from streamrl.protocol.roles import apply_acls
+from streamrl.queues import keys as K
+from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.shards import (
@@ -60,7 +62,7 @@ async def test_counted_admission_routes_into_shards_and_counts_run_wide(
     client: RedisClient, names: N.Names
 ) -> None:
     # Given a run of 3 shards whose task streams live in 3 different slots
-    assert len({N.key_slot(n.stream(N.TASKS)) for n in names.layouts()}) == SHARDS
+    assert len({K.key_slot(n.stream(N.TASKS)) for n in names.layouts()}) == SHARDS
     items = _items(30)
     # When 30 tasks are admitted against the run-global counter
     added = await publish_counted_routed(client, names, N.TASKS, items, names.admitted, 0)
@@ -69,7 +71,7 @@ async def test_counted_admission_routes_into_shards_and_counts_run_wide(
     assert int(await client.call(client.sync.get, names.admitted)) == 30
     tasks = await _tasks(client, names)
     for shard, payloads in tasks.items():
-        assert payloads == [p for k, p in items if N.shard_for(k, SHARDS) == shard]
+        assert payloads == [p for k, p in items if K.shard_for(k, SHARDS) == shard]
     assert all(tasks.values()), "30 episodes reach every one of 3 shards"
     assert await client.call(client.sync.hlen, names.admissions) == 0
     # and a second scheduler that read the counter before (expected 0) admits nothing
@@ -108,7 +110,7 @@ async def test_admission_interrupted_after_counting_is_published_once(
     tasks = await _tasks(client, names)
     assert sorted(p for ps in tasks.values() for p in ps) == sorted(p for _, p in items)
     for shard, payloads in tasks.items():
-        assert sorted(payloads) == sorted(p for k, p in items if N.shard_for(k, SHARDS) == shard)
+        assert sorted(payloads) == sorted(p for k, p in items if K.shard_for(k, SHARDS) == shard)
     assert await client.call(client.sync.hlen, names.admissions) == 0
     # and the next admission starts from the count
     assert (

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import trio
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import DeadLetter, decode
+from streamrl.queues.codec import DeadLetter, decode
 from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import trio
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import DeadLetter, decode
+from streamrl.queues.codec import DeadLetter, decode
 from streamrl.queues.payloads import REF_PREFIX, PayloadLimits, PayloadTooLarge
 from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
 

@@ -242,8 +242,8 @@ async def test_the_executor_connects_afresh_once_an_unreachable_engine_is_back(
 ) -> None:
     # Given an executor whose Docker engine (its socket proxy, as in the compose cluster) is
     # not there yet
-    from streamrl.actors.config import DomainConfig, DomainSandboxConfig
     from streamrl.actors.executor import Sandboxes
+    from streamrl.config.schema import DomainConfig, DomainSandboxConfig
     from streamrl.domains.registry import get_domain
     from streamrl.sandbox.socket_proxy import Policy, Proxy, serve_proxy
     from tests.actors.test_executor import _program
@@ -278,9 +278,9 @@ async def test_an_engine_lost_while_a_command_runs_raises_into_the_caller(
 ) -> None:
     # Given the executor's sandboxes (opened in their nursery) on a Docker engine reached
     # through its socket proxy, as in the compose cluster, and a rollout whose program runs long
-    from streamrl.actors.config import DomainConfig, DomainSandboxConfig
     from streamrl.actors.executor import Executor, Sandboxes
-    from streamrl.actors.policies import Unavailable
+    from streamrl.config.schema import DomainConfig, DomainSandboxConfig
+    from streamrl.runtime.policies import Unavailable
     from streamrl.sandbox.runner_channel import RunnerGone
     from streamrl.sandbox.socket_proxy import Policy, Proxy, serve_proxy
     from streamrl.testing.wait import wait_until
@@ -343,8 +343,8 @@ async def test_the_executor_names_a_samples_container_after_the_message(
     docker_image: str,
 ) -> None:
     # Given the executor on the Docker backend and a rollout whose program runs for a while
-    from streamrl.actors.config import DomainConfig, DomainSandboxConfig
     from streamrl.actors.executor import Executor, Sandboxes
+    from streamrl.config.schema import DomainConfig, DomainSandboxConfig
     from tests.actors.test_executor import _program, _rollout
 
     config = {"arith": DomainSandboxConfig(backend="docker", image=docker_image, pool_size=1)}

@@ -1,6 +1,6 @@
 """Per-role Redis credentials: user names from the config, passwords from the environment.
 
-With ``auth.enabled`` every process connects as the ACL user of its role (queues/acl.py):
+With ``auth.enabled`` every process connects as the ACL user of its role (protocol/roles.py, made users by queues/acl.py):
 the user name is ``auth.user`` filled in with the run and the role; the password is read from
 the environment variable named by ``auth.password_env``, so it is never in a TOML file, on a
 command line or in a log. ``streamrl up`` generates a random password per role, creates the
@@ -22,18 +22,12 @@ from collections.abc import Mapping
 import redis
 import trio
 
-from streamrl.actors.config import ENV_REDIS_URL, Config, ConfigError
-from streamrl.actors.logs import get_logger
-from streamrl.queues.acl import (
-    OPERATOR_ROLES,
-    ROLES,
-    Credentials,
-    apply_acls,
-    missing_users,
-    role_url,
-)
+from streamrl.config.schema import ENV_REDIS_URL, Config, ConfigError
+from streamrl.protocol.names import Names
+from streamrl.protocol.roles import OPERATOR_ROLES, ROLES, apply_acls
+from streamrl.queues.acl import Credentials, missing_users, role_url
 from streamrl.queues.client import Reconnect, RedisClient
-from streamrl.queues.names import Names
+from streamrl.runtime.logs import get_logger
 
 
 def role_credentials(
@@ -67,7 +61,7 @@ def credentials_for_apply(
 def ops_url(config: Config, environ: Mapping[str, str] = os.environ) -> str:
     """The Redis URL of the operator commands: with ``auth.enabled`` and the ``admin`` role's
     password in the environment, ``run.redis_url`` with the admin role's user (its own run's
-    keys, no administrative command; queues/acl.py); otherwise ``run.redis_url`` as given."""
+    keys, no administrative command; protocol/roles.py); otherwise ``run.redis_url`` as given."""
     url = config.run.redis_url
     password = environ.get(config.auth.password_env_of("admin"))
     if not (config.auth.enabled and url and password):

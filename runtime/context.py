@@ -16,19 +16,19 @@ from typing import Any
 import msgspec
 import trio
 
-from streamrl.actors.auth import actor_url
-from streamrl.actors.config import Config
-from streamrl.actors.policies import Policies, Reject, RetryPolicy
-from streamrl.actors.runtime import Actor, RuntimeSettings, serve_actor
+from streamrl.config.schema import Config
 from streamrl.domains.base import Domain
 from streamrl.domains.registry import get_domain
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Task
+from streamrl.protocol.names import Names
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import Task
-from streamrl.queues.names import Names
 from streamrl.queues.payloads import PayloadLimits
 from streamrl.queues.shards import Consumer, open_consumer, publish_routed
 from streamrl.queues.streams import ConsumerSettings, Producer
+from streamrl.runtime.auth import actor_url
+from streamrl.runtime.policies import Policies, Reject, RetryPolicy
+from streamrl.runtime.serve import Actor, RuntimeSettings, serve_actor
 
 DOWNSTREAM = {N.TASKS: N.ROLLOUTS, N.ROLLOUTS: N.EXECUTED, N.EXECUTED: N.TRAJECTORIES}
 """The work stream each handle-style stage feeds (producer-side backpressure)."""
@@ -143,7 +143,7 @@ def domain_item(task: Task) -> tuple[Domain, Any]:
 async def open_context(
     config: Config, role: str, *, password: str | None = None
 ) -> AsyncIterator[ActorContext]:
-    """Connect as ``role`` (with ``auth.enabled``: its own ACL user, see actors/auth.py)."""
+    """Connect as ``role`` (with ``auth.enabled``: its own ACL user, see runtime/auth.py)."""
     if not config.run.redis_url:
         raise ValueError("run.redis_url is empty: set it, or use `streamrl up` (embedded server)")
     client = RedisClient(actor_url(config, role, password))

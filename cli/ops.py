@@ -7,7 +7,7 @@
 
 They connect as the run's ``admin`` role where ``auth.enabled`` and its password
 (``$STREAMRL_PASSWORD_ADMIN``) are set, else with ``run.redis_url`` as given (the operator's
-credentials; actors/auth.py ``ops_url``), give up on an unreachable Redis within seconds (exit
+credentials; runtime/auth.py ``ops_url``), give up on an unreachable Redis within seconds (exit
 status 2) and import their heavy parts lazily.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from streamrl.actors.config import Config
+from streamrl.config.schema import Config
 
 OPS_COMMANDS = ("dlq", "replay", "report")
 
@@ -69,14 +69,14 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
 def run_ops_command(args: argparse.Namespace, config: Config) -> int:
     import redis
 
-    from streamrl.actors.status import RedisUnreachable, ops_client
+    from streamrl.cli.status import RedisUnreachable, ops_client
+    from streamrl.protocol.names import Names
     from streamrl.queues.client import RedisURL
-    from streamrl.queues.names import Names
 
     names = Names(config.run.name, shards=config.queues.shards)
     if args.command == "replay" and args.source == "archive" and not config.run.redis_url:
         # the archive alone needs no Redis (e.g. an embedded run's server is gone)
-        from streamrl.actors.replay import run_replay
+        from streamrl.cli.replay import run_replay
 
         return trio.run(run_replay, None, names, config, args)
     try:
@@ -86,7 +86,7 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
         return 2
     try:
         if args.command == "dlq":
-            from streamrl.actors.dlq import Selection, run_dlq
+            from streamrl.cli.dlq import Selection, run_dlq
 
             selection = Selection(tuple(args.ids), args.stream, args.error, args.all)
             return trio.run(
@@ -96,11 +96,11 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
                 )
             )
         if args.command == "replay":
-            from streamrl.actors.replay import run_replay
+            from streamrl.cli.replay import run_replay
 
             return trio.run(run_replay, client, names, config, args)
         if args.command == "report":
-            from streamrl.actors.report import run_report
+            from streamrl.cli.report import run_report
 
             return trio.run(run_report, client, names, config, args)
     except redis.RedisError as exc:  # unreachable, refused, not Redis: say so, briefly

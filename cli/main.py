@@ -3,7 +3,7 @@
     streamrl up --config configs/demo.toml [--max-minutes M] [--summary-json PATH]
     streamrl run {scheduler,generator,executor,verifier,learner} --config FILE
     streamrl status --config FILE [--json] [--watch]
-    streamrl dlq|replay|report ... (see actors/ops_cli.py)
+    streamrl dlq|replay|report ... (see cli/ops.py)
     streamrl acl apply --config FILE
     streamrl serve-model --model tiny|smollm2|DIR --port P [--host 127.0.0.1]
 
@@ -23,12 +23,12 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
-from streamrl.actors.config import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
-from streamrl.actors.lifeline import exit_with_supervisor
-from streamrl.actors.logs import configure_logging, get_logger
-from streamrl.actors.ops_cli import OPS_COMMANDS, add_ops_parsers, run_ops_command
-from streamrl.actors.process import ACTORS, run_actor
+from streamrl.cli.ops import OPS_COMMANDS, add_ops_parsers, run_ops_command
+from streamrl.config.schema import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
 from streamrl.queues.client import RedisURL
+from streamrl.runtime.lifeline import exit_with_supervisor
+from streamrl.runtime.logs import configure_logging, get_logger
+from streamrl.runtime.process import ACTORS, run_actor
 from streamrl.sandbox.base import IsolationTooWeak
 
 
@@ -37,8 +37,8 @@ async def apply_acl(config: Config) -> int:
     connected with the admin credentials of run.redis_url, the role passwords taken from the
     environment (the operator's ``admin`` role only where its password is set). Prints no
     secret."""
-    from streamrl.actors.auth import apply_role_users, credentials_for_apply
-    from streamrl.queues.acl import OPERATOR_ROLES
+    from streamrl.protocol.roles import OPERATOR_ROLES
+    from streamrl.runtime.auth import apply_role_users, credentials_for_apply
 
     if not config.auth.enabled:
         print("streamrl: auth.enabled is false in this config: no users to create", file=sys.stderr)
@@ -70,7 +70,7 @@ def warn_password_on_command_line(overrides: list[str]) -> bool:
     repeated. True when it warned."""
     import structlog
 
-    from streamrl.actors.config import _parse_value
+    from streamrl.config.schema import _parse_value
 
     for item in overrides:
         key, _, value = item.partition("=")
@@ -174,7 +174,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    exit_with_supervisor()  # a child of `streamrl up` dies with it (actors/lifeline.py)
+    exit_with_supervisor()  # a child of `streamrl up` dies with it (runtime/lifeline.py)
     if args.command == "serve-model":
         from streamrl.inference.server import main_serve_model
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_serve_model(args.model, args.host, args.port, args.max_batch, args.threads,
                                 args.weight_version)
     if args.command == "config-doc":
-        from streamrl.actors.config_doc import main as config_doc
+        from streamrl.config.doc import main as config_doc
 
         return config_doc()
     warn_password_on_command_line(args.overrides)
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "status":
-        from streamrl.actors.status import print_status
+        from streamrl.cli.status import print_status
 
         configure_logging(actor="status", level="warning")
         return trio.run(
@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "acl":
         return trio.run(apply_acl, config)
     if args.command == "up":
-        from streamrl.actors.supervisor import run_up
+        from streamrl.cli.up import run_up
 
         summary = run_up(config, max_minutes=args.max_minutes, fresh=args.fresh)
         if args.summary_json:

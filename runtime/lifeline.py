@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
-from streamrl.actors.logs import get_logger
+from streamrl.runtime.logs import get_logger
 
 ENV_LIFELINE_FD = "STREAMRL_LIFELINE_FD"
 EXIT_CODE = 75

@@ -120,7 +120,7 @@ class QueueConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True
     changing it strands the entries of the old layout."""
 
     def __post_init__(self) -> None:
-        from streamrl.queues.names import WORK_STREAMS
+        from streamrl.protocol.names import WORK_STREAMS
 
         unknown = set(self.reclaim_min_idle_ms_by_stream) - set(WORK_STREAMS)
         if unknown:

@@ -30,13 +30,14 @@ import msgspec
 import structlog
 import trio
 
-from streamrl.actors import metrics
-from streamrl.actors.policies import Policies, Reject, Retry, Unavailable
-from streamrl.queues.messages import Message, MessageError, decode, encode, training_group
+from streamrl.protocol.messages import Message, training_group
+from streamrl.queues.codec import MessageError, decode, encode
 from streamrl.queues.payloads import REF_PREFIX, PayloadTooLarge
 from streamrl.queues.shards import Consumer
 from streamrl.queues.stats import Paused, group_state, mark_paused
 from streamrl.queues.streams import Delivery, Handoff, over_delivery_limit
+from streamrl.runtime import metrics
+from streamrl.runtime.policies import Policies, Reject, Retry, Unavailable
 
 log = structlog.get_logger()
 
@@ -52,7 +53,7 @@ class Output:
 @dataclass(frozen=True)
 class Count:
     """A handler's result that adds ``n`` to the run's counter ``name``
-    (:meth:`queues.names.Names.counter`) with the hand-off: in the same script as its
+    (:meth:`protocol.names.Names.counter`) with the hand-off: in the same script as its
     outputs and under the same dedup key, so a replayed hand-off counts once."""
 
     name: str
@@ -270,7 +271,7 @@ class ActorRuntime:
     ) -> None:
         """Dead-letter ``delivery`` (the consumer logs it with the reason); a decoded
         ``message`` of an admitted training group frees the group's admission slot with the
-        letter (:func:`queues.messages.training_group`)."""
+        letter (:func:`protocol.messages.training_group`)."""
         group = training_group(message) if message is not None else None
         await self.consumer.dead_letter(delivery, reason, group=group)
         self._dead += 1

@@ -34,24 +34,24 @@ from pathlib import Path
 import msgspec
 import trio
 
-from streamrl.actors.auth import (
+from streamrl.actors.executor import isolation_report
+from streamrl.actors.monitor import Monitor, Summary
+from streamrl.actors.scheduler import eval_round_size, publish_eval_round
+from streamrl.config.schema import Config, to_dict
+from streamrl.net import free_port, free_ports, wait_healthy
+from streamrl.protocol.names import Names
+from streamrl.queues.acl import Credentials
+from streamrl.queues.client import RedisClient, RedisURL
+from streamrl.queues.server import ServerProcess, find_server_binary
+from streamrl.runtime.auth import (
     apply_role_users,
     child_environment,
     credentials_for_up,
     serve_role_users,
 )
-from streamrl.actors.config import Config, to_dict
-from streamrl.actors.context import open_context
-from streamrl.actors.executor import isolation_report
-from streamrl.actors.lifeline import Lifeline, open_lifeline
-from streamrl.actors.logs import configure_logging, get_logger
-from streamrl.actors.monitor import Monitor, Summary
-from streamrl.actors.scheduler import eval_round_size, publish_eval_round
-from streamrl.net import free_port, free_ports, wait_healthy
-from streamrl.queues.acl import Credentials
-from streamrl.queues.client import RedisClient, RedisURL
-from streamrl.queues.names import Names
-from streamrl.queues.server import ServerProcess, find_server_binary
+from streamrl.runtime.context import open_context
+from streamrl.runtime.lifeline import Lifeline, open_lifeline
+from streamrl.runtime.logs import configure_logging, get_logger
 from streamrl.sandbox.base import IsolationTooWeak
 
 log = get_logger()
@@ -77,7 +77,7 @@ class Child:
     health_url: str = ""  # started only once this answers 200 (serve-model)
     gave_up: str = ""
     """Why this child is no longer restarted (a crash loop); empty while it is kept up."""
-    pass_fds: tuple[int, ...] = ()  # the lifeline's read end (actors/lifeline.py)
+    pass_fds: tuple[int, ...] = ()  # the lifeline's read end (runtime/lifeline.py)
 
     @property
     def name(self) -> str:
@@ -149,7 +149,7 @@ class Child:
 
 
 def _on_lifeline(children: list[Child], lifeline: Lifeline) -> list[Child]:
-    """Every child dies with this process, however it ends (actors/lifeline.py)."""
+    """Every child dies with this process, however it ends (runtime/lifeline.py)."""
     for child in children:
         child.env.update(lifeline.environment())
         child.pass_fds = (lifeline.read_fd,)

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.actors.archiver import archive_dir
-from streamrl.actors.config import Config
-from streamrl.actors.replay import Query, select
-from streamrl.queues import names as N
+from streamrl.cli.replay import Query, select
+from streamrl.config.schema import Config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import MessageError, StepMetrics, decode
+from streamrl.queues.codec import MessageError, decode
 from streamrl.queues.stats import stream_length
 
 PRODUCED_BY = {

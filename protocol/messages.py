@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
 SCHEMA_VERSION = 1
-
-
-class MessageError(ValueError):
-    """A payload could not be decoded into the expected message type."""
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -230,7 +226,7 @@ def training_group(message: msgspec.Struct) -> str | None:
     """The group id (episode id) if ``message`` carries a training group (a ``Task`` of split
     "train", or a rollout, executed result or trajectory of one), else None. Its dead letter
     frees the group's admission slot if that group was admitted and is not settled yet
-    (``queues/deadletter.lua``, :attr:`queues.names.Names.admitted_groups`)."""
+    (``queues/deadletter.lua``, :attr:`protocol.names.Names.admitted_groups`)."""
     task: Task | None = None
     if isinstance(message, Task):
         task = message
@@ -241,35 +237,3 @@ def training_group(message: msgspec.Struct) -> str | None:
     if task is None or task.split != "train" or task.eval_round >= 0:
         return None
     return task.episode_id
-
-
-class DeadLetter(msgspec.Struct, frozen=True, kw_only=True):
-    stream: str
-    group: str
-    entry_id: str
-    error: str
-    deliveries: int
-    payload: bytes
-    at: float
-
-
-M = TypeVar("M", bound=msgspec.Struct)
-
-_encoder = msgspec.msgpack.Encoder()
-_decoders: dict[type, msgspec.msgpack.Decoder[Any]] = {}
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode(raw: bytes, kind: type[M]) -> M:
-    dec = _decoders.get(kind)
-    if dec is None:
-        dec = _decoders[kind] = msgspec.msgpack.Decoder(kind)
-    try:
-        return dec.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MessageError(f"{kind.__name__}: {exc}") from None
-    except (ValueError, TypeError, RecursionError) as exc:
-        raise MessageError(f"{kind.__name__}: {type(exc).__name__}: {exc}") from None

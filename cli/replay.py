@@ -34,17 +34,11 @@ from typing import Any
 import msgspec
 
 from streamrl.actors.archiver import COLUMNS, archive_dir, row, write_parquet
-from streamrl.actors.config import Config
-from streamrl.queues import names as N
+from streamrl.config.schema import Config
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import StepMetrics, Trajectory, bytes_to_floats, bytes_to_ids
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import (
-    MessageError,
-    StepMetrics,
-    Trajectory,
-    bytes_to_floats,
-    bytes_to_ids,
-    decode,
-)
+from streamrl.queues.codec import MessageError, decode
 from streamrl.queues.payloads import PayloadLimits, resolve
 from streamrl.queues.shards import qualify, split_qualified
 
@@ -220,8 +214,8 @@ class RewardChange:
 
 def rescore(found: Iterable[Found]) -> tuple[int, list[RewardChange]]:
     """(samples scored, rewards that differ) with the domains' verifiers as they are now."""
-    from streamrl.actors.context import domain_item
     from streamrl.actors.executor import from_outcome
+    from streamrl.runtime.context import domain_item
 
     scored, changes = 0, []
     for f in found:

@@ -11,8 +11,8 @@ from typing import Any
 
 import trio
 
-from streamrl.actors.config import Config
-from streamrl.actors.logs import get_logger
+from streamrl.config.schema import Config
+from streamrl.runtime.logs import get_logger
 
 ACTORS = ("scheduler", "generator", "executor", "verifier", "learner", "archiver")
 
@@ -23,12 +23,12 @@ def _serve_function(actor: str) -> Any:
 
 async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -> None:
     """Serve one actor; SIGINT/SIGTERM drains it (work in hand settles), a second one stops it."""
-    from streamrl.actors.context import open_context
+    from streamrl.runtime.context import open_context
 
     serve = _serve_function(actor)
     log = get_logger()
     if config.ops.metrics_port:
-        from streamrl.actors.metrics import start_metrics_server
+        from streamrl.runtime.metrics import start_metrics_server
 
         start_metrics_server(config.ops.metrics_port, config.ops.metrics_addr)
     async with open_context(config, actor) as ctx:

@@ -1,7 +1,7 @@
 """Prometheus metrics of an actor process, served on ``/metrics`` (``metrics.port``; 0: off).
 
 What is recorded, by whom:
-- the runtime (:mod:`actors.runtime`), for every handle-style actor: messages handled,
+- the runtime (:mod:`runtime.serve`), for every handle-style actor: messages handled,
   handling latency (histogram), retries, dead letters (by reason class), the lag and
   pending count of the downstream group it watches for backpressure;
 - from the outputs the runtime publishes: sandbox outcomes (``Executed``: ok / nonzero /
@@ -35,7 +35,7 @@ from typing import Any
 
 import structlog
 
-from streamrl.queues.messages import Executed, StepMetrics, Trajectory
+from streamrl.protocol.messages import Executed, StepMetrics, Trajectory
 
 log = structlog.get_logger()
 

@@ -31,17 +31,10 @@ from typing import Any
 
 import msgspec
 
-from streamrl.queues import names as N
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import Executed, Rollout, Task, Trajectory
 from streamrl.queues.client import RedisClient
-from streamrl.queues.messages import (
-    DeadLetter,
-    Executed,
-    MessageError,
-    Rollout,
-    Task,
-    Trajectory,
-    decode,
-)
+from streamrl.queues.codec import DeadLetter, MessageError, decode
 from streamrl.queues.payloads import REF_PREFIX, PayloadLimits
 from streamrl.queues.shards import qualify, split_qualified
 from streamrl.queues.streams import requeue_dead_letter
