@@ -4,8 +4,9 @@ Starts an embedded Redis-compatible server when no Redis URL is configured (loop
 random password, AOF), prepares the base model once, then runs scheduler, generator(s),
 executor(s), verifier(s) and the learner as child processes that talk only through Redis
 Streams. Each child loads the merged config from ``<run dir>/config.json`` (``--config``; its
-Redis URL and password come in its environment). A child that dies is restarted (its
-unacknowledged work is redelivered). The terminal shows one progress line every few
+Redis URL and password come in its environment). A child that dies is restarted after a
+backoff (its unacknowledged work is redelivered); one that exits 0 has finished its work (the
+learner at ``learner.max_steps``) and is not. The terminal shows one progress line every few
 seconds; every actor logs JSON to ``<run dir>/logs/<actor>-<n>.log``.
 
 With ``up.serve_models = N`` it also starts N ``streamrl serve-model`` processes on loopback
@@ -37,6 +38,7 @@ import trio
 from streamrl.actors.executor import isolation_report
 from streamrl.actors.monitor import Monitor, Summary
 from streamrl.actors.scheduler import eval_round_size, publish_eval_round
+from streamrl.backoff import Backoff, Retrying
 from streamrl.config.schema import Config, to_dict
 from streamrl.net import free_port, free_ports, wait_healthy
 from streamrl.protocol.names import Names
@@ -63,6 +65,10 @@ CRASH_LOOP_S = 60.0
 is not started again and ``streamrl up`` ends with an error (a bad checkpoint, config or
 environment), rather than restarting it for the rest of the run."""
 
+RESTART_BACKOFF = Backoff(first_s=1.0, max_s=30.0)
+"""The wait before restarting a child that died (the n-th exit in a row within
+``CRASH_LOOP_S`` of starting: up to ``min(30, 2 ** (n - 1))`` s, full jitter)."""
+
 
 @dataclass
 class Child:
@@ -78,16 +84,20 @@ class Child:
     gave_up: str = ""
     """Why this child is no longer restarted (a crash loop); empty while it is kept up."""
     pass_fds: tuple[int, ...] = ()  # the lifeline's read end (runtime/lifeline.py)
+    backoff: Backoff = RESTART_BACKOFF
+    finished: bool = False
+    """It exited 0: its work is done (the learner at ``learner.max_steps``), not restarted."""
 
     @property
     def name(self) -> str:
         return f"{self.actor}-{self.index}"
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep the process running (restart on unexpected exit) until stopped, or until it
-        has exited ``CRASH_LOOP_EXITS`` times in a row soon after starting (``gave_up``)."""
+        """Keep the process running (restart after a backoff when it dies) until stopped,
+        until it exits 0 (``finished``: done with its work), or until it has died
+        ``CRASH_LOOP_EXITS`` times in a row soon after starting (``gave_up``)."""
         started = False
-        quick = 0  # exits in a row within CRASH_LOOP_S of starting
+        restarts = Retrying(self.backoff)  # its failures: exits in a row within CRASH_LOOP_S
         while not self.stopping:
             with self.log_path.open("ab") as logf:
                 self.process = await trio.lowlevel.open_process(
@@ -108,11 +118,18 @@ class Child:
             code = await self.process.wait()
             if self.stopping:
                 return
-            quick = quick + 1 if time.monotonic() - born < CRASH_LOOP_S else 1
-            if quick >= CRASH_LOOP_EXITS:  # it cannot start: restarting will not help
+            if code == 0:  # it ended by itself: its work is done
+                self.finished = True
+                log.info("actor finished", actor=self.name, log=str(self.log_path))
+                return
+            if time.monotonic() - born >= CRASH_LOOP_S:
+                restarts.reset()  # it ran: a new failure, not a crash loop
+            delay = restarts.failed()
+            if restarts.failures >= CRASH_LOOP_EXITS:  # it cannot start: restarting won't help
                 self.gave_up = (
-                    f"{self.name} exited {quick} times in a row within {CRASH_LOOP_S:.0f} s "
-                    f"of starting (last exit code {code}); its log: {self.log_path}"
+                    f"{self.name} exited {restarts.failures} times in a row within "
+                    f"{CRASH_LOOP_S:.0f} s of starting (last exit code {code}); "
+                    f"its log: {self.log_path}"
                 )
                 log.error("actor crash loop, not restarted", actor=self.name, code=code,
                           log=str(self.log_path))
@@ -123,9 +140,10 @@ class Child:
                 actor=self.name,
                 code=code,
                 restarts=self.restarts,
+                delay_s=round(delay, 2),
                 log=str(self.log_path),
             )
-            await trio.sleep(min(30.0, 2.0 * self.restarts))
+            await trio.sleep(delay)
 
     def _running(self) -> bool:
         return self.process is not None and self.process.returncode is None

@@ -1,0 +1,52 @@
+"""``up`` restarts a child that dies (after a backoff, ``streamrl.backoff``), gives up on one in
+a crash loop, and leaves one that exits 0 (its work done: the learner at ``learner.max_steps``)
+alone. ``cli.up.Child`` on real processes: a Python one-liner that prints and exits."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import trio
+
+from streamrl.backoff import Backoff
+from streamrl.cli.up import CRASH_LOOP_EXITS, Child
+
+
+def _child(tmp_path: Path, code: int) -> Child:
+    return Child(
+        actor="learner",
+        index=0,
+        argv=[sys.executable, "-c", f"print('started', flush=True); raise SystemExit({code})"],
+        env={},
+        log_path=tmp_path / "learner-0.log",
+        backoff=Backoff(first_s=0.01, max_s=0.05),
+    )
+
+
+def _starts(child: Child) -> int:
+    return child.log_path.read_text().count("started")
+
+
+async def test_a_child_that_exits_0_is_not_restarted(tmp_path: Path) -> None:
+    # Given a child whose process ends by itself with exit code 0 (its work is done)
+    child = _child(tmp_path, 0)
+    # When `up` serves it
+    with trio.fail_after(30):
+        await child.serve()
+    # Then it ran once, is finished, and was neither restarted nor given up on
+    assert _starts(child) == 1
+    assert child.finished and child.restarts == 0 and not child.gave_up
+
+
+async def test_a_child_that_keeps_failing_is_restarted_then_given_up(tmp_path: Path) -> None:
+    # Given a child whose process fails at every start
+    child = _child(tmp_path, 3)
+    # When `up` serves it
+    with trio.fail_after(30):
+        await child.serve()
+    # Then it was restarted (after the backoff) until the crash-loop limit, then given up on
+    assert _starts(child) == CRASH_LOOP_EXITS
+    assert child.restarts == CRASH_LOOP_EXITS - 1 and not child.finished
+    assert f"exited {CRASH_LOOP_EXITS} times in a row" in child.gave_up
+    assert "last exit code 3" in child.gave_up
