@@ -23,6 +23,7 @@ under $CI, where it fails. Figures go to stdout and to ``runs/compose-test-<v1|v
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -45,6 +46,7 @@ from streamrl.net import distinct_free_ports
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Executed, Rollout, StepMetrics, Task, WeightsPublished
 from streamrl.queues.codec import DeadLetter, decode
+from streamrl.testing.wait import wait_until_sync
 
 pytestmark = pytest.mark.slow
 
@@ -199,16 +201,13 @@ def _docker(*args: str) -> str:
 def _wait(
     what: str, cluster: Cluster, predicate: Any, timeout_s: float, poll_s: float = 0.5
 ) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    state = f"ledger {cluster.ledger()}, (lag, pending) {cluster.groups()}"
-    raise AssertionError(
-        f"timed out after {timeout_s} s waiting for {what}: {state}\n{cluster.logs()}"
-    )
+    try:
+        return wait_until_sync(predicate, timeout_s, poll_s)
+    except TimeoutError:
+        state = f"ledger {cluster.ledger()}, (lag, pending) {cluster.groups()}"
+        raise AssertionError(
+            f"timed out after {timeout_s} s waiting for {what}: {state}\n{cluster.logs()}"
+        ) from None
 
 
 def _events(text: str, event: str) -> list[dict[str, Any]]:
@@ -287,16 +286,17 @@ def _assert_nothing_left(project: str, owners: set[str]) -> None:
     assert _docker("ps", "-a", "-q", "--filter", label).split() == []
     assert _docker("volume", "ls", "-q", "--filter", label).split() == []
     assert _docker("network", "ls", "-q", "--filter", label).split() == []
-    deadline = time.monotonic() + 20  # AutoRemove of the sandboxes of killed executors
-    while True:
+
+    def ours() -> list[str]:
         out = _docker("ps", "-a", "--filter", "label=streamrl.sandbox", "--format",
                       '{{.Names}} {{.Label "streamrl.owner"}}')  # fmt: skip
-        ours = [line for line in out.splitlines()
+        return [line for line in out.splitlines()
                 if line.split(" ", 1)[-1].split("/", 1)[0] in owners]  # fmt: skip
-        if not ours or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert ours == [], f"sandbox containers of the project's executors left: {ours}"
+
+    with contextlib.suppress(TimeoutError):  # AutoRemove of the sandboxes of killed executors
+        wait_until_sync(lambda: not ours(), 20, 0.5)
+    left = ours()
+    assert left == [], f"sandbox containers of the project's executors left: {left}"
 
 
 SCALE = ("--scale", "generator=2", "--scale", "verifier=2")  # kept: an unnamed service goes to 1
@@ -355,13 +355,20 @@ def _scale_down_executors(
     down = subprocess.Popen(argv, cwd=ROOT, env=cluster.env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     settled_at = done_at = None
-    while done_at is None or settled_at is None:
+
+    def settled_and_done() -> bool:
+        nonlocal settled_at, done_at
         if settled_at is None and not cluster.pending_ids(N.ROLLOUTS, gone):
             settled_at = time.time()
         if done_at is None and down.poll() is not None:
             done_at = time.time()
-        assert time.time() - t_down < 150, "scale-down: removed executors still hold entries"
-        time.sleep(0.1)
+        return done_at is not None and settled_at is not None
+
+    try:
+        wait_until_sync(settled_and_done, 150)
+    except TimeoutError:
+        raise AssertionError("scale-down: removed executors still hold entries") from None
+    assert settled_at is not None and done_at is not None
     out = down.communicate()[0]
     assert down.returncode == 0, out[-3000:]
     for follower in followers:
@@ -388,9 +395,16 @@ def _scale_down_executors(
 
 
 def _wait_or_none(predicate: Any, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while (value := predicate()) == set() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    """``predicate()`` once it is not the empty set, else (after ``timeout_s``) the empty set."""
+    value: Any = set()
+
+    def seen() -> bool:
+        nonlocal value
+        value = predicate()
+        return value != set()
+
+    with contextlib.suppress(TimeoutError):
+        wait_until_sync(seen, timeout_s)
     return value
 
 
