@@ -4,6 +4,7 @@ no actor, nor the embedded Redis, outlives it; after a SIGKILL no actor does
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from streamrl.testing.wait import wait_until_sync
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,23 +77,30 @@ class _Up:
             self.lines.append(line)
 
     def wait_for(self, text: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not any(text in line for line in self.lines):
+        def seen() -> bool:
             assert self.proc.poll() is None, "".join(self.lines)[-3000:]
-            assert time.monotonic() < deadline, f"no {text!r} in:\n" + "".join(self.lines)[-3000:]
-            time.sleep(0.1)
+            return any(text in line for line in self.lines)
+
+        try:
+            wait_until_sync(seen, timeout_s)
+        except TimeoutError:
+            raise AssertionError(f"no {text!r} in:\n" + "".join(self.lines)[-3000:]) from None
 
 
 def _wait_ready(up: _Up, work: Path, timeout_s: float) -> None:
     """Until every actor's log says it is taking work (its signal handlers are in place)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def ready() -> bool:
         texts = [p.read_text(errors="replace") for p in (work / "logs").glob("*.log")]
         if texts and all('"actor ready"' in t for t in texts):
-            return
+            return True
         assert up.proc.poll() is None, "".join(up.lines)[-3000:]
-        assert time.monotonic() < deadline, "actors not ready:\n" + "".join(up.lines)[-3000:]
-        time.sleep(0.5)
+        return False
+
+    try:
+        wait_until_sync(ready, timeout_s, 0.5)
+    except TimeoutError:
+        raise AssertionError("actors not ready:\n" + "".join(up.lines)[-3000:]) from None
 
 
 def _start(tmp_path: Path) -> tuple[_Up, dict[int, str]]:
@@ -104,10 +114,10 @@ def _start(tmp_path: Path) -> tuple[_Up, dict[int, str]]:
 
 
 def _gone_within(pids: dict[int, str], timeout_s: float) -> dict[int, str]:
-    deadline = time.monotonic() + timeout_s
-    while (alive := _alive(pids)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return alive
+    """Those of ``pids`` still alive after up to ``timeout_s`` (empty once all are gone)."""
+    with contextlib.suppress(TimeoutError):
+        wait_until_sync(lambda: not _alive(pids), timeout_s)
+    return _alive(pids)
 
 
 def _kill_leftovers(pids: dict[int, str]) -> None:

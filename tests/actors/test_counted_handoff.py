@@ -30,6 +30,7 @@ from streamrl.runtime.context import ActorContext
 from streamrl.runtime.policies import Policies
 from streamrl.runtime.serve import ActorRuntime, RuntimeSettings
 from streamrl.testing.messages import make_trajectory
+from streamrl.testing.wait import wait_until
 from tests.helpers import run_config
 
 ITEM = MathItem(id="m", prompt="What is 2+2?", answer="4", kind="t")
@@ -125,9 +126,7 @@ async def test_replayed_verifier_handoffs_count_once_and_admission_stays_in_boun
             runtime = ActorRuntime(dying, Verifier(True), policies, settings)  # type: ignore
             async with trio.open_nursery() as nursery:
                 await nursery.start(runtime.serve)
-                with trio.fail_after(20):
-                    while dying.reached < 3:
-                        await trio.sleep(0.02)
+                await wait_until(lambda: dying.reached >= 3, 20, 0.02)
                 nursery.cancel_scope.cancel()
         # and replica B reclaims them, its every script call replayed (a lost reply retried)
         replaying = Replaying(roles["verifier"].url)
@@ -137,9 +136,7 @@ async def test_replayed_verifier_handoffs_count_once_and_admission_stays_in_boun
                 runtime = ActorRuntime(consumer, Verifier(True), policies, settings)
                 async with trio.open_nursery() as nursery:
                     await nursery.start(runtime.serve)
-                    with trio.fail_after(20):
-                        while runtime.statistics().handled < 3:
-                            await trio.sleep(0.02)
+                    await wait_until(lambda: runtime.statistics().handled >= 3, 20, 0.02)
                     nursery.cancel_scope.cancel()
         finally:
             replaying.close()

@@ -21,6 +21,7 @@ from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_cons
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.policies import Policies, Reject
 from streamrl.runtime.serve import ActorRuntime, Output, RuntimeSettings
+from streamrl.testing.wait import wait_until
 
 
 def _task(split: str, eval_round: int = -1) -> Task:
@@ -58,9 +59,7 @@ async def _dead_letter_all(
         runtime = ActorRuntime(consumer, Refusing(), Policies(), RuntimeSettings(concurrency=2))
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
-            with trio.fail_after(20):
-                while runtime.statistics().dead_lettered < expect:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: runtime.statistics().dead_lettered >= expect, 20)
             nursery.cancel_scope.cancel()
 
 

@@ -24,6 +24,7 @@ from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stre
 from streamrl.runtime.policies import Policies, Retry, RetryPolicy
 from streamrl.runtime.serve import ActorRuntime, RuntimeSettings
 from streamrl.sandbox import ProcessSandbox, Sandbox, open_sandbox
+from streamrl.testing.wait import wait_until
 
 
 def _rollout(*texts: str) -> Rollout:
@@ -167,12 +168,9 @@ async def test_outage_is_retried_by_the_runtime_then_published(
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
             # When the first attempts fail and then the infrastructure comes back
-            with trio.fail_after(20):
-                while runtime.statistics().retried < 2:
-                    await trio.sleep(0.05)
-                missing.mkdir()
-                while runtime.statistics().handled < 1:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: runtime.statistics().retried >= 2, 20)
+            missing.mkdir()
+            await wait_until(lambda: runtime.statistics().handled >= 1, 20)
             nursery.cancel_scope.cancel()
     await sandboxes.aclose()
     shutil.rmtree(base)

@@ -371,9 +371,7 @@ async def test_sessions_are_released_on_every_exit_path(
     # When they stay idle past session_idle_s, Then the idle release closes them
     async with trio.open_nursery() as nursery:
         await nursery.start(idle.sessions.serve_idle_release)
-        with trio.fail_after(5):
-            while len(idle.sessions):
-                await trio.sleep(0.05)
+        await wait_until(lambda: not idle.sessions, 5)
         nursery.cancel_scope.cancel()
     # And closing the executor closes what is still cached
     [rollout] = await generator.handle(make_task("terminal", item, split="train", group_size=2,
@@ -522,9 +520,7 @@ async def test_an_executor_process_killed_mid_turn(
             first.kill()
             await first.wait()
             # Then its sandboxes die with it (nothing of turn 2 keeps running)
-            with trio.fail_after(5):
-                while processes_with(marker):
-                    await trio.sleep(0.05)
+            await wait_until(lambda: not processes_with(marker), 5)
             # And another executor process finishes the episode from the messages
             second = await start_executor()
             traj = await trajectory(client, names)

@@ -30,6 +30,7 @@ from streamrl.queues.codec import encode
 from streamrl.queues.streams import FIELD
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.policies import Unavailable
+from streamrl.testing.wait import wait_until
 from tests.inference.conftest import ServeModel, free_port
 from tests.inference.test_weight_sync import publish_perturbed
 
@@ -75,9 +76,7 @@ async def test_published_weights_reach_every_server_and_rollouts(
             await client.call(lambda: client.sync.xadd(names.stream(N.WEIGHTS),
                                                        {FIELD: encode(event)}))
             # Then every server serves it, and the next rollout was sampled under it
-            with trio.fail_after(30):
-                while engine.weight_version != 1:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: engine.weight_version == 1, 30)
             for s in servers:
                 assert httpx.get(s.url + "/model_info").json()["weight_version"] == "1"
             [out] = await generator.handle(task)

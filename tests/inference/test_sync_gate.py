@@ -22,6 +22,7 @@ from streamrl.queues.codec import encode
 from streamrl.queues.streams import FIELD
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.policies import Unavailable
+from streamrl.testing.wait import wait_until
 from tests.inference.test_weight_sync import publish_perturbed
 
 
@@ -59,9 +60,7 @@ async def test_task_waits_for_the_version_it_was_admitted_for(
                                      version=1, path=str(path))
             await client.call(lambda: client.sync.xadd(names.stream(N.WEIGHTS),
                                                        {FIELD: encode(event)}))
-            with trio.fail_after(30):
-                while not rollouts:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: rollouts, 30)
             # Then the task was generated on version 1 only, every token of it
             [rollout] = rollouts
             assert rollout.policy_version == 1
@@ -72,7 +71,7 @@ async def test_task_waits_for_the_version_it_was_admitted_for(
         client.close()
 
 
-async def test_gate_gives_up_with_a_retryable_error() -> None:
+async def test_gate_gives_up_with_a_retryable_error(autojump_clock: trio.abc.Clock) -> None:
     gate = VersionGate(timeout_s=0.2)
     gate.advance(3)
     await gate.wait_for(2)  # older versions pass at once

@@ -32,6 +32,7 @@ from streamrl.queues.streams import Producer, ensure_group
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.metrics import start_metrics_server
 from streamrl.testing.messages import make_trajectory
+from streamrl.testing.wait import wait_until
 from tests.ops.helpers import config, executed
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -96,9 +97,7 @@ async def test_actor_metrics_are_scraped_from_a_real_endpoint(
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(archiver.serve, observer)
-            with trio.fail_after(20):
-                while busy not in _scrape(port):
-                    await trio.sleep(0.05)
+            await wait_until(lambda: busy in _scrape(port), 20)
             nursery.cancel_scope.cancel()
 
         # Then the endpoint shows exactly what happened
@@ -225,15 +224,11 @@ async def test_scheduler_process_metrics_match_its_admissions(
     async with trio.open_nursery() as nursery:
         await nursery.start(Scheduler(ActorContext(cfg, client, names)).serve)
         # When it admits all it may
-        with trio.fail_after(20):
-            while blocked(_scrape(port)).get("limit") != 1:
-                await trio.sleep(0.05)
+        await wait_until(lambda: blocked(_scrape(port)).get("limit") == 1, 20)
         m = _scrape(port)
         # ... and then the run is stopped
         await client.call(client.sync.set, names.stop, 1)
-        with trio.fail_after(20):
-            while blocked(_scrape(port)).get("stopped") != 1:
-                await trio.sleep(0.05)
+        await wait_until(lambda: blocked(_scrape(port)).get("stopped") == 1, 20)
         nursery.cancel_scope.cancel()
 
     # Then admitted per domain is what reached the tasks stream, and adds up to the counter

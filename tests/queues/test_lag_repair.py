@@ -18,6 +18,7 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.queues.stats import group_state, repair_lag
 from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
+from streamrl.testing.wait import wait_until
 from tests.helpers import rewrite_aof, role_credentials, server_version, system_redis_server
 
 GROUP = N.GROUP_OF_STREAM[N.TASKS]
@@ -132,9 +133,7 @@ async def test_a_consumer_repairs_its_group_when_it_starts(
         settings = ConsumerSettings(trim_interval_s=30)
         async with open_stream_consumer(generator, names, N.TASKS, stage="generator",
                                         settings=settings):
-            with trio.fail_after(5):
-                while _reported_lag(admin, names) != 0:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: _reported_lag(admin, names) == 0, 5)
         # Then Redis reports the group's lag right again
         assert _reported_lag(admin, names) == 0
     finally:

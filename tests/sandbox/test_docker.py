@@ -23,6 +23,7 @@ import trio
 
 from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox, opened
 from streamrl.sandbox.docker import DockerSandbox, open_docker_sandbox
+from streamrl.testing.wait import wait_until
 from tests.sandbox.docker_engine import IMAGE, engine_get, require_docker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -194,9 +195,7 @@ async def _watch_for(fragment: str, seen: list[str]) -> None:
 async def test_a_one_shot_run_is_named_after_its_label_while_it_runs(box: DockerSandbox) -> None:
     # Given a warm pool, and a one-shot run labelled with a message id
     await box.run(sh("true"))
-    with trio.fail_after(10):
-        while (s := box.statistics()).ready < 1 or s.busy:
-            await trio.sleep(0.05)
+    await wait_until(lambda: (s := box.statistics()).ready >= 1 and not s.busy, 10)
     before, since = box.statistics(), time.time()
     label = f"msg-{uuid.uuid4().hex}-0"
     seen: list[str] = []
