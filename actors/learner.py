@@ -62,7 +62,7 @@ from streamrl.protocol.messages import (
     now,
     training_group,
 )
-from streamrl.queues.codec import MessageError, decode, encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.shards import Consumer
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import Delivery
@@ -72,10 +72,11 @@ from streamrl.runtime.metrics import (
     record_learner_step,
     record_policy_version,
 )
-from streamrl.runtime.serve import peek
+from streamrl.runtime.serve import dead_letter, decode_or_dead_letter
 
 log = structlog.get_logger()
 
+STAGE = "learner"
 STEP_METRICS_FILE = "step_metrics.msgpack"
 """In each version directory: the step's metrics, so a re-announced step still reports them."""
 
@@ -267,27 +268,18 @@ class Learner:
         """Decode, skip groups already trained (or taken for a step not yet checkpointed),
         check staleness against ``version``; anything not trainable is settled (acknowledged
         or dead-lettered) here."""
-        if d.payload is None:
-            past = peek(d, Trajectory)
-            group = training_group(past) if past is not None else None
-            await self.consumer.dead_letter(d, d.error or "entry has no payload", group=group)
+        traj: Trajectory | None = await decode_or_dead_letter(self.consumer, STAGE, d, Trajectory)
+        if traj is None:
             return None
-        try:
-            traj = decode(d.payload, Trajectory)
-        except MessageError as exc:
-            await self.consumer.dead_letter(d, f"malformed message: {exc}")
-            return None
-        group = training_group(traj)
-        if group is None:  # an evaluation result, or a task of another split
+        if training_group(traj) is None:  # an evaluation result, or a task of another split
             task = traj.rollout.task
-            await self.consumer.dead_letter(
-                d, f"not a training group: split {task.split!r}, eval round {task.eval_round}"
-            )
+            reason = f"not a training group: split {task.split!r}, eval round {task.eval_round}"
+            await dead_letter(self.consumer, STAGE, d, reason)
             return None
         try:  # what the training step would refuse (killing the learner), refused here alone
             build_batch([traj])
         except ValueError as exc:
-            await self.consumer.dead_letter(d, f"malformed group: {exc}", group=group)
+            await dead_letter(self.consumer, STAGE, d, f"malformed group: {exc}", traj)
             return None
         seen = self.ledger.consumed, self.claimed, in_batch
         if any(traj.episode_id in ids for ids in seen):

@@ -1,7 +1,8 @@
 """Run monitor: evaluation rounds, learner metrics and queue depths, for progress and summaries.
 
-The monitor consumes the ``evals`` stream with its own consumer group (each result is
-recorded, appended to ``evals.jsonl`` in the run directory, then acknowledged) and follows
+The monitor consumes the ``evals`` stream with its own consumer group, as a handle-style
+actor of the runtime (each result is recorded, appended to ``evals.jsonl`` in the run
+directory, then acknowledged; what is not an evaluation result is dead-lettered) and follows
 the ``metrics`` event stream. It only reads; it never changes the pipeline. On a sharded
 run (``queues.shards``) it consumes the ``evals`` of every shard and its queue depths and
 dead-letter count are sums over the shards (:mod:`queues.stats`).
@@ -22,10 +23,12 @@ import trio
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Trajectory
 from streamrl.protocol.pipeline import Stall, assess_stall, lag_flag, pipeline_state
-from streamrl.queues.codec import MessageError, decode
+from streamrl.queues.codec import decode
 from streamrl.queues.stats import GroupState, stream_length
-from streamrl.queues.streams import EventReader, Handoff
+from streamrl.queues.streams import EventReader
 from streamrl.runtime.context import ActorContext
+from streamrl.runtime.policies import Reject
+from streamrl.runtime.serve import Result
 
 
 @dataclass
@@ -98,9 +101,14 @@ def eval_series(rounds: list[EvalRound]) -> dict[str, list[dict[str, Any]]]:
 
 
 class Monitor:
+    stage = "monitor"
+    input_stream = N.EVALS
+    input_type = Trajectory
+
     def __init__(self, ctx: ActorContext, run_dir: Path, eval_items: int) -> None:
         self.ctx = ctx
         self.run_dir = run_dir
+        self._log_path = run_dir / "evals.jsonl"
         self.eval_items = eval_items
         self.rounds: dict[int, EvalRound] = {}
         self.steps: list[StepMetrics] = []
@@ -127,26 +135,19 @@ class Monitor:
                 await trio.sleep(1.0)
 
     async def _serve_evals(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        log_path = self.run_dir / "evals.jsonl"
-        self._load_earlier(log_path)
-        async with self.ctx.consumer(N.EVALS, "monitor") as consumer:
-            task_status.started()
-            while True:
-                for d in await consumer.read(64):
-                    if d.payload is None:
-                        await consumer.dead_letter(d, d.error or "entry has no payload")
-                        continue
-                    try:
-                        traj = decode(d.payload, Trajectory)
-                    except MessageError as exc:
-                        await consumer.dead_letter(d, f"malformed message: {exc}")
-                        continue
-                    problem = not_an_eval_result(traj)
-                    if problem:
-                        await consumer.dead_letter(d, f"not an evaluation result: {problem}")
-                        continue
-                    self._record(traj, log_path)
-                    await consumer.complete(Handoff(d.entry_id, ""))
+        """Record every evaluation result, through the runtime (decode, dead letters, delivery
+        limit, reclaim of a crashed monitor's entries, hand-off)."""
+        self._load_earlier(self._log_path)
+        await self.ctx.serve(self, concurrency=64, time_limit_s=60.0, task_status=task_status)
+
+    async def handle(self, traj: Trajectory) -> list[Result]:
+        """Record one held-out result (the runtime acknowledges it); one that is not an
+        evaluation result is dead-lettered (:class:`runtime.policies.Reject`)."""
+        problem = not_an_eval_result(traj)
+        if problem:
+            raise Reject(f"not an evaluation result: {problem}")
+        self._record(traj, self._log_path)
+        return []
 
     def _load_earlier(self, log_path: Path) -> None:
         """The rounds an earlier monitor of this run recorded (a resumed ``streamrl up``),

@@ -81,7 +81,6 @@ class ActorContext:
         r = self.config.retry
         return Policies(
             retry=RetryPolicy(r.max_retries, r.backoff_s, r.max_backoff_s),
-            max_deliveries=self.config.queues.max_deliveries,
             time_limit_s=time_limit_s,
         )
 

@@ -6,10 +6,13 @@
 - :class:`Unavailable`: a :class:`Retry` for infrastructure this process cannot reach (sandbox
   engine down): retried in-process the same way, but past ``max_retries`` the message is
   released (left pending, no longer heart-beaten) instead of dead-lettered, so the reclaimer
-  of any replica redelivers it later; ``max_deliveries`` still bounds it.
+  of any replica redelivers it later; the delivery limit still bounds it.
 - :class:`Reject`: the handler found the input itself invalid: dead-letter now, no retry.
-- delivery limit: a message delivered more than ``max_deliveries`` times (the process
-  handling it died each time) is dead-lettered before it is handled again.
+- delivery limit: a message delivered more than ``queues.max_deliveries`` times (the process
+  handling it died each time) is dead-lettered before it is handled again. The consumer
+  applies it (:attr:`queues.streams.ConsumerSettings.max_deliveries`), before any of the
+  payload is fetched; the runtime dead-letters what it refused
+  (:func:`runtime.serve.decode_or_dead_letter`).
 - time limit: ``handle`` runs under ``trio.fail_after``; running over counts as a failure.
 Actors contain none of this bookkeeping.
 """
@@ -52,5 +55,4 @@ class RetryPolicy:
 @dataclass(frozen=True)
 class Policies:
     retry: RetryPolicy = RetryPolicy()
-    max_deliveries: int = 5
     time_limit_s: float = 600.0

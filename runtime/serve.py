@@ -30,12 +30,13 @@ import msgspec
 import structlog
 import trio
 
+from streamrl.protocol import names as N
 from streamrl.protocol.messages import Message, training_group
 from streamrl.queues.codec import MessageError, decode, encode
 from streamrl.queues.payloads import REF_PREFIX, PayloadTooLarge
 from streamrl.queues.shards import Consumer
 from streamrl.queues.stats import Paused, group_state, mark_paused
-from streamrl.queues.streams import Delivery, Handoff, over_delivery_limit
+from streamrl.queues.streams import Delivery, Handoff
 from streamrl.runtime import metrics
 from streamrl.runtime.policies import Policies, Reject, Retry, Unavailable
 
@@ -196,22 +197,13 @@ class ActorRuntime:
 
     async def _process_one(self, delivery: Delivery) -> None:
         started = trio.current_time()
-        if delivery.payload is None:
-            return await self._dead_letter(
-                delivery,
-                delivery.error or "entry has no payload",
-                peek(delivery, self.actor.input_type),
-            )
-        try:
-            message = decode(delivery.payload, self.actor.input_type)
-        except MessageError as exc:
-            return await self._dead_letter(delivery, f"malformed message: {exc}")
+        message = await decode_or_dead_letter(
+            self.consumer, self.actor.stage, delivery, self.actor.input_type
+        )
+        if message is None:
+            self._dead += 1
+            return None
         with structlog.contextvars.bound_contextvars(episode_id=message.episode_id):
-            if delivery.deliveries > self.policies.max_deliveries:
-                # (a consumer with ConsumerSettings.max_deliveries refused it unread already)
-                limit = self.policies.max_deliveries
-                reason = over_delivery_limit(delivery.deliveries, limit)
-                return await self._dead_letter(delivery, reason, message)
             results = await self._handle_with_retries(delivery, message)
             if results is None:
                 return None
@@ -269,16 +261,44 @@ class ActorRuntime:
     async def _dead_letter(
         self, delivery: Delivery, reason: str, message: Message | None = None
     ) -> None:
-        """Dead-letter ``delivery`` (the consumer logs it with the reason); a decoded
-        ``message`` of an admitted training group frees the group's admission slot with the
-        letter (:func:`protocol.messages.training_group`)."""
-        group = training_group(message) if message is not None else None
-        await self.consumer.dead_letter(delivery, reason, group=group)
+        await dead_letter(self.consumer, self.actor.stage, delivery, reason, message)
         self._dead += 1
-        metrics.record_dead(self.consumer.names.run, self.actor.stage, reason)
 
 
-def peek(delivery: Delivery, kind: type[Any]) -> Message | None:
+async def dead_letter(
+    consumer: Consumer, stage: str, delivery: Delivery, reason: str, message: Message | None = None
+) -> None:
+    """Dead-letter ``delivery`` (the consumer logs it with the reason); a decoded ``message`` of
+    an admitted training group frees the group's admission slot with the letter
+    (:func:`protocol.messages.training_group`), on the training path only: a training group
+    found in ``evals`` (forged or misrouted) frees nothing there, its own entry is still on its
+    way to the learner. The one way every consumer dead-letters."""
+    on_path = message is not None and consumer.stream_name != N.EVALS
+    group = training_group(message) if on_path and message is not None else None
+    await consumer.dead_letter(delivery, reason, group=group)
+    metrics.record_dead(consumer.names.run, stage, reason)
+
+
+async def decode_or_dead_letter(
+    consumer: Consumer, stage: str, delivery: Delivery, kind: type[Any]
+) -> Any:
+    """The delivery's message decoded as ``kind``, or None once the entry is dead-lettered
+    instead: it has no usable payload (past the delivery limit, which the consumer applies
+    before any payload work; oversize; blob gone), or it does not decode (garbage, wrong
+    schema or version). An entry past its limit whose message is held inline still frees its
+    training group's admission slot (:func:`_peek`). The one decode path of every consumer."""
+    if delivery.payload is None:
+        reason = delivery.error or "entry has no payload"
+        await dead_letter(consumer, stage, delivery, reason, _peek(delivery, kind))
+        return None
+    try:
+        return decode(delivery.payload, kind)
+    except MessageError as exc:
+        await dead_letter(consumer, stage, delivery, f"malformed message: {exc}")
+        return None
+
+
+def _peek(delivery: Delivery, kind: type[Any]) -> Message | None:
     """The message of an entry past its delivery limit, if it is held inline (no I/O: a
     claim-check blob is not fetched), so that its dead letter still frees an admitted
     group's slot; None for anything else."""

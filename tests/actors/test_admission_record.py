@@ -119,21 +119,27 @@ async def test_a_forged_training_group_frees_no_slot_at_the_monitor(
     client: RedisClient, names: N.Names, roles: dict[str, RedisClient], redis_url: str,
     tmp_path: Path,
 ) -> None:
-    # Given a training group pushed into evals (never admitted)
+    # Given a training group pushed into evals (never admitted), and one of an admitted
+    # group (its real entry is still on its way to the learner)
     verifier = roles["verifier"]
     await verifier.call(verifier.sync.xadd, names.stream(N.EVALS), {b"d": encode(_trajectory())})
+    admitted = _trajectory()
+    await client.call(client.sync.sadd, names.admitted_groups, admitted.episode_id)
+    await verifier.call(verifier.sync.xadd, names.stream(N.EVALS), {b"d": encode(admitted)})
     ctx = ActorContext(_config(tmp_path, redis_url, names.run), roles["monitor"], names)
 
     # When the monitor dead-letters it
     async with trio.open_nursery() as nursery:
         await nursery.start(Monitor(ctx, tmp_path, eval_items=1).serve)
-        await wait_until(lambda: _count(client, names, 1), timeout=30)
+        await wait_until(lambda: _count(client, names, 2), timeout=30)
         nursery.cancel_scope.cancel()
 
-    # Then no slot was freed
-    [letter] = await _letters(client, names)
-    assert letter.error.startswith("not an evaluation result"), letter.error
+    # Then both are dead-lettered and no slot was freed: the admitted group is still unsettled
+    letters = await _letters(client, names)
+    assert len(letters) == 2
+    assert all(x.error.startswith("rejected: not an evaluation result") for x in letters)
     assert await _dead_groups(client, names) == 0
+    assert await client.call(client.sync.sismember, names.admitted_groups, admitted.episode_id)
 
 
 async def _count(client: RedisClient, names: N.Names, n: int) -> bool:

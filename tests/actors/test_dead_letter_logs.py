@@ -87,7 +87,7 @@ async def test_the_monitor_logs_its_dead_letters(
     [letter] = await _letters(client, names)
     line = _logged(logs, eid.decode(), N.EVALS)
     assert line["reason"] == letter.error
-    assert line["reason"].startswith("not an evaluation result")
+    assert line["reason"].startswith("rejected: not an evaluation result")
 
 
 async def _any_letter(client: RedisClient, names: N.Names) -> bool:

@@ -5,6 +5,8 @@ Time-based policies run under trio's autojump clock, so a 100 s backoff takes no
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import trio
 import trio.testing
@@ -134,9 +136,9 @@ async def test_unavailable_is_released_for_redelivery_not_dead_lettered(
 ) -> None:
     # Given a handler whose infrastructure is down for its first two deliveries
     actor = Scripted(["unavailable", "unavailable", "ok"])
-    policies = Policies(retry=RetryPolicy(max_retries=0), max_deliveries=5)
+    policies = Policies(retry=RetryPolicy(max_retries=0))
     await Producer(client, names).publish(N.TASKS, [encode(_task())])
-    settings = ConsumerSettings(block_ms=50, reclaim_min_idle_ms=200)
+    settings = ConsumerSettings(block_ms=50, reclaim_min_idle_ms=200, max_deliveries=5)
     fast = RuntimeSettings(concurrency=1, reclaim_interval_s=0.1)
     async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=settings) as c:
         runtime = ActorRuntime(c, actor, policies, fast)
@@ -199,12 +201,13 @@ async def test_redelivery_beyond_limit_is_dead_lettered(
         for _ in range(2):
             await trio.sleep(0.01)
             await c.reclaim(1)
-    # When a runtime picks it up again (its delivery count is now 4 > 3)
+    # When a runtime picks it up again (its delivery count is now 4 > 3), through a consumer
+    # that applies the delivery limit (the one place it is applied)
     actor = Scripted(["ok"])
-    policies = Policies(max_deliveries=3)
-    async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=settings) as c:
+    limited = dataclasses.replace(settings, max_deliveries=3)
+    async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=limited) as c:
         runtime = ActorRuntime(
-            c, actor, policies, RuntimeSettings(concurrency=1, reclaim_interval_s=0.05)
+            c, actor, Policies(), RuntimeSettings(concurrency=1, reclaim_interval_s=0.05)
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
