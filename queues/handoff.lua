@@ -8,8 +8,8 @@
 -- ARGV[2]        dedup key TTL in seconds
 -- ARGV[3]        n: number of entry ids to acknowledge
 -- ARGV[4..3+n]   entry ids
--- ARGV[4+n]      m: number of settled members (e.g. the training groups trained or dropped,
---                taken out of the admission record names.admitted_groups with their entries)
+-- ARGV[4+n]      m: number of settled members (tickets the entries carry, taken out of the
+--                open tickets, Layout.open_tickets, with their entries)
 -- ARGV[5+n..4+n+m]  members
 -- ARGV[5+n+m]    c: number of counters
 -- ARGV[6+n+m..5+n+m+c]  increments, one per counter key (INCRBY)

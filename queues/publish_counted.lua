@@ -1,10 +1,10 @@
 -- Publish entries and count them, atomically, if the counter still holds the expected value
 -- (compare-and-set). Replayed after a lost reply, or raced by a second producer, it adds
--- nothing, so a counter that bounds admission (e.g. "groups admitted so far") stays exact.
+-- nothing, so the counter ("entries published so far") stays exact and can bound producers.
 --
 -- KEYS[1]  the stream
 -- KEYS[2]  the counter
--- KEYS[3]  (when m > 0) a set the members are added to with the entries (admission record)
+-- KEYS[3]  (when m > 0) a set the members are added to with the entries (open tickets)
 -- ARGV[1]  the value the counter must hold (a missing counter holds 0)
 -- ARGV[2]  m: number of members
 -- ARGV[3..2+m]  members

@@ -5,7 +5,7 @@
 -- KEYS[..]   output streams, one per payload (may repeat)
 -- ARGV[1]    dedup key TTL in seconds
 -- ARGV[2]    m: number of members
--- ARGV[3..2+m]  members (e.g. the admitted groups of a shard, queues/shards.py)
+-- ARGV[3..2+m]  members (tickets opened with the payloads, e.g. per shard, queues/shards.py)
 -- ARGV[3+m..]   payloads, one per output stream (field "d")
 --
 -- Returns 1 if published, 0 if the dedup key existed (published before: nothing added).

@@ -3,15 +3,15 @@
 --
 -- KEYS[1]  the dead-letter stream
 -- KEYS[2]  the original stream
--- KEYS[3]  counter of dead-lettered training groups (names.dead_groups)
--- KEYS[4]  set of admitted, unsettled training groups (names.admitted_groups)
+-- KEYS[3]  counter of released tickets (Layout.released_tickets)
+-- KEYS[4]  set of open tickets (Layout.open_tickets)
 -- ARGV[1]  the dead entry's id
 -- ARGV[2]  the payload (or its claim-check reference)
 --
 -- Returns the new entry id, or false if the letter was no longer there (already requeued
 -- or purged): then nothing is added, so a repeated or concurrent requeue adds it once.
--- A letter that freed a group's admission slot (field "group", the group id, see
--- deadletter.lua) takes the slot back: the group is admitted and in flight again.
+-- A letter that released a ticket (its field "group" holds the ticket, see deadletter.lua)
+-- takes the release back: the ticket is open again (SADD KEYS[4], DECR KEYS[3]).
 local found = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
 if #found == 0 then
   return false

@@ -1,9 +1,9 @@
 """Work streams split into shards, one hash slot each; one consumer covering several shards.
 
-A stream family (``tasks``, ``rollouts``, ...) of a run can be split into shards
-(:class:`queues.keys.Layout` with ``shard=k``): shard ``k``'s streams, dedup keys, dead
-letters and blobs share one slot, so on Redis Cluster the shards spread over the nodes and
-every hand-off inside a shard stays one atomic script on one node.
+A stream of a run (the pipeline's streams: :mod:`streamrl.protocol.names`) can be split
+into shards (:class:`queues.keys.Layout` with ``shard=k``): shard ``k``'s streams, dedup
+keys, dead letters and blobs share one slot, so on Redis Cluster the shards spread over the
+nodes and every hand-off inside a shard stays one atomic script on one node.
 
 Guarantees, on top of :mod:`queues.streams`:
 
@@ -13,10 +13,10 @@ Guarantees, on top of :mod:`queues.streams`:
   interface of :class:`queues.streams.StreamConsumer`. Its entry ids are qualified by the
   shard (``"<k>:<entry id>"``, safe in file names); a hand-off is acknowledged in the
   entry's own shard and its dedup key and outputs, named by the unsharded layout
-  (``Names(run)``), are moved into that shard (:meth:`queues.keys.Layout.localize`), so a
-  hand-off never crosses slots. Run-global
-  outputs (``weights``, ``metrics``) stay run-global: such a hand-off is two idempotent
-  steps, see :meth:`ShardedConsumer.ack_many`;
+  (``Layout(run)``), are moved into that shard (:meth:`queues.keys.Layout.localize`), so a
+  hand-off never crosses slots. Run-global outputs (the streams of
+  :attr:`queues.keys.Layout.GLOBAL_STREAMS`) stay run-global: such a hand-off is two
+  idempotent steps, see :meth:`ShardedConsumer.ack_many`;
 - a read blocks on every shard at once and returns as soon as one has entries, never more
   than ``count``: entries the other shards delivered meanwhile are held (and heart-beaten)
   for the next read, none is lost to the pending list;
@@ -24,7 +24,7 @@ Guarantees, on top of :mod:`queues.streams`:
   slots (entries routed into shards, a run-global counter): exact, like the one-slot script,
   through a write-ahead record (see there);
 - :func:`open_consumer` picks the layout from the names: a plain
-  :class:`queues.streams.StreamConsumer` for a one-shard run (``Names(run)``, unchanged keys),
+  :class:`queues.streams.StreamConsumer` for a one-shard run (``Layout(run)``, unchanged keys),
   a :class:`ShardedConsumer` over every shard otherwise.
 """
 
@@ -197,10 +197,11 @@ class ShardedConsumer:
         return [(local.localize(k), n) for k, n in counters or ()]
 
     async def dead_letter(
-        self, delivery: Delivery, error: str, *, group: str | None = None
+        self, delivery: Delivery, error: str, *, ticket: str | None = None
     ) -> None:
         _, consumer, eid = self._split(delivery.entry_id)
-        await consumer.dead_letter(dataclasses.replace(delivery, entry_id=eid), error, group=group)
+        local = dataclasses.replace(delivery, entry_id=eid)
+        await consumer.dead_letter(local, error, ticket=ticket)
 
     async def ack(self, entry_ids: list[str]) -> None:
         for shard, eids in self._by_shard(entry_ids).items():
@@ -216,22 +217,22 @@ class ShardedConsumer:
         counters: list[tuple[str, int]] | None = None,
     ) -> None:
         """Acknowledge entries of any shards and publish ``outputs`` once; ``settled`` (one
-        per entry: its group id, or None) leave the admission record of the entry's shard
+        per entry: the ticket it carries, or None) leave the open tickets of the entry's shard
         with its acknowledgement (:meth:`StreamConsumer.ack_many`); ``counters`` are added in
         the shard of the first entry, under that shard's dedup key (once).
 
         Atomic (one script) when the entries are of one shard and the localized dedup key and
-        outputs are in its slot. Otherwise (entries of several shards, or run-global outputs
-        such as the learner's ``weights`` and ``metrics``) two idempotent steps: publish once
+        outputs are in its slot. Otherwise (entries of several shards, or outputs to
+        run-global streams) two idempotent steps: publish once
         into the outputs' slot, guarded by ``dedup_id`` (which must be in that slot), then
         acknowledge in each shard. A crash in between leaves the entries pending; repeating
         the call publishes nothing and acknowledges them.
         """
         by_shard = self._by_shard(entry_ids)
-        groups: dict[int, list[str]] = defaultdict(list)
-        for qualified, g in zip(entry_ids, settled or [None] * len(entry_ids), strict=True):
-            if g:
-                groups[unqualify(qualified)[0]].append(g)
+        tickets: dict[int, list[str]] = defaultdict(list)
+        for qualified, t in zip(entry_ids, settled or [None] * len(entry_ids), strict=True):
+            if t:
+                tickets[unqualify(qualified)[0]].append(t)
         if len(by_shard) == 1:
             [(shard, eids)] = by_shard.items()
             dedup, outs = self._localize(shard, dedup_id, outputs)
@@ -239,7 +240,7 @@ class ShardedConsumer:
             counted = self._localize_counters(shard, counters)
             keys = [consumer.stream, dedup, *(k for k, _ in outs), *(k for k, _ in counted)]
             if one_slot(keys):
-                await consumer.ack_many(eids, dedup, outs, settled=groups[shard], counters=counted)
+                await consumer.ack_many(eids, dedup, outs, settled=tickets[shard], counters=counted)
                 return
         if outputs:
             await Producer(self.client, self.names, self.settings.limits).publish_once(
@@ -252,7 +253,7 @@ class ShardedConsumer:
             dedup, _ = self._localize(shard, dedup_id, [])
             counted = self._localize_counters(shard, counters) if shard == counting else []
             await self.consumers[shard].ack_many(
-                eids, dedup, [], settled=groups[shard], counters=counted
+                eids, dedup, [], settled=tickets[shard], counters=counted
             )
 
 
@@ -315,7 +316,7 @@ async def open_consumer(
             yield c
 
 
-# ---------------------------------------------------------------------- counted admission
+# ---------------------------------------------------------------------- counted publish
 
 
 class _Admission(msgspec.Struct, array_like=True, frozen=True):
@@ -341,9 +342,9 @@ async def publish_counted_routed(
 ) -> int:
     """Publish ``items`` [(routing key, payload)] routed over ``names.shards`` shards and add
     their number to the run-global ``counter``, only if it still holds ``expected``; returns
-    how many were admitted (0 or ``len(items)``). ``record``: each routing key (a group id)
-    joins its shard's admission record (:attr:`queues.keys.Layout.open_tickets`) in the
-    same script that publishes its entry there.
+    how many were published (0 or ``len(items)``). ``record``: each routing key is opened as
+    a ticket in its shard (:attr:`queues.keys.Layout.open_tickets`) in the same script that
+    publishes its entry there (the pipeline's use of this: :mod:`streamrl.protocol.names`).
 
     The entries (one slot per shard) and the counter (the run's slot) cannot move in one
     script on a cluster, so this is three idempotent steps: (1) ``reserve_counted.lua``, in
@@ -399,7 +400,7 @@ async def finish_admissions(
     *,
     dedup_ttl_s: int = 24 * 3600,
 ) -> int:
-    """Publish every reserved admission of the run (see :func:`publish_counted_routed`) that
+    """Publish every reserved counted publish of the run (see :func:`publish_counted_routed`) that
     is still recorded, each entry once, and delete the records; returns how many records were
     finished. Idempotent; safe to run from several processes at once."""
     raw: Any = await client.call(client.sync.hgetall, names.reservations)

@@ -422,10 +422,10 @@ class StreamConsumer:
         counters: list[tuple[str, int]] | None = None,
     ) -> None:
         """Acknowledge a batch of entries and publish ``outputs`` once, atomically; the
-        ``settled`` members (group ids of the entries, trained or dropped) leave the shard's
-        admission record (:attr:`queues.keys.Layout.open_tickets`) in the same step, and
-        ``counters`` [(key, increment)] are added with the outputs, under the same dedup key
-        (once, as in :attr:`Handoff.counters`)."""
+        ``settled`` tickets (those the entries carry) leave the shard's open tickets
+        (:attr:`queues.keys.Layout.open_tickets`) in the same step, and ``counters``
+        [(key, increment)] are added with the outputs, under the same dedup key (once, as in
+        :attr:`Handoff.counters`)."""
         outputs, blobs = prepare_many(outputs, self.settings.limits)
         if blobs:
             await self._store_blobs(blobs)
@@ -447,13 +447,13 @@ class StreamConsumer:
             await self.client.call(self.client.sync.xack, self.stream, self.group, *entry_ids)
 
     async def dead_letter(
-        self, delivery: Delivery, error: str, *, group: str | None = None
+        self, delivery: Delivery, error: str, *, ticket: str | None = None
     ) -> None:
-        """Move an entry to the dead-letter stream with its error; acknowledge it. ``group``:
-        the id of the training group the entry carries; if that group was admitted and is not
-        settled yet (:attr:`queues.keys.Layout.open_tickets`), its admission slot is freed
-        with the letter, once (:attr:`queues.keys.Layout.released_tickets`; the scheduler admits a
-        replacement)."""
+        """Move an entry to the dead-letter stream with its error; acknowledge it. ``ticket``:
+        the ticket the entry carries; if it is still open
+        (:attr:`queues.keys.Layout.open_tickets`), the letter releases it, once: out of the
+        open set and counted in :attr:`queues.keys.Layout.released_tickets` (what the pipeline
+        does with a released ticket: :mod:`streamrl.protocol.names`)."""
         letter = DeadLetter(
             stream=self.stream_name,
             group=self.group,
@@ -467,7 +467,7 @@ class StreamConsumer:
             self._deadletter,
             keys=[self.stream, self.dead_stream, self.names.released_tickets,
                   self.names.open_tickets],
-            args=[self.group, delivery.entry_id, encode(letter), error[:4000], group or ""],
+            args=[self.group, delivery.entry_id, encode(letter), error[:4000], ticket or ""],
         )
         if written:
             log.error("dead-lettered", stream=self.stream_name, key=self.stream,
@@ -569,7 +569,7 @@ async def ensure_group(client: RedisClient, stream_key: str, group: str) -> None
 
 
 class Producer:
-    """Publishes to streams of one run (for stages that only produce, e.g. the scheduler)."""
+    """Publishes to streams of one run (for a process that only produces)."""
 
     def __init__(
         self, client: RedisClient, names: Layout, limits: PayloadLimits | None = None
@@ -607,9 +607,9 @@ class Producer:
         """XADD ``payloads`` and add their number to the ``counter`` key, in one script, only
         if the counter still holds ``expected`` (compare-and-set). Safe to replay: after a
         lost reply, or when another producer moved the counter, it adds nothing. Returns the
-        number of entries added (0 or ``len(payloads)``). ``members`` (the group ids of the
-        entries) are added to the admission record :attr:`queues.keys.Layout.open_tickets`
-        in the same step."""
+        number of entries added (0 or ``len(payloads)``). ``members`` (the tickets the
+        entries carry) are opened (:attr:`queues.keys.Layout.open_tickets`) in the same
+        step."""
         key = self.names.stream(stream)
         prepared, blobs = prepare_many([(key, p) for p in payloads], self.limits)
 
@@ -638,8 +638,8 @@ class Producer:
         (e.g. run-global streams and a dedup key of the unsharded names). With
         :meth:`StreamConsumer.ack` after it, this is the cross-slot hand-off: not atomic, but
         idempotent (a crash in between leaves the input pending; handled again, the publish
-        adds nothing and the acknowledgement goes through). ``members`` are added to this
-        layout's admission record (:attr:`queues.keys.Layout.open_tickets`) with them."""
+        adds nothing and the acknowledgement goes through). ``members`` (tickets) are opened in
+        this layout's :attr:`queues.keys.Layout.open_tickets` with them."""
         keys = [self.names.stream(s) for s, _ in outputs]
         record = [self.names.open_tickets] if members else []
         if not one_slot([dedup_key, *record, *keys]):
@@ -731,13 +731,13 @@ async def requeue_dead_letter(
     dead_id: str,
     payload: bytes,
     limits: PayloadLimits,
-    dead_groups: str,
-    admitted_groups: str,
+    released_tickets: str,
+    open_tickets: str,
 ) -> str | None:
     """Put a dead letter's payload back on ``stream`` as a new entry and delete the letter
     from ``dead_stream``, atomically (``requeue.lua``; all keys in one slot). A letter that
-    freed a training group's admission slot takes it back from ``dead_groups`` and puts the
-    group back in ``admitted_groups`` (the shard's :attr:`queues.keys.Layout.released_tickets`,
+    released a ticket takes the release back: one less in ``released_tickets``, the ticket
+    open again in ``open_tickets`` (the shard's :attr:`queues.keys.Layout.released_tickets`,
     :attr:`queues.keys.Layout.open_tickets`). A payload over the claim-check size is stored
     out of band first. Returns the new entry id, or None when the letter was gone already
     (requeued or purged): repeatable."""
@@ -749,7 +749,7 @@ async def requeue_dead_letter(
             pipe = client.sync.pipeline(transaction=False)
             store_blobs(pipe, blobs, limits)
             pipe.execute()
-        keys = [dead_stream, stream, dead_groups, admitted_groups]
+        keys = [dead_stream, stream, released_tickets, open_tickets]
         return script(keys=keys, args=[dead_id, prepared[0][1]])
 
     new_id = await client.call(run)

@@ -275,7 +275,7 @@ async def dead_letter(
     way to the learner. The one way every consumer dead-letters."""
     on_path = message is not None and consumer.stream_name != N.EVALS
     group = training_group(message) if on_path and message is not None else None
-    await consumer.dead_letter(delivery, reason, group=group)
+    await consumer.dead_letter(delivery, reason, ticket=group)
     metrics.record_dead(consumer.names.run, stage, reason)
 
 
