@@ -12,14 +12,24 @@ the scheduler's adaptive share reads them). The counters are results of the hand
 (:class:`runtime.serve.Count`), added by the runtime's hand-off in the same script as its
 outputs and under the same dedup key: a replayed hand-off (redelivery, reclaim, a repeated
 script call) counts a group once, so the staleness bound the scheduler computes from
-``zero_variance`` stays exact. A domain's ``score`` runs in a worker thread (a verifier may
-parse, e.g. sympy under a deadline) so the actor keeps heart-beating meanwhile.
+``zero_variance`` stays exact.
+
+Scoring is isolated and bounded: a group's ``score`` calls run in a pre-forked worker
+*process* (:mod:`runtime.workers`, ``verifier.scorer_processes`` of them) under a deadline
+(``verifier.score_timeout_s``). A scorer that hangs past it, or kills its process
+(``os._exit``, a segfault, the OOM killer), has its worker SIGKILLed and replaced and costs
+that message one failure of the retry policy (retried, then dead-lettered): never a stuck
+slot, never a dead verifier; other messages are scored by the other workers meanwhile. A
+scorer that raises is a handler failure too (retried, then dead-lettered). A thread is not
+a boundary: the old worker thread could not be interrupted by any time limit.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import structlog
 import trio
 
@@ -29,8 +39,22 @@ from streamrl.protocol.messages import Executed, Trajectory, new_id, now
 from streamrl.runtime.context import ActorContext, domain_item
 from streamrl.runtime.policies import Reject
 from streamrl.runtime.serve import Count, Output, Result
+from streamrl.runtime.workers import WorkerPool, open_worker_pool
 
 log = structlog.get_logger()
+
+
+SCORER_PRELOAD = (__name__,)  # what every scorer job needs imported (score_group's module)
+
+
+def score_group(executed_msgpack: bytes) -> list[float]:
+    """Every sample's reward (runs in a scorer worker process: :mod:`runtime.workers`)."""
+    executed = msgspec.msgpack.decode(executed_msgpack, type=Executed)
+    domain, item = domain_item(executed.rollout.task)
+    return [
+        float(domain.score(item, sample.text, from_outcome(outcome)))
+        for sample, outcome in zip(executed.rollout.samples, executed.outcomes, strict=True)
+    ]
 
 
 class Verifier:
@@ -38,23 +62,30 @@ class Verifier:
     input_stream = N.EXECUTED
     input_type = Executed
 
-    def __init__(self, dynamic_sampling: bool = False) -> None:
+    def __init__(
+        self,
+        dynamic_sampling: bool = False,
+        *,
+        scorers: WorkerPool | None = None,
+        score_timeout_s: float = 30.0,
+    ) -> None:
+        self.scorers = scorers  # None: score in a thread of this process (tests of handle only)
         self.dynamic_sampling = dynamic_sampling  # False: no skipping, no counters
+        self.score_timeout_s = score_timeout_s
 
     async def handle(self, executed: Executed) -> list[Result]:
         rollout = executed.rollout
         task = rollout.task
         if len(executed.outcomes) != len(rollout.samples):
             raise Reject(f"{len(executed.outcomes)} outcomes for {len(rollout.samples)} samples")
-        domain, item = domain_item(task)
-
-        def score_all() -> list[float]:
-            return [
-                float(domain.score(item, sample.text, from_outcome(outcome)))
-                for sample, outcome in zip(rollout.samples, executed.outcomes, strict=True)
-            ]
-
-        rewards = await trio.to_thread.run_sync(score_all)
+        domain_item(task)  # Reject here, not as a worker's failure, what can never be scored
+        payload = msgspec.msgpack.encode(executed)
+        if self.scorers is None:
+            rewards = await trio.to_thread.run_sync(score_group, payload)
+        else:
+            rewards = await self.scorers.run(
+                score_group, payload, deadline_s=self.score_timeout_s
+            )
         log.info("verified", split=task.split, domain=task.domain, rewards=rewards)
         counts: list[Result] = []
         if self.dynamic_sampling and task.split != "eval":
@@ -80,11 +111,19 @@ class Verifier:
         ]
 
 
-async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def serve(
+    ctx: ActorContext,
+    *,
+    worker_setup: Callable[[], None] | None = None,
+    task_status: Any = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``executed``; ``worker_setup`` (importable by name) runs in each scorer process
+    first (e.g. to register the domains the parent registered in-process)."""
     cfg = ctx.config.verifier
-    await ctx.serve(
-        Verifier(cfg.dynamic_sampling),
-        concurrency=cfg.concurrency,
-        time_limit_s=cfg.time_limit_s,
-        task_status=task_status,
-    )
+    async with open_worker_pool(cfg.scorer_processes, worker_setup, SCORER_PRELOAD) as scorers:
+        await ctx.serve(
+            Verifier(cfg.dynamic_sampling, scorers=scorers, score_timeout_s=cfg.score_timeout_s),
+            concurrency=cfg.concurrency,
+            time_limit_s=cfg.time_limit_s,
+            task_status=task_status,
+        )

@@ -291,6 +291,12 @@ class VerifierConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     """Skip training groups whose rewards are all equal (no GRPO signal), counting them
     (``count:zero_variance``), and count resolved/trained groups per domain
     (``count:resolved:<domain>``, ``count:trained:<domain>``) for scheduler.adaptive."""
+    scorer_processes: PosInt = 2
+    """Worker processes that run the domains' ``score`` (pre-forked, reused; one that hangs
+    or dies is killed and replaced)."""
+    score_timeout_s: PosFloat = 30.0
+    """Deadline for scoring one message's group: past it the scorer process is killed and
+    the message counts as failed (retried, then dead-lettered)."""
 
 
 class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
