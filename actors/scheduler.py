@@ -48,8 +48,15 @@ from streamrl.actors.scheduling import FairShare, Share
 from streamrl.config.schema import Config
 from streamrl.domains.registry import get_domain
 from streamrl.protocol import names as N
+from streamrl.protocol.admission import (
+    admission_state,
+    counted,
+    domain_counts,
+    staleness_room,
+)
 from streamrl.protocol.messages import Sampling, Task, WeightsPublished, new_id, now
 from streamrl.queues.codec import encode
+from streamrl.queues.operations import increment, read_counter
 from streamrl.queues.shards import finish_admissions, publish_counted_routed
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import EventReader
@@ -176,38 +183,28 @@ class Scheduler:
     async def observe_domains(self) -> None:
         """Feed the verifier's per-domain counters (resolved, trained groups) to the share."""
         c = self.ctx
-        names = self.cfg.domains
-        counters = [f"{kind}:{d}" for kind in ("resolved", "trained") for d in names]
-        counts = [0] * len(counters)
-        for layout in c.names.layouts():  # one key per shard, each in its shard's slot
-            keys = [layout.counter(name) for name in counters]
-            values = await c.client.call(c.client.sync.mget, keys)
-            counts = [total + int(v or 0) for total, v in zip(counts, values, strict=True)]
-        self.fair.observe(dict(zip(names, counts[: len(names)], strict=True)),
-                          dict(zip(names, counts[len(names) :], strict=True)))
+        resolved, trained = await domain_counts(c.client, c.names, list(self.cfg.domains))
+        self.fair.observe(resolved, trained)
 
     async def admissible(self, version: int) -> tuple[int, int]:
         """``(how many training groups may be admitted now, how many were admitted so far)``."""
         c = self.ctx
-        admitted = int(await c.client.call(c.client.sync.get, c.names.admitted) or 0)
-        if await c.client.call(c.client.sync.exists, c.names.stop):
+        learner = c.config.learner
+        state = await admission_state(
+            c.client, c.names, dynamic_sampling=c.config.verifier.dynamic_sampling
+        )
+        admitted = state.admitted
+        if state.stopped:
             self.blocked = "stopped"
             return 0, admitted
-        learner = c.config.learner
-        # Groups the learner dropped as stale free their slot: without this, once more than
-        # max_staleness * groups_per_step groups were dropped the learner could never fill
-        # a batch again and the run would stall (a stale group is replaced, at today's V).
-        by_staleness = (
-            (version + learner.max_staleness + 1) * learner.groups_per_step
-            + await self.counted("dropped_stale")
-            + await self.skipped()
-            + await self.dead_groups()
-            - admitted
+        by_staleness = staleness_room(
+            state, version, max_staleness=learner.max_staleness,
+            groups_per_step=learner.groups_per_step,
         )
         limit = self.cfg.max_train_groups
         by_limit = limit - admitted if limit else by_staleness
-        state = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])
-        by_backlog = self.cfg.max_backlog - state.backlog
+        backlog = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])
+        by_backlog = self.cfg.max_backlog - backlog.backlog
         bounds = {"limit": by_limit} if limit else {}
         bounds |= {"staleness": by_staleness, "backlog": by_backlog}
         count = max(0, min(bounds.values()))
@@ -215,31 +212,8 @@ class Scheduler:
         return count, admitted
 
     async def counted(self, name: str) -> int:
-        """Counter ``name`` of the run, summed over the shards (each shard's key is written by
-        the hand-offs of that shard, in their script: :meth:`protocol.names.Names.counter`)."""
-        c = self.ctx
-        total = 0
-        for key in c.names.counter_keys(name):
-            total += int(await c.client.call(c.client.sync.get, key) or 0)
-        return total
-
-    async def dead_groups(self) -> int:
-        """Training groups dead-lettered at any stage, summed over the shards (minus those
-        requeued since): they will never be trained, so each frees its slot like a stale
-        drop; without this, ``(max_staleness + 1) * groups_per_step`` dead groups would stall
-        the run for good (no batch could fill, nothing more admitted)."""
-        c = self.ctx
-        total = 0
-        for layout in c.names.layouts():  # one key per shard, each in its shard's slot
-            total += int(await c.client.call(c.client.sync.get, layout.dead_groups) or 0)
-        return total
-
-    async def skipped(self) -> int:
-        """Training groups the verifier skipped (zero reward variance): they never reach the
-        learner, so each frees its slot in the staleness bound (replaced at today's V)."""
-        if not self.ctx.config.verifier.dynamic_sampling:
-            return 0
-        return await self.counted("zero_variance")
+        """Counter ``name`` of the run, summed over the shards."""
+        return await counted(self.ctx.client, self.ctx.names, name)
 
     async def admit(self, count: int, version: int, admitted: int) -> int:
         """Publish ``count`` tasks and add them to the admitted counter in one script, only if
@@ -314,7 +288,7 @@ class Scheduler:
         every = self.cfg.eval_every
         if next_eval is None:  # at start: evaluate unless a round already ran for this run
             c = self.ctx
-            if int(await c.client.call(c.client.sync.get, c.names.eval_round) or 0) == 0:
+            if await read_counter(c.client, c.names.eval_round) == 0:
                 await self._start_round(version)
         elif every and version >= next_eval:
             await self._start_round(version)
@@ -324,7 +298,7 @@ class Scheduler:
 
     async def _start_round(self, version: int) -> None:
         c = self.ctx
-        round_no = int(await c.client.call(c.client.sync.incr, c.names.eval_round)) - 1
+        round_no = await increment(c.client, c.names.eval_round) - 1
         await publish_eval_round(c, round_no, version)
         metrics.record_eval_round(c.names.run)
 

@@ -35,6 +35,7 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import Executed, Rollout, Task, Trajectory
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, MessageError, decode
+from streamrl.queues.operations import delete_entries, get_blob, read_range
 from streamrl.queues.payloads import REF_PREFIX, PayloadLimits
 from streamrl.queues.shards import qualify, split_qualified
 from streamrl.queues.streams import requeue_dead_letter
@@ -106,9 +107,7 @@ async def list_dead(
     on a sharded run)."""
     rows: list[tuple[str, Any]] = []
     for layout in names.layouts():
-        raw: Any = await client.call(client.sync.xrange, layout.stream(N.DEAD))
-        for raw_id, fields in raw or []:
-            dead_id = _str(raw_id)
+        for dead_id, fields in await read_range(client, layout.stream(N.DEAD)):
             if layout.shard is not None:
                 dead_id = qualify(layout.shard, dead_id)
             rows.append((dead_id, fields))
@@ -160,10 +159,10 @@ async def full_payload(client: RedisClient, names: N.Names, entry: DeadEntry) ->
     layout, _ = _locate(names, entry.dead_id)
     if not key.startswith(layout.stream(entry.letter.stream) + ":blob:"):
         raise LookupError(f"claim-check reference {key!r} names no blob of {entry.letter.stream}")
-    blob: Any = await client.call(client.sync.get, key)
+    blob = await get_blob(client, key)
     if blob is None:
         raise LookupError(f"claim-check blob {key} is gone (expired or trimmed)")
-    return bytes(blob)
+    return blob
 
 
 async def requeue(
@@ -204,7 +203,7 @@ async def purge(client: RedisClient, names: N.Names, entries: list[DeadEntry]) -
         by_layout.setdefault(layout, []).append(raw_id)
     deleted = 0
     for layout, ids in by_layout.items():
-        deleted += int(await client.call(client.sync.xdel, layout.stream(N.DEAD), *ids))
+        deleted += await delete_entries(client, layout.stream(N.DEAD), ids)
     return deleted
 
 

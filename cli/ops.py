@@ -67,11 +67,10 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
 
 
 def run_ops_command(args: argparse.Namespace, config: Config) -> int:
-    import redis
-
     from streamrl.cli.status import RedisUnreachable, ops_client
     from streamrl.protocol.names import Names
     from streamrl.queues.client import RedisURL
+    from streamrl.queues.operations import BrokerError
 
     names = Names(config.run.name, shards=config.queues.shards)
     if args.command == "replay" and args.source == "archive" and not config.run.redis_url:
@@ -103,7 +102,7 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
             from streamrl.cli.report import run_report
 
             return trio.run(run_report, client, names, config, args)
-    except redis.RedisError as exc:  # unreachable, refused, not Redis: say so, briefly
+    except BrokerError as exc:  # unreachable, refused, not Redis: say so, briefly
         print(
             f"streamrl {args.command}: cannot reach Redis at "
             f"{RedisURL(config.run.redis_url).redacted}: "

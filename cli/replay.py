@@ -39,7 +39,8 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Trajectory, bytes_to_floats, bytes_to_ids
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import MessageError, decode
-from streamrl.queues.payloads import PayloadLimits, resolve
+from streamrl.queues.operations import read_range, resolve_payloads
+from streamrl.queues.payloads import PayloadLimits
 from streamrl.queues.shards import qualify, split_qualified
 
 
@@ -100,9 +101,9 @@ async def select_live(client: RedisClient, names: N.Names, query: Query) -> list
     for stream, layout in [(s, n) for s in query.streams for n in names.layouts()]:
         key = layout.stream(stream)
         low, high = split_qualified(query.from_id)[1], split_qualified(query.to_id)[1]
-        rows: Any = await client.call(client.sync.xrange, key, low, high)
-        entries = [(e.decode(), (f or {}).get(b"d")) for e, f in rows or []]
-        resolved = await client.call(resolve, client.sync, entries, PayloadLimits())
+        rows = await read_range(client, key, low, high)
+        entries = [(e, f.get(b"d")) for e, f in rows]
+        resolved = await resolve_payloads(client, entries, PayloadLimits())
         for (entry_id, _), r in zip(entries, resolved, strict=True):
             if layout.shard is not None:
                 entry_id = qualify(layout.shard, entry_id)
@@ -261,9 +262,8 @@ def recorded_step(config: Config, step: int) -> StepMetrics | None:
 async def recorded_step_live(
     client: RedisClient, names: N.Names, step: int
 ) -> StepMetrics | None:
-    rows: Any = await client.call(client.sync.xrange, names.stream(N.METRICS))
     found = None
-    for _, fields in rows or []:
+    for _, fields in await read_range(client, names.stream(N.METRICS)):
         try:
             m = decode(fields[b"d"], StepMetrics)
         except (MessageError, KeyError):

@@ -29,6 +29,7 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import MessageError, decode
+from streamrl.queues.operations import read_range
 from streamrl.queues.stats import stream_length
 
 PRODUCED_BY = {
@@ -56,8 +57,7 @@ async def collect(
     client: RedisClient, names: N.Names, archive: Path | None
 ) -> RunData:
     data = RunData()
-    rows: Any = await client.call(client.sync.xrange, names.stream(N.METRICS))
-    for _, fields in rows or []:
+    for _, fields in await read_range(client, names.stream(N.METRICS)):
         try:
             data.steps.append(decode(fields[b"d"], StepMetrics))
         except (MessageError, KeyError):
@@ -72,10 +72,8 @@ async def collect(
     for stream, stage in PRODUCED_BY.items():
         data.produced[stage] = []
         for layout in names.layouts():  # every shard of a sharded run
-            ids: Any = await client.call(
-                client.sync.xrange, layout.stream(stream), count=MAX_ENTRIES
-            )
-            data.produced[stage] += [int(e.decode().split("-")[0]) / 1000 for e, _ in ids or []]
+            rows = await read_range(client, layout.stream(stream), count=MAX_ENTRIES)
+            data.produced[stage] += [int(e.split("-")[0]) / 1000 for e, _ in rows]
     data.produced["learner (steps)"] = [m.created_at for m in data.steps]
     data.dead_letters = await stream_length(client, names, N.DEAD)
     return data

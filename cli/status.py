@@ -32,7 +32,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import redis
 import trio
 
 from streamrl.config.schema import Config
@@ -41,6 +40,7 @@ from streamrl.protocol.messages import WeightsPublished
 from streamrl.protocol.pipeline import PIPELINE, Stall, assess_stall, lag_flag
 from streamrl.queues.client import Reconnect, RedisClient, RedisURL
 from streamrl.queues.codec import MessageError, decode
+from streamrl.queues.operations import BrokerError, latest_entries, pending_detail
 from streamrl.queues.stats import (
     group_state,
     stream_length,
@@ -119,10 +119,6 @@ class Snapshot:
         return asdict(self)
 
 
-def _s(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 async def _group_detail(
     client: RedisClient, names: N.Names, stream: str, group: str
 ) -> tuple[float | None, int, list[Consumer]]:
@@ -145,26 +141,15 @@ async def _group_detail(
 async def _shard_detail(
     client: RedisClient, names: N.Names, stream: str, group: str
 ) -> tuple[float | None, int, list[Consumer]]:
-    key = names.stream(stream)
-
-    def fetch() -> tuple[float | None, int, list[Consumer]]:
-        try:
-            rows = client.sync.xpending_range(key, group, "-", "+", 1000)
-            consumers = client.sync.xinfo_consumers(key, group)
-        except redis.ResponseError as exc:  # no stream or no group yet
-            if "no such key" in str(exc).lower() or "nogroup" in str(exc).lower():
-                return None, 0, []
-            raise
-        oldest = None
-        if rows:  # the lowest id is the oldest entry; its age from the id's timestamp
-            first_ms = int(_s(rows[0]["message_id"]).split("-")[0])
-            oldest = max(0.0, time.time() - first_ms / 1000)
-        max_deliveries = max((int(r["times_delivered"]) for r in rows), default=0)
-        return oldest, max_deliveries, [
-            Consumer(_s(c["name"]), int(c["pending"]), int(c["idle"]) / 1000) for c in consumers
-        ]
-
-    return await client.call(fetch)
+    detail = await pending_detail(client, names.stream(stream), group)
+    oldest = None
+    if detail.entries:  # the lowest id is the oldest entry; its age from the id's timestamp
+        first_ms = int(detail.entries[0][0].split("-")[0])
+        oldest = max(0.0, time.time() - first_ms / 1000)
+    max_deliveries = max((count for _, count in detail.entries), default=0)
+    return oldest, max_deliveries, [
+        Consumer(c.name, c.pending, c.idle_s) for c in detail.consumers
+    ]
 
 
 async def _dead_by_stream(client: RedisClient, names: N.Names) -> tuple[int, dict[str, int]]:
@@ -180,15 +165,13 @@ async def _dead_by_stream(client: RedisClient, names: N.Names) -> tuple[int, dic
 
 
 async def _learner(client: RedisClient, names: N.Names) -> tuple[int, float | None]:
-    latest: Any = await client.call(client.sync.xrevrange, names.stream(N.WEIGHTS), count=1)
     version = 0
-    for _, fields in latest or []:
+    for _, fields in await latest_entries(client, names.stream(N.WEIGHTS)):
         with contextlib.suppress(MessageError, KeyError):
             version = decode(fields[b"d"], WeightsPublished).version
-    rows = await client.call(client.sync.xrevrange, names.stream(N.METRICS), count=20)
     times = []
-    for raw_id, _ in rows or []:
-        times.append(int(_s(raw_id).split("-")[0]) / 1000)
+    for entry_id, _ in await latest_entries(client, names.stream(N.METRICS), count=20):
+        times.append(int(entry_id.split("-")[0]) / 1000)
     rate = None
     if len(times) >= 2 and max(times) > min(times):
         rate = (len(times) - 1) / (max(times) - min(times)) * 60
@@ -313,7 +296,7 @@ async def print_status(
             else:
                 print("\x1b[2J\x1b[H" + render(snap), flush=True)
             await trio.sleep(interval_s)
-    except redis.RedisError as exc:  # unreachable, refused, not Redis at all: say so, briefly
+    except BrokerError as exc:  # unreachable, refused, not Redis at all: say so, briefly
         print(
             f"streamrl status: cannot reach Redis at {RedisURL(config.run.redis_url).redacted}: "
             f"{type(exc).__name__}: {exc}",

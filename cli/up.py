@@ -44,6 +44,7 @@ from streamrl.net import free_port, free_ports, wait_healthy
 from streamrl.protocol.names import Names
 from streamrl.queues.acl import Credentials
 from streamrl.queues.client import RedisClient, RedisURL
+from streamrl.queues.operations import clear_flag, increment, set_flag
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.runtime.auth import (
     apply_role_users,
@@ -372,7 +373,7 @@ async def _reopen_if_stopped(config: Config, admin_url: str) -> None:
     names = Names(config.run.name, shards=config.queues.shards)
     client = RedisClient(admin_url)
     try:
-        if await client.call(client.sync.delete, names.stop):
+        if await clear_flag(client, names.stop):
             version = latest_version(config.run.path / "weights") or 0
             print(
                 f"streamrl: resuming run {config.run.name!r} at policy v{version} "
@@ -402,12 +403,12 @@ async def _progress_until(
 
 async def _final_eval(ctx, children: list[Child], monitor: Monitor, config: Config) -> None:  # type: ignore[no-untyped-def]
     """Stop admitting and training, then evaluate the last policy version."""
-    await ctx.client.call(ctx.client.sync.set, ctx.names.stop, 1)
+    await set_flag(ctx.client, ctx.names.stop)
     for child in children:
         if child.actor in ("learner", "scheduler"):
             await child.stop()
     version = monitor.steps[-1].step if monitor.steps else 0
-    round_no = int(await ctx.client.call(ctx.client.sync.incr, ctx.names.eval_round)) - 1
+    round_no = await increment(ctx.client, ctx.names.eval_round) - 1
     print(f"streamrl: final evaluation (round {round_no}) of policy v{version} ...", flush=True)
     await publish_eval_round(ctx, round_no, version)
     with trio.move_on_after(900):

@@ -1,18 +1,21 @@
-"""The roles of a run and what each may do in Redis: the ACL grants of its user.
+"""The roles of a run and what each does in Redis: one table of operations per role
+(:data:`ROLE_OPS`), from which the ACL grants of its user are derived.
 
 Every process of the pipeline connects as the user of its role (:mod:`streamrl.queues.acl`
-creates them); a role is allowed only the commands, on the keys, that its actor sends. The
-table of roles is in docs/security.md.
+creates them); a role is allowed only the commands, on the keys, of the operations its table
+names (:mod:`streamrl.queues.operations`), so code that performs an operation its table lacks
+is refused by Redis (``NOPERM``). The table is printed in docs/security.md
+(:func:`role_table`, checked by tests/queues/test_role_ops.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from streamrl.protocol import names as N
 from streamrl.queues.acl import (
     CONSUME,
-    FOLLOW,
     OBSERVE,
     REPAIR,
     SCRIPTS,
@@ -22,10 +25,29 @@ from streamrl.queues.acl import (
     apply_users,
     user_rules,
 )
-from streamrl.queues.acl import blob_pattern as _blobs
 from streamrl.queues.acl import glob as _glob
-from streamrl.queues.acl import stream_pattern as _stream
 from streamrl.queues.client import RedisClient
+from streamrl.queues.operations import (
+    Consume,
+    CountReservations,
+    Follow,
+    Increment,
+    Key,
+    Observe,
+    Op,
+    Produce,
+    PublishCounted,
+    ReadBlobs,
+    ReadCounters,
+    ReadFlag,
+    ReadPaused,
+    ReadRange,
+    RequeueDead,
+    SetFlag,
+    TrimEvents,
+    counter,
+    grants_of,
+)
 
 ROLES = (
     "scheduler", "generator", "executor", "verifier", "learner", "monitor", "archiver", "admin"
@@ -41,184 +63,100 @@ OPERATOR_ROLES = ("admin",)
 apply`` creates their user only where their password is set."""
 
 
-def _consume(
-    names: N.Names,
-    stream: str,
-    stage: str,
-    outputs: tuple[str, ...] = (),
-    counters: tuple[str, ...] = (),
-) -> list[Grant]:
-    """Consume ``stream`` in its group, trim it, and hand its entries off into ``outputs``
-    (handoff scripts: dedup key, XADD, XACK) or to the dead-letter stream; observe the
-    backlog of the work streams it feeds (producer-side backpressure)."""
-    source, blobs = _stream(names, stream), _blobs(names, stream)
-    dead, dead_groups = _stream(names, N.DEAD), _glob(names.dead_groups)
-    admitted_groups = _glob(names.admitted_groups)
-    outs = tuple(_stream(names, s) for s in outputs)
-    out_blobs = tuple(_blobs(names, s) for s in outputs)
-    dedup = (_glob(names.dedup(stage, "")) + "*",) if outputs else ()
-    grants = [
-        Grant(CONSUME + TRIM + REPAIR, rw=(source,)),
-        Grant(("get", "del"), rw=(blobs,)),  # claim checks: fetched, deleted by the trim
-        Grant(
-            SCRIPTS,
-            rw=(source, blobs, dead, dead_groups, admitted_groups, *outs, *dedup, *out_blobs,
-                *counters),
+def consume(
+    stream: str, outputs: tuple[str, ...] = (), counters: tuple[Key, ...] = ()
+) -> Consume:
+    """The role of ``stream``'s group consumes it, hands off into ``outputs`` (adding
+    ``counters``) and observes the backlog of the work streams among them (backpressure)."""
+    stage = N.GROUP_OF_STREAM[stream]
+    watch = tuple(s for s in outputs if s in N.WORK_STREAMS)
+    return Consume(stream, stage, outputs, counters, watch)
+
+
+SHARES = (counter("zero_variance"), counter("resolved:", prefix=True),
+          counter("trained:", prefix=True))
+"""The verifier's counters: zero-variance skips, per-domain resolved and trained groups."""
+
+ADMITTED = Key(lambda n: n.admitted)
+EVAL_ROUND = Key(lambda n: n.eval_round)
+STOP = Key(lambda n: n.stop)
+DEAD_GROUPS = Key(lambda n: n.dead_groups)
+UPSTREAM = (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
+
+ROLE_OPS: dict[str, tuple[Op, ...]] = {
+    "scheduler": (
+        Follow((N.WEIGHTS,)),  # the policy version
+        Observe((N.TASKS,)),  # the generator group's backlog
+        PublishCounted(N.TASKS, ADMITTED),  # admission (protocol/admission.py)
+        Produce((N.TASKS,)),  # evaluation rounds
+        Increment(EVAL_ROUND),
+        ReadFlag(STOP),
+        # the staleness bound's D (replaced drops, skips, dead groups) and the domain shares
+        ReadCounters((counter("dropped_stale"), DEAD_GROUPS, *SHARES)),
+    ),
+    "generator": (consume(N.TASKS, (N.ROLLOUTS,)), Follow((N.WEIGHTS,))),
+    # multi-turn episodes: the next turn goes back to tasks (actors/episodes.py)
+    "executor": (consume(N.ROLLOUTS, (N.EXECUTED, N.TASKS)),),
+    "verifier": (consume(N.EXECUTED, (N.TRAJECTORIES, N.EVALS), SHARES),),
+    "learner": (
+        # dropped_stale, duplicates_skipped: added by the hand-off that settles the group
+        consume(
+            N.TRAJECTORIES, (N.WEIGHTS, N.METRICS),
+            (counter("dropped_stale"), counter("duplicates_skipped")),
         ),
-        Grant(("xadd",), write=(dead, *outs)),
-        Grant(("incr",), rw=(dead_groups,)),  # deadletter.lua: a training group's slot freed
-        # ... if the group is in the admission record (once); the learner's hand-off takes
-        # the groups it trained or dropped out of it
-        Grant(("srem",), rw=(admitted_groups,)),
-    ]
-    if outputs:
-        grants.append(Grant(("set",), write=(*dedup, *out_blobs)))
-    if counters:  # the hand-off scripts add the counters they cause (Handoff.counters)
-        grants.append(Grant(("incrby",), rw=counters))
-    fed = tuple(_stream(names, s) for s in outputs if s in N.WORK_STREAMS)
-    if fed:  # backpressure: the backlog of the groups it feeds; say it is paused on it
-        grants.append(Grant(OBSERVE, read=fed))
-        grants.append(Grant(("set",), write=(_glob(names.paused(stage)),)))
-    return grants
+        # the last, part-filled step of a run with max_train_groups (protocol/admission.py):
+        # admission closed and nothing left upstream
+        ReadCounters((ADMITTED,)),
+        CountReservations(),
+        Observe(UPSTREAM),
+        TrimEvents((N.WEIGHTS, N.METRICS)),
+    ),
+    "monitor": (
+        consume(N.EVALS),  # record held-out results, acknowledge
+        Follow((N.METRICS, N.WEIGHTS)),
+        Observe((*N.WORK_STREAMS, N.DEAD, N.METRICS)),
+        ReadPaused(),  # stall: who is paused
+        # the final evaluation of `streamrl up`: stop admission, publish one more round
+        SetFlag(STOP),
+        Increment(EVAL_ROUND),
+        Produce((N.TASKS,)),
+    ),
+    "archiver": (
+        # its own group on both; acknowledges after the Parquet file is durable
+        Consume(N.TRAJECTORIES, "archiver"),
+        Consume(N.EVALS, "archiver"),
+        Follow((N.METRICS,)),  # learner staleness and busy fraction, for /metrics
+        Observe((*N.WORK_STREAMS, N.DEAD)),  # every stream's lag, for /metrics
+    ),
+    # The operator commands (cli/status.py, dlq.py, replay.py, report.py). No consumer group,
+    # no counter, no flag, no deletion of anything but dead letters.
+    "admin": (
+        # status: length, lag, pending entries and consumers of every group; dead letters
+        Observe((*N.WORK_STREAMS, N.DEAD), detail=True),
+        # status, stalls: when the learner last stepped, which stages are paused
+        Observe((N.METRICS,)),
+        ReadPaused(),
+        # status, report, replay retrain: the policy version, the learner's step metrics
+        ReadRange(N.RUN_GLOBAL_STREAMS),
+        # replay, report: trajectories behind a claim check; dlq show --out: a letter's blob
+        ReadBlobs(N.WORK_STREAMS),
+        # dlq requeue (a training group's letter takes its admission slot back), purge
+        RequeueDead(N.WORK_STREAMS),
+    ),
+}
+"""What each role does in Redis: the one table its ACL grants are derived from."""
 
 
-def _produce(names: N.Names, *streams: str) -> list[Grant]:
-    """queues.streams.Producer.publish: XADD, claim-check blobs first."""
-    return [
-        Grant(("xadd",), write=tuple(_stream(names, s) for s in streams)),
-        Grant(("set",), write=tuple(_blobs(names, s) for s in streams)),
-    ]
-
-
-def _follow(names: N.Names, *streams: str) -> list[Grant]:
-    return [Grant(FOLLOW, read=tuple(_stream(names, s) for s in streams))]
+def role_ops(role: str) -> tuple[Op, ...]:
+    if role not in ROLE_OPS:
+        raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
+    return ROLE_OPS[role]
 
 
 def role_grants(names: N.Names, role: str) -> list[Grant]:
-    """Everything a process of ``role`` in run ``names`` may do, beyond :data:`CONNECTION`."""
-    n = names
-    tasks = _stream(n, N.TASKS)
-    if role == "scheduler":
-        admitted = _glob(n.admitted)
-        admissions = _glob(n.admissions)
-        admit_dedup = _glob(n.dedup("admit", "")) + "*"
-        admitted_groups = _glob(n.admitted_groups)  # the admission record, per shard
-        return [
-            *_follow(n, N.WEIGHTS),  # the policy version
-            Grant(OBSERVE, read=(tasks,)),  # the generator group's backlog
-            *_produce(n, N.TASKS),  # evaluation rounds
-            # publish_counted.lua: admission, the admitted groups recorded with it
-            Grant(SCRIPTS, rw=(tasks, admitted, admitted_groups)),
-            Grant(("sadd",), write=(admitted_groups,)),
-            Grant(("get", "incrby"), rw=(admitted,)),
-            # sharded runs (queues.shards): reserve_counted.lua in the run's slot, then
-            # publish_once.lua into each shard, then the record is deleted
-            Grant(SCRIPTS, rw=(admitted, admissions)),
-            Grant(("hget", "hset", "hgetall", "hdel"), rw=(admissions,)),
-            Grant(SCRIPTS, rw=(tasks, admit_dedup, _blobs(n, N.TASKS), admitted_groups)),
-            Grant(("set",), write=(admit_dedup,)),
-            Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
-            Grant(("exists",), read=(_glob(n.stop),)),
-            Grant(("get",), read=(_glob(n.counter("dropped_stale")),)),  # replaces drops
-            Grant(("get",), read=(_glob(n.dead_groups),)),  # ... and dead-lettered groups
-            # per-domain shares (actors/scheduling.py) and skipped zero-variance groups
-            Grant(
-                ("get", "mget"),
-                read=(
-                    _glob(n.counter("zero_variance")),
-                    _glob(n.counter("resolved:")) + "*",
-                    _glob(n.counter("trained:")) + "*",
-                ),
-            ),
-        ]
-    if role == "generator":
-        return [*_consume(n, N.TASKS, role, (N.ROLLOUTS,)), *_follow(n, N.WEIGHTS)]
-    if role == "executor":
-        # multi-turn episodes: the next turn goes back to tasks (actors/episodes.py)
-        return _consume(n, N.ROLLOUTS, role, (N.EXECUTED, N.TASKS))
-    if role == "verifier":
-        # zero_variance, resolved:<domain>, trained:<domain> (dynamic sampling, shares),
-        # added by its hand-offs
-        shares = (
-            _glob(n.counter("zero_variance")),
-            _glob(n.counter("resolved:")) + "*",
-            _glob(n.counter("trained:")) + "*",
-        )
-        return _consume(n, N.EXECUTED, role, (N.TRAJECTORIES, N.EVALS), shares)
-    if role == "learner":
-        return [
-            # dropped_stale, duplicates_skipped: added by the hand-off that settles the group
-            *_consume(
-                n, N.TRAJECTORIES, role, (N.WEIGHTS, N.METRICS),
-                (_glob(n.counter("dropped_stale")), _glob(n.counter("duplicates_skipped"))),
-            ),
-            # the last, part-filled step of a run with max_train_groups (actors/learner.py):
-            # admission closed and nothing left upstream
-            Grant(("get",), read=(_glob(n.admitted),)),
-            Grant(("hlen",), read=(_glob(n.admissions),)),
-            Grant(
-                OBSERVE,
-                read=tuple(
-                    _stream(n, s) for s in (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
-                ),
-            ),
-            Grant(("xtrim",), write=(_stream(n, N.WEIGHTS), _stream(n, N.METRICS))),
-        ]
-    if role == "monitor":
-        observed = tuple(_stream(n, s) for s in (*N.WORK_STREAMS, N.DEAD, N.METRICS))
-        return [
-            *_consume(n, N.EVALS, role),  # record held-out results, acknowledge
-            *_follow(n, N.METRICS, N.WEIGHTS),
-            Grant(OBSERVE, read=observed),
-            Grant(("get", "mget"), read=(_glob(n.paused("")) + "*",)),  # stall: who is paused
-            # the final evaluation of `streamrl up`: stop admission, publish one more round
-            Grant(("set",), write=(_glob(n.stop),)),
-            Grant(("get", "incrby"), rw=(_glob(n.eval_round),)),
-            *_produce(n, N.TASKS),
-        ]
-    if role == "archiver":
-        observed = tuple(_stream(n, s) for s in (*N.WORK_STREAMS, N.DEAD))
-        return [
-            # its own group on both; acknowledges after the Parquet file is durable
-            *_consume(n, N.TRAJECTORIES, role),
-            *_consume(n, N.EVALS, role),
-            *_follow(n, N.METRICS),  # learner staleness and busy fraction, for /metrics
-            Grant(OBSERVE, read=observed),  # every stream's lag, for /metrics
-        ]
-    if role == "admin":
-        return _admin(n)
-    raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
-
-
-def _admin(n: N.Names) -> list[Grant]:
-    """The operator commands (cli/status.py, dlq.py, replay.py, report.py): observe every
-    queue, read the dead letters, the trajectories, the policy version and the learner's
-    metrics, the claim-check blobs of every work stream; requeue a dead letter (requeue.lua:
-    XRANGE and XDEL of the letter, XADD of its payload, claim-check blob first) and purge one
-    (XDEL). No consumer group, no counter, no flag, no deletion of anything but dead letters."""
-    work = tuple(_stream(n, s) for s in N.WORK_STREAMS)
-    dead, dead_groups = _stream(n, N.DEAD), _glob(n.dead_groups)
-    admitted_groups = _glob(n.admitted_groups)
-    return [
-        # status: length, lag, pending entries and consumers of every group; dead letters
-        Grant((*OBSERVE, "xpending", "xinfo|consumers"), read=(*work, dead)),
-        # status, stalls: when the learner last stepped, which stages are paused
-        Grant(OBSERVE, read=(_stream(n, N.METRICS),)),
-        Grant(("get", "mget"), read=(_glob(n.paused("")) + "*",)),
-        # status, report, replay retrain: the policy version, the learner's step metrics
-        Grant(("xrange", "xrevrange"), read=tuple(_stream(n, s) for s in N.RUN_GLOBAL_STREAMS)),
-        # replay, report: trajectories stored behind a claim check; dlq show --out: the
-        # blob a dead letter's claim-check reference names
-        Grant(("get",), read=tuple(_blobs(n, s) for s in N.WORK_STREAMS)),
-        # dlq requeue (a training group's letter takes its admission slot back), purge
-        # (and goes back into the admission record)
-        Grant(SCRIPTS, rw=(dead, dead_groups, admitted_groups, *work)),
-        Grant(("decr",), rw=(dead_groups,)),
-        Grant(("sadd",), write=(admitted_groups,)),
-        Grant(("xdel",), write=(dead,)),
-        Grant(("xadd",), write=work),
-        Grant(("set",), write=tuple(_blobs(n, s) for s in N.WORK_STREAMS)),
-    ]
+    """Everything a process of ``role`` in run ``names`` may do, beyond :data:`CONNECTION`:
+    the grants of its operations (:data:`ROLE_OPS`) on this layout."""
+    return grants_of(role_ops(role), [names])
 
 
 def acl_rules(
@@ -259,3 +197,57 @@ async def apply_acls(
     await apply_users(
         client, [(creds, run_grants(names, role, shards)) for role, creds in credentials.items()]
     )
+
+
+def role_table(run: str = "<run>") -> str:
+    """The Markdown table of docs/security.md: every role's operations (:data:`ROLE_OPS`) and
+    the grants each derives on an unsharded run (a sharded one: the same in every shard)."""
+    names = N.Names(run)
+    rows = ["| role | operation | commands | keys |", "|---|---|---|---|"]
+    for role in ROLES:
+        shown = role
+        for op in ROLE_OPS[role]:
+            label = _label(names, op)
+            for grant in op.grants(names):  # one ACL selector per row
+                rows.append(f"| {shown} | {label} | {_commands(grant.commands)} | "
+                            f"{_keys(names, grant)} |")
+                shown = label = ""
+    return "\n".join(rows) + "\n"
+
+
+_GROUPS = {CONSUME + TRIM + REPAIR: "consume", SCRIPTS: "scripts", OBSERVE: "observe"}
+
+
+def _commands(commands: tuple[str, ...]) -> str:
+    for group, word in _GROUPS.items():
+        if commands[: len(group)] == group:
+            rest = " ".join(c.upper().replace("|", " ") for c in commands[len(group) :])
+            return f"*{word}*" + (f" `{rest}`" if rest else "")
+    return "`" + " ".join(c.upper().replace("|", " ") for c in commands) + "`"
+
+
+def _short(names: N.Names, pattern: str) -> str:
+    return pattern.removeprefix(_glob(names.prefix))
+
+
+def _keys(names: N.Names, grant: Grant) -> str:
+    parts = [f"RW `{_short(names, p)}`" for p in grant.rw]
+    parts += [f"R `{_short(names, p)}`" for p in grant.read]
+    parts += [f"W `{_short(names, p)}`" for p in grant.write]
+    return ", ".join(parts)
+
+
+def _label(names: N.Names, op: Op) -> str:
+    args: list[str] = []
+    for f in dataclasses.fields(op):  # type: ignore[arg-type]
+        if f.name == "watch":  # the outputs it feeds, named already
+            continue
+        value = getattr(op, f.name)
+        items = value if isinstance(value, tuple) else (value,)
+        shown = [_short(names, v.pattern(names)) if isinstance(v, Key) else str(v)
+                 for v in items if not isinstance(v, bool)]
+        if isinstance(value, bool):
+            shown = [f.name] if value else []
+        if shown:
+            args.append(" ".join(shown))
+    return f"{type(op).__name__}({', '.join(args)})"

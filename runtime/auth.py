@@ -1,9 +1,10 @@
 """Per-role Redis credentials: user names from the config, passwords from the environment.
 
-With ``auth.enabled`` every process connects as the ACL user of its role (protocol/roles.py, made users by queues/acl.py):
-the user name is ``auth.user`` filled in with the run and the role; the password is read from
-the environment variable named by ``auth.password_env``, so it is never in a TOML file, on a
-command line or in a log. ``streamrl up`` generates a random password per role, creates the
+With ``auth.enabled`` every process connects as the ACL user of its role (protocol/roles.py;
+the users are made by queues/acl.py): the user name is ``auth.user`` filled in with the run
+and the role; the password is read from the environment variable named by
+``auth.password_env``, so it is never in a TOML file, on a command line or in a log.
+``streamrl up`` generates a random password per role, creates the
 users with the admin URL's credentials and gives each child process only its own role's
 password and a URL without credentials. For actors started one by one, ``streamrl acl apply``
 creates the users from passwords set in its environment.
@@ -19,7 +20,6 @@ import os
 import secrets
 from collections.abc import Mapping
 
-import redis
 import trio
 
 from streamrl.config.schema import ENV_REDIS_URL, Config, ConfigError
@@ -27,6 +27,7 @@ from streamrl.protocol.names import Names
 from streamrl.protocol.roles import OPERATOR_ROLES, ROLES, apply_acls
 from streamrl.queues.acl import Credentials, missing_users, role_url
 from streamrl.queues.client import Reconnect, RedisClient
+from streamrl.queues.operations import BrokerError
 from streamrl.runtime.logs import get_logger
 
 
@@ -138,7 +139,7 @@ async def serve_role_users(
                 missing = await missing_users(admin, users)
                 if missing:
                     await apply_role_users(config, admin_url, credentials)
-            except (redis.RedisError, RuntimeError) as exc:  # down, loading; apply refused
+            except (BrokerError, RuntimeError) as exc:  # down, loading; apply refused
                 log.info("role users not checked", error=f"{type(exc).__name__}: {exc}")
                 continue
             if missing:
