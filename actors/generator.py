@@ -6,7 +6,7 @@ work, and follows every ``weights`` event afterwards; the engine applies an upda
 two decoding steps, so a completion may span versions: ``Sample.versions`` has the version
 of every token (interruptible rollouts, see ``inference/``). With ``learner.max_staleness
 = 0`` (synchronous mode) a task waits for the version it was admitted for
-(:class:`VersionGate`).
+(:class:`VersionGate`, :meth:`protocol.staleness.StalenessPolicy.wait_version`).
 
 For a multi-turn domain a task is the next turn of an episode (:meth:`Generator.handle_turn`,
 :mod:`actors.episodes`): each live member's last observation goes into its context with the
@@ -39,6 +39,7 @@ from streamrl.protocol.messages import (
     new_id,
     now,
 )
+from streamrl.protocol.staleness import StalenessPolicy
 from streamrl.queues.streams import EventReader
 from streamrl.runtime.context import ActorContext, domain_item
 from streamrl.runtime.policies import Reject, Unavailable
@@ -81,6 +82,8 @@ class Generator:
     input_type = Task
     gate: VersionGate | None = None
     """Set in synchronous mode: a task waits for the weights it was admitted for."""
+    staleness = StalenessPolicy(max_staleness=0)
+    """The run's staleness policy: which version a task waits for (the gate's)."""
 
     def __init__(self, engine: Engine, tokenizer: Any, retry_delay_s: float = 2.0) -> None:
         self.engine = engine
@@ -98,8 +101,9 @@ class Generator:
         return await self.engine.generate(prompts, sampling)
 
     async def handle(self, task: Task) -> list[Output]:
-        if self.gate is not None:
-            await self.gate.wait_for(task.policy_version)
+        wait = self.staleness.wait_version(task)
+        if wait is not None and self.gate is not None:
+            await self.gate.wait_for(wait)
         domain, item = domain_item(task)
         if is_multi_turn(domain):
             return await self.handle_turn(task, domain, item)
@@ -217,10 +221,11 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
         open_engine(cfg, model_dir) as engine,
         trio.open_nursery() as nursery,
     ):
-        gate = VersionGate() if ctx.config.learner.max_staleness == 0 else None
+        staleness = ctx.staleness()
+        gate = VersionGate() if staleness.synchronous else None
         await nursery.start(serve_weight_updates, ctx, engine, gate)
         generator = Generator(engine, tokenizer)
-        generator.gate = gate
+        generator.gate, generator.staleness = gate, staleness
         await ctx.serve(
             generator,
             concurrency=cfg.concurrency,

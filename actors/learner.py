@@ -41,7 +41,7 @@ import trio
 
 from streamrl.config.schema import Config
 from streamrl.learner import distributed as dist_util
-from streamrl.learner.batch import build_batch, group_staleness
+from streamrl.learner.batch import build_batch
 from streamrl.learner.checkpoint import (
     Ledger,
     Snapshot,
@@ -140,6 +140,7 @@ class Learner:
     def __init__(self, ctx: ActorContext, consumer: Consumer) -> None:
         self.ctx = ctx
         self.cfg = ctx.config.learner
+        self.staleness = ctx.staleness()
         self.consumer = consumer
         self.root = ctx.config.run.path / "weights"
         self.base_dir = resolve_model(ctx.config.model.spec)
@@ -287,8 +288,8 @@ class Learner:
             await self._settle(d, traj, "duplicates_skipped", f"duplicate-{d.entry_id}")
             log.warning("skipped group already trained", episode_id=traj.episode_id)
             return None
-        staleness = group_staleness(traj, version)
-        if staleness > self.cfg.max_staleness:
+        if self.staleness.too_stale(traj, version):
+            staleness = self.staleness.staleness(traj, version)
             self.dropped_stale += 1
             record_dropped_stale(self.ctx.names.run)
             await self._settle(d, traj, "dropped_stale", f"stale-{traj.episode_id}")
@@ -330,7 +331,7 @@ class Learner:
             trajectory_ids=[t.id for _, t in batch],
             entry_ids=[d.entry_id for d, _ in batch],
         )
-        staleness = [group_staleness(t, version - 1) for _, t in batch]
+        staleness = [self.staleness.staleness(t, version - 1) for _, t in batch]
         metrics = StepMetrics(
             id=new_id(),
             created_at=now(),

@@ -1,7 +1,7 @@
 """From verified groups (``Trajectory`` messages) to the padded tensors one training step reads.
 
 Guarantees:
-- a group is kept or dropped whole (:func:`split_stale`), never partially;
+- a group is kept or dropped whole (staleness: :mod:`protocol.staleness`), never partially;
 - every per-token tensor of a :class:`Batch` is aligned to next-token *predictions*: column
   ``t`` describes the token ``input_ids[:, t + 1]``, predicted by the logits at position
   ``t``. So ``logits[:, :-1]`` lines up with ``loss_mask``, ``old_logprobs`` and
@@ -83,28 +83,6 @@ class Batch:
         """Consecutive slices of ``size`` samples, each trimmed to its own longest sample."""
         for start in range(0, self.size, size):
             yield self.rows(slice(start, start + size))
-
-
-def group_staleness(trajectory: Trajectory, learner_version: int) -> int:
-    """How many versions behind the learner the oldest token of the group was drawn (per-token
-    versions: a completion may span a weight update)."""
-    oldest = min(
-        min(s.weight_version, int(s.token_versions().min(initial=s.weight_version)))
-        for s in trajectory.rollout.samples
-    )
-    return learner_version - oldest
-
-
-def split_stale(
-    trajectories: Sequence[Trajectory], learner_version: int, max_staleness: int
-) -> tuple[list[Trajectory], list[Trajectory]]:
-    """``(fresh, stale)``: a group is stale when ``group_staleness > max_staleness``."""
-    fresh: list[Trajectory] = []
-    stale: list[Trajectory] = []
-    for t in trajectories:
-        too_old = group_staleness(t, learner_version) > max_staleness
-        (stale if too_old else fresh).append(t)
-    return fresh, stale
 
 
 def has_signal(trajectory: Trajectory) -> bool:

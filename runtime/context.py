@@ -22,6 +22,7 @@ from streamrl.domains.registry import get_domain
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Task
 from streamrl.protocol.names import Names
+from streamrl.protocol.staleness import StalenessPolicy
 from streamrl.queues.client import RedisClient
 from streamrl.queues.payloads import PayloadLimits
 from streamrl.queues.shards import Consumer, open_consumer, publish_routed
@@ -83,6 +84,11 @@ class ActorContext:
             retry=RetryPolicy(r.max_retries, r.backoff_s, r.max_backoff_s),
             time_limit_s=time_limit_s,
         )
+
+    def staleness(self) -> StalenessPolicy:
+        """The run's one staleness policy (scheduler admission, generator, learner)."""
+        learner = self.config.learner
+        return StalenessPolicy(learner.max_staleness, learner.groups_per_step)
 
     def runtime_settings(self, concurrency: int, input_stream: str) -> RuntimeSettings:
         q = self.config.queues

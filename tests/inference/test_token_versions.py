@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
-from streamrl.learner.batch import group_staleness, split_stale
 from streamrl.protocol.messages import Trajectory, ids_to_bytes
+from streamrl.protocol.staleness import StalenessPolicy, group_staleness
 from streamrl.queues.codec import decode, encode
 from streamrl.testing.messages import make_trajectory
 
@@ -35,8 +35,7 @@ def test_staleness_counts_from_the_oldest_token() -> None:
     assert group_staleness(traj, 7) == 1
     mixed = with_versions(traj, [[3, 6, 6]])
     assert group_staleness(mixed, 7) == 4
-    fresh, stale = split_stale([mixed], 7, max_staleness=2)
-    assert fresh == [] and stale == [mixed]
+    assert StalenessPolicy(max_staleness=2).too_stale(mixed, 7)
 
 
 def test_client_reads_version_ranges_and_refuses_bad_ones() -> None:

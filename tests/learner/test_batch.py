@@ -1,4 +1,4 @@
-"""From Trajectory messages to aligned, padded tensors; staleness splitting."""
+"""From Trajectory messages to aligned, padded tensors (staleness: tests/protocol)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from streamrl.learner.batch import build_batch, split_stale
+from streamrl.learner.batch import build_batch
 from streamrl.protocol.messages import Trajectory
 from streamrl.queues.codec import decode, encode
 from streamrl.testing.messages import make_trajectory
@@ -74,17 +74,3 @@ def test_malformed_groups_are_rejected() -> None:
         build_batch([make_trajectory([1], [[5]], [[-1.0]], [1.0], temperature=0.0)])
     with pytest.raises(ValueError, match="prompt"):
         build_batch([make_trajectory([], [[5]], [[-1.0]], [1.0])])
-
-
-def test_split_stale_drops_whole_groups_by_their_oldest_sample() -> None:
-    def group(versions: list[int]) -> Trajectory:
-        n = len(versions)
-        return make_trajectory([1], [[5]] * n, [[-1.0]] * n, [0.0] * n, weight_versions=versions)
-
-    # learner at version 6, at most 2 versions behind
-    fresh_at_limit = group([4, 6])  # staleness 2
-    one_old_sample = group([6, 6, 3])  # staleness 3: the whole group goes
-    current = group([6, 6])
-    fresh, stale = split_stale([fresh_at_limit, one_old_sample, current], 6, max_staleness=2)
-    assert fresh == [fresh_at_limit, current]
-    assert stale == [one_old_sample]
