@@ -54,6 +54,7 @@ from streamrl.learner.model import resolve_model
 from streamrl.learner.train import StepStats, TrainConfig, Trainer, rng_state
 from streamrl.learner.weights import latest_version, save_weights, version_dir
 from streamrl.protocol import names as N
+from streamrl.protocol.admission import run_drained
 from streamrl.protocol.messages import (
     StepMetrics,
     Trajectory,
@@ -63,6 +64,7 @@ from streamrl.protocol.messages import (
     training_group,
 )
 from streamrl.queues.codec import decode, encode
+from streamrl.queues.operations import trim_events
 from streamrl.queues.shards import Consumer
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import Delivery
@@ -246,24 +248,10 @@ class Learner:
         return True
 
     async def _run_drained(self) -> bool:
-        """Whether no training group can reach the learner any more: admission is closed
-        (``max_train_groups`` admitted, no admission half-published across shards) and no
-        stage upstream holds work (nothing waiting or in progress in ``tasks``, ``rollouts``,
-        ``executed``; nothing undelivered in ``trajectories``). Each stage hands off and
-        acknowledges in one script, so work is always visible in one of these counts."""
+        """Whether no training group can reach the learner any more: admission closed and
+        nothing left upstream (:func:`streamrl.protocol.admission.run_drained`)."""
         limit = self.ctx.config.scheduler.max_train_groups
-        if not limit:
-            return False
-        c, names = self.ctx.client, self.ctx.names
-        admitted = int(await c.call(c.sync.get, names.admitted) or 0)
-        if admitted < limit or int(await c.call(c.sync.hlen, names.admissions)):
-            return False
-        for stream in (N.TASKS, N.ROLLOUTS, N.EXECUTED):
-            state = await group_state(c, names, stream, N.GROUP_OF_STREAM[stream])
-            if state.backlog:
-                return False
-        own = await group_state(c, names, N.TRAJECTORIES, N.GROUP_OF_STREAM[N.TRAJECTORIES])
-        return own.lag == 0
+        return await run_drained(self.ctx.client, self.ctx.names, limit)
 
     async def _accept(self, d: Delivery, in_batch: set[str], version: int) -> Trajectory | None:
         """Decode, skip groups already trained (or taken for a step not yet checkpointed),
@@ -418,15 +406,8 @@ class Learner:
 
     async def _trim_events(self) -> None:
         """Event streams have no consumer group to trim by: keep the newest N of each."""
-        keep = self.ctx.config.queues.retain_events
-
-        def trim() -> None:
-            pipe = self.ctx.client.sync.pipeline(transaction=False)
-            for stream in (N.WEIGHTS, N.METRICS):
-                pipe.xtrim(self.ctx.names.stream(stream), maxlen=keep, approximate=True)
-            pipe.execute()
-
-        await self.ctx.client.call(trim)
+        keys = [self.ctx.names.stream(s) for s in (N.WEIGHTS, N.METRICS)]
+        await trim_events(self.ctx.client, keys, self.ctx.config.queues.retain_events)
 
     async def _finish_interrupted_step(self) -> None:
         """Re-announce the latest saved step: a no-op unless we crashed before announcing."""

@@ -9,8 +9,8 @@ still enter it, read through the broker (:mod:`streamrl.queues.operations`).
   Every count is written by the atomic hand-off that causes it, under its dedup key, so the
   bound holds across replays.
 - :func:`admission_closed`: ``max_train_groups`` admitted and no admission half-published
-  across shards, which with an empty upstream means no training group can reach the learner
-  any more (the learner's last, part-filled step).
+  across shards; :func:`run_drained`: that, and nothing left upstream, so no training group
+  can reach the learner any more (the learner's last, part-filled step).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from streamrl.queues.operations import (
     read_counters,
     read_flag,
 )
+from streamrl.queues.stats import group_state
 
 
 @dataclass(frozen=True)
@@ -90,3 +91,19 @@ async def admission_closed(client: RedisClient, names: N.Names, limit: int) -> b
     if await read_counter(client, names.admitted) < limit:
         return False
     return not await count_reservations(client, names)
+
+
+async def run_drained(client: RedisClient, names: N.Names, limit: int) -> bool:
+    """Whether no training group can reach the learner any more: admission is closed
+    (:func:`admission_closed`) and no stage upstream holds work (nothing waiting or in
+    progress in ``tasks``, ``rollouts``, ``executed``; nothing undelivered in
+    ``trajectories``). Each stage hands off and acknowledges in one script, so work is always
+    visible in one of these counts."""
+    if not await admission_closed(client, names, limit):
+        return False
+    for stream in (N.TASKS, N.ROLLOUTS, N.EXECUTED):
+        state = await group_state(client, names, stream, N.GROUP_OF_STREAM[stream])
+        if state.backlog:
+            return False
+    own = await group_state(client, names, N.TRAJECTORIES, N.GROUP_OF_STREAM[N.TRAJECTORIES])
+    return own.lag == 0
