@@ -280,22 +280,28 @@ class Learner:
             staleness = self.staleness.staleness(traj, version)
             self.dropped_stale += 1
             record_dropped_stale(self.ctx.names.run)
-            await self._settle(d, traj, "dropped_stale", f"stale-{traj.episode_id}")
+            await self._settle(
+                d, traj, "dropped_stale", f"stale-{traj.episode_id}", frees_slot=True
+            )
             log.warning("dropped stale group", episode_id=traj.episode_id, staleness=staleness)
             return None
         return traj
 
-    async def _settle(self, d: Delivery, traj: Trajectory, counter: str, once: str) -> None:
+    async def _settle(
+        self, d: Delivery, traj: Trajectory, counter: str, once: str, *, frees_slot: bool = False
+    ) -> None:
         """Acknowledge a group that is not trained (a duplicate, stale), taking it out of the
         admission record and adding one to ``counter`` with its acknowledgement, in one
         script. The count is guarded by the dedup key ``once`` (``dedup:learner:*``): a
         replayed settlement (the entry redelivered or reclaimed, a repeated call) counts
-        nothing. Stale drops are counted once per group (``stale-<episode>``: a duplicate
-        entry of a dropped group frees no second admission slot), duplicates once per entry."""
+        nothing. Duplicates count once per entry. A stale drop (``frees_slot``: a count in
+        admission's D) counts only if this settlement took the group out of the admission
+        record: a group settled already (dead-lettered upstream, counted in ``dead_groups``;
+        dropped by an earlier entry of it) or never admitted frees no second slot."""
         names = self.consumer.names
         await self.consumer.ack_many(
             [d.entry_id], names.dedup("learner", once), [], settled=[traj.episode_id],
-            counters=[(names.counter(counter), 1)],
+            counters=[(names.counter(counter), 1)], only_settling=frees_slot,
         )
 
     def _snapshot(self) -> dict[str, Any] | None:

@@ -215,11 +215,13 @@ class ShardedConsumer:
         *,
         settled: list[str | None] | None = None,
         counters: list[tuple[str, int]] | None = None,
+        only_settling: bool = False,
     ) -> None:
         """Acknowledge entries of any shards and publish ``outputs`` once; ``settled`` (one
         per entry: the ticket it carries, or None) leave the open tickets of the entry's shard
         with its acknowledgement (:meth:`StreamConsumer.ack_many`); ``counters`` are added in
-        the shard of the first entry, under that shard's dedup key (once).
+        the shard of the first entry, under that shard's dedup key (once; with
+        ``only_settling``, only if that shard's step took a settled ticket out of its open set).
 
         Atomic (one script) when the entries are of one shard and the localized dedup key and
         outputs are in its slot. Otherwise (entries of several shards, or outputs to
@@ -240,7 +242,10 @@ class ShardedConsumer:
             counted = self._localize_counters(shard, counters)
             keys = [consumer.stream, dedup, *(k for k, _ in outs), *(k for k, _ in counted)]
             if one_slot(keys):
-                await consumer.ack_many(eids, dedup, outs, settled=tickets[shard], counters=counted)
+                await consumer.ack_many(
+                    eids, dedup, outs, settled=tickets[shard], counters=counted,
+                    only_settling=only_settling,
+                )
                 return
         if outputs:
             await Producer(self.client, self.names, self.settings.limits).publish_once(
@@ -253,7 +258,8 @@ class ShardedConsumer:
             dedup, _ = self._localize(shard, dedup_id, [])
             counted = self._localize_counters(shard, counters) if shard == counting else []
             await self.consumers[shard].ack_many(
-                eids, dedup, [], settled=tickets[shard], counters=counted
+                eids, dedup, [], settled=tickets[shard], counters=counted,
+                only_settling=only_settling,
             )
 
 

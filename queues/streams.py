@@ -420,12 +420,15 @@ class StreamConsumer:
         *,
         settled: list[str] | None = None,
         counters: list[tuple[str, int]] | None = None,
+        only_settling: bool = False,
     ) -> None:
         """Acknowledge a batch of entries and publish ``outputs`` once, atomically; the
         ``settled`` tickets (those the entries carry) leave the shard's open tickets
         (:attr:`queues.keys.Layout.open_tickets`) in the same step, and ``counters``
         [(key, increment)] are added with the outputs, under the same dedup key (once, as in
-        :attr:`Handoff.counters`)."""
+        :attr:`Handoff.counters`); with ``only_settling``, only if the step took one of the
+        ``settled`` tickets out of the open set (a ticket released already, or never opened,
+        counts nothing)."""
         outputs, blobs = prepare_many(outputs, self.settings.limits)
         if blobs:
             await self._store_blobs(blobs)
@@ -436,7 +439,7 @@ class StreamConsumer:
         keys += [s for s, _ in outputs]
         args: list[Any] = [self.group, self.settings.dedup_ttl_s, len(entry_ids), *entry_ids]
         args += [len(members), *members]
-        args += [len(counted), *(n for _, n in counted)]
+        args += [len(counted), *(n for _, n in counted), "1" if only_settling else "0"]
         args += [p for _, p in outputs]
         await self.client.call(self._handoff, keys=keys, args=args)
 

@@ -22,9 +22,17 @@ from streamrl.domains.math import MathItem
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import Executed, Rollout, Sample, Sampling, new_id, now
+from streamrl.protocol.messages import (
+    Executed,
+    Rollout,
+    Sample,
+    Sampling,
+    Trajectory,
+    new_id,
+    now,
+)
 from streamrl.queues.client import RedisClient
-from streamrl.queues.codec import encode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.policies import Policies
@@ -77,6 +85,12 @@ def _executed(texts: list[str]) -> Executed:
                       prompt_ids=b"\0\0\0\0", samples=samples)
     return Executed(id=new_id(), created_at=now(), policy_version=0, rollout=rollout,
                     outcomes=[to_outcome(None) for _ in texts])
+
+
+async def _admit(client: RedisClient, names: N.Names, payloads: list[bytes]) -> None:
+    """Record the groups as admitted (what the scheduler's admission script does)."""
+    groups = [decode(p, Trajectory).episode_id for p in payloads]
+    await client.call(client.sync.sadd, names.admitted_groups, *groups)
 
 
 async def _counters(client: RedisClient, names: N.Names) -> dict[str, int]:
@@ -180,6 +194,7 @@ async def test_replayed_learner_settlements_count_once(
     # entry after Redis lost a dedup key), and two fresh ones
     stale = [group(0), group(1)]
     fresh = [group(2), group(3)]
+    await _admit(client, names, [*stale, *fresh])
     await Producer(client, names).publish(
         N.TRAJECTORIES, [stale[0], fresh[0], stale[1], stale[0], fresh[1]]
     )
@@ -200,5 +215,48 @@ async def test_replayed_learner_settlements_count_once(
     }
     scheduler = Scheduler(ActorContext(config, roles["scheduler"], names))
     assert await scheduler.counted("dropped_stale") == 2
+    pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
+    assert pending["pending"] == 0
+
+
+async def test_a_group_dead_lettered_upstream_frees_its_slot_once_when_it_also_arrives_stale(
+    client: RedisClient, names: N.Names, roles: dict[str, RedisClient], redis_url: str,
+    tmp_path: Path,
+) -> None:
+    # Given a learner resuming at policy version 3, staleness 1, 2 groups per step
+    base = resolve_model("tiny")
+    await trio.to_thread.run_sync(save_weights, load_model(base), base, tmp_path / "weights", 3, 2)
+    config = run_config(
+        tmp_path, redis_url, names.run, "model.spec=tiny", "learner.groups_per_step=2",
+        "learner.max_staleness=1", "learner.max_steps=4", "queues.block_ms=200",
+    )
+
+    def group(version: int) -> Trajectory:
+        return make_trajectory(
+            [1, 2, 3], [[5, 6, 7]] * 2, [[-1.0] * 3] * 2, [0.0, 1.0], weight_versions=version
+        )
+
+    # and an admitted group (sampled by v0) dead-lettered upstream, which frees its slot
+    # (dead_groups), while a duplicate entry of it still reaches the learner, stale
+    lost, fresh = group(0), [group(2), group(3)]
+    await _admit(client, names, [encode(t) for t in (lost, *fresh)])
+    await Producer(client, names).publish(N.EXECUTED, [encode(lost)])
+    settings = ConsumerSettings(block_ms=50)
+    async with open_stream_consumer(
+        roles["verifier"], names, N.EXECUTED, stage="verifier", settings=settings
+    ) as verifier:
+        [d] = await verifier.read(1)
+        await verifier.dead_letter(d, "verifier gave up", ticket=lost.episode_id)
+    await Producer(client, names).publish(N.TRAJECTORIES, [encode(t) for t in (lost, *fresh)])
+
+    # When the learner drops it as stale and trains the fresh ones
+    with trio.fail_after(120):
+        await serve_learner(ActorContext(config, roles["learner"], names))
+
+    # Then the group is in D once: in dead_groups, not again in dropped_stale
+    scheduler = Scheduler(ActorContext(config, roles["scheduler"], names))
+    assert await scheduler.counted("dropped_stale") == 0
+    assert int(await client.call(client.sync.get, names.dead_groups) or 0) == 1
+    assert await client.call(client.sync.scard, names.admitted_groups) == 0
     pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
     assert pending["pending"] == 0

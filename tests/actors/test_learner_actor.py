@@ -59,6 +59,8 @@ async def test_learner_drops_stale_groups_and_steps_atomically(
     # and groups sampled by v0 and v1 (stale: 3 and 2 versions old) and by v2, v3 (fresh)
     stale = [_group(0, [0.0, 1.0]), _group(1, [1.0, 0.0])]
     fresh = [_group(2, [0.0, 1.0]), _group(3, [1.0, 0.0])]
+    admitted = [decode(p, Trajectory).episode_id for p in (*stale, *fresh)]
+    await client.call(client.sync.sadd, names.admitted_groups, *admitted)  # by the scheduler
     await Producer(client, names).publish(N.TRAJECTORIES, [stale[0], fresh[0], stale[1], fresh[1]])
 
     # When the learner takes one step (max_steps=4: from version 3 to 4) and stops
