@@ -80,10 +80,14 @@ class _Worker:
     process: BaseProcess
     conn: Connection
 
-    def kill(self) -> None:
+    def kill(self, grace_s: float = 0.0) -> None:
+        """Close its pipe (an idle worker reads EOF and exits, its own children reaped) and
+        SIGKILL it if it is still there after ``grace_s``."""
         with contextlib.suppress(OSError):
             self.conn.close()
-        if self.process.pid is not None:
+        if grace_s > 0:
+            self.process.join(grace_s)
+        if self.process.exitcode is None and self.process.pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, signal.SIGKILL)
         self.process.join()
@@ -123,7 +127,9 @@ class WorkerPool:
     def _start_worker(self) -> _Worker:  # blocking: run in a thread
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=_serve_jobs, args=(child, self._initializer, self._preload), daemon=True,
+            # not a daemon: a scorer may start processes of its own (domains.math's sympy
+            # worker); a worker whose parent is gone reads EOF on its pipe and exits
+            target=_serve_jobs, args=(child, self._initializer, self._preload), daemon=False,
             name="streamrl-worker",
         )
         process.start()
@@ -193,6 +199,6 @@ async def open_worker_pool(
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
-            for worker in list(pool._all):
-                await trio.to_thread.run_sync(worker.kill)
+            for worker in list(pool._all):  # the busy ones were cancelled: replaced, gone
+                await trio.to_thread.run_sync(worker.kill, 2.0)
             pool._all.clear()
