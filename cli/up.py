@@ -40,6 +40,7 @@ from streamrl.actors.monitor import Monitor, Summary
 from streamrl.actors.scheduler import eval_round_size, publish_eval_round
 from streamrl.backoff import Backoff, Retrying
 from streamrl.config.schema import Config, to_dict
+from streamrl.domains.declared import DeclarationError, check_declared
 from streamrl.net import free_port, free_ports, wait_healthy
 from streamrl.protocol.names import Names
 from streamrl.queues.acl import Credentials
@@ -281,6 +282,10 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
             shutil.rmtree(run_dir)
             print(f"streamrl: --fresh: removed {run_dir}", flush=True)
     print(f"streamrl: run {config.run.name!r} in {run_dir}", flush=True)
+    try:  # every declared domain builds and loads both splits, before anything is started
+        await trio.to_thread.run_sync(check_declared, config.domain)
+    except DeclarationError as exc:
+        raise SystemExit(f"streamrl: {exc}") from None
     try:  # which isolation the executors will get, before anything is started
         for line in await isolation_report(config):
             print(f"streamrl: {line}", flush=True)

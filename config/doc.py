@@ -119,6 +119,8 @@ def _section(
         args = typing.get_args(tp)
         if _is_section(tp):
             nested.append((f"{title}.{name}", tp))
+            meaning = f"{docs.get(name, '')} See `[{title}.{name}]`.".strip()
+            lines.append(f"| `{name}` | table | | {_cell(meaning)} |")
             continue
         if typing.get_origin(tp) is dict and len(args) == 2 and _is_section(args[1]):
             nested.append((f"{title}.{name}.<name>", args[1]))

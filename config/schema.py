@@ -172,8 +172,109 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     domain that never trains gets at most 1/min_pass times its weight's share of tasks."""
 
 
+class FieldMap(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[domain.<name>.fields]``: which column of a declared domain's rows is which field of
+    its items (domains/declared.py)."""
+
+    prompt: str = "prompt"
+    """Column of the prompt (the task text); every row needs it."""
+    answer: str = "answer"
+    """Column of the reference answer (the kinds that compare to one need it)."""
+    tests: str = "tests"
+    """Column of the tests (a test program, stdin/stdout cases, a task directory)."""
+    id: str = "id"
+    """Column of the item id; absent from the data with the default name: the row's index."""
+
+
+class FewShot(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    prompt: str
+    """A worked example's prompt (rendered through ``template`` like an item's)."""
+    answer: str
+    """Its answer: the assistant turn that follows it."""
+
+
+class PromptConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[domain.<name>.prompt]``: how a declared domain's item is shown to the model, always
+    through the model's own chat template."""
+
+    system: str = ""
+    """System message (empty: none; reasoning_gym: its default, which asks for
+    ``<answer>`` tags)."""
+    template: str = "{prompt}"
+    """The user turn: ``{prompt}`` and any column of the row, e.g. ``"{prompt}\n{choices}"``."""
+    few_shot: list[FewShot] = msgspec.field(default_factory=list)
+    """Worked examples, as user/assistant turns before the item."""
+
+
+class SplitConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[domain.<name>.split]``: which items of a declared domain are held out."""
+
+    by: Literal["hash", "column", "files"] = "hash"
+    """'hash': a stable hash of the id puts ``eval_fraction`` of the items in eval; 'column':
+    the value of ``column`` (``train`` / ``eval``); 'files': ``train`` and ``eval`` are the
+    two files (or the splits of a ``datasets`` DatasetDict saved at ``data``)."""
+    eval_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.1
+    """by 'hash': the held-out fraction."""
+    column: str = "split"
+    """by 'column': the column that names each row's split."""
+    train: str = "train"
+    """by 'column': the train value; by 'files': the train file or split name."""
+    eval: str = "eval"
+    """by 'column': the eval value; by 'files': the eval file or split name."""
+    train_size: PosInt = 1000
+    """Generated kinds (reasoning_gym): train items per curriculum level."""
+    eval_size: PosInt = 64
+    """Generated kinds: held-out items."""
+    train_seed: int = 1
+    """Generated kinds: seed of the train items (reasoning-gym seeds item i with seed + i;
+    curriculum level L starts 10,000,019 * L further)."""
+    eval_seed: int = 1_000_003
+    """Generated kinds: seed of the held-out items (keep it further from train_seed than
+    train_size)."""
+
+
+class CurriculumConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[domain.<name>.curriculum]``: the scheduler moves a domain with difficulty levels
+    (reasoning_gym) to the next level when its recent train reward passes ``threshold``."""
+
+    threshold: Fraction = 0.0
+    """Mean train reward over the last ``min_groups`` groups at a level that moves the domain
+    to the next one (0: no curriculum, items at the configured difficulty)."""
+    min_groups: PosInt = 16
+    """Train groups resolved at a level before its reward counts."""
+    max_level: NonNegInt = 0
+    """Highest level (0: the data set's own last one)."""
+
+
 class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``[domain.<name>]``: how one domain of scheduler.domains is scheduled and run."""
+    """``[domain.<name>]``: how one domain of scheduler.domains is scheduled and run; with
+    ``kind``, a domain declared as data (domains/declared.py)."""
+
+    kind: str = ""
+    """Declared domain: a verifier kind (domains/kinds), ``reasoning_gym``, or a plugin
+    domain's entry point (e.g. ``math``) built over ``data`` instead of its own. Empty: the
+    entry point of this table's name, as it ships."""
+    data: str = ""
+    """Declared domain: a ``.jsonl`` or ``.parquet`` file, a directory of them, or a
+    ``datasets`` data set saved with ``save_to_disk`` (never a hub download)."""
+    fields: FieldMap = msgspec.field(default_factory=FieldMap)
+    """Declared domain: column names of the item fields."""
+    prompt: PromptConfig = msgspec.field(default_factory=PromptConfig)
+    """Declared domain: system prompt, user template, few-shot examples."""
+    split: SplitConfig = msgspec.field(default_factory=SplitConfig)
+    """Declared domain: how the held-out items are chosen."""
+    seed: int = 0
+    """Order of the train items: a shuffle per epoch (without replacement) from this seed,
+    run.seed and the domain's name."""
+    verifier: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Declared domain: the kind's own options, ``[domain.<name>.verifier]``."""
+    dataset: str = ""
+    """kind 'reasoning_gym': the data set's name (e.g. ``chain_sum``)."""
+    dataset_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    """kind 'reasoning_gym': its config (``[domain.<name>.dataset_config]``; size and seed
+    come from ``split``)."""
+    curriculum: CurriculumConfig = msgspec.field(default_factory=CurriculumConfig)
+    """kind 'reasoning_gym': the difficulty curriculum."""
 
     weight: PosFloat = 1.0
     """Share of the trained samples (relative to the other domains' weights)."""
@@ -189,6 +290,17 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """Sandbox wall-clock limit per run (0: the domain's own)."""
     memory_mb: NonNegInt = 0
     """Sandbox memory limit (0: the domain's own)."""
+
+    def declaration_error(self) -> str | None:
+        """What is inconsistent in this table's declaration, if anything."""
+        if (self.data or self.verifier) and not self.kind:
+            return "data and verifier options need a kind"
+        if (self.kind == "reasoning_gym") != bool(self.dataset):
+            return "kind 'reasoning_gym' and dataset go together"
+        generated = self.kind == "reasoning_gym"
+        if self.kind and not generated and not self.data and self.split.by != "files":
+            return f"kind {self.kind!r} needs data (or split.by = 'files')"
+        return None
 
 
 class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -393,6 +505,9 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(f"[domain.*] tables for domains not in scheduler.domains or "
                              f"eval_domains: "
                              f"{sorted(unknown)}")
+        for name, table in self.domain.items():
+            if (error := table.declaration_error()) is not None:
+                raise ValueError(f"[domain.{name}]: {error}")
 
     def domain_config(self, name: str) -> DomainConfig:
         return self.domain.get(name) or DomainConfig()

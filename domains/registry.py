@@ -9,7 +9,9 @@ Every domain, built-in or third-party, is declared the same way, in its package'
 entry points, reinstall: ``pip install --no-deps -e .``), calls the factory once per process
 and keeps the instance. :func:`register` adds a factory in-process (tests, generated
 domains in benchmarks); an in-process registration wins over an entry point of the same
-name. Nothing else in the code base names a domain: adding one touches no actor code.
+name. :func:`declare` registers the domains declared as data in TOML (``[domain.<name>]``
+with a ``kind``). Nothing else in the code base names a domain: adding one touches no actor
+code.
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ def register(name: str) -> Callable[[F], F]:
         return factory
 
     return decorate
+
+
+def declare(name: str, factory: Callable[[], Domain]) -> None:
+    """Register a declared domain's factory (:mod:`streamrl.domains.declared`). Declaring the
+    same name again with an equal declaration keeps the instance; another one replaces it."""
+    old = _factories.get(name)
+    same = getattr(old, "declaration", None)
+    if old is not None and same is not None and same == getattr(factory, "declaration", None):
+        return
+    _factories[name] = factory
+    _instances.pop(name, None)
 
 
 def entry_points() -> dict[str, importlib.metadata.EntryPoint]:

@@ -18,6 +18,7 @@ import trio
 
 from streamrl.config.schema import Config
 from streamrl.domains.base import Domain
+from streamrl.domains.declared import declare_domains
 from streamrl.domains.registry import get_domain
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Task
@@ -148,9 +149,12 @@ def domain_item(task: Task) -> tuple[Domain, Any]:
 async def open_context(
     config: Config, role: str, *, password: str | None = None
 ) -> AsyncIterator[ActorContext]:
-    """Connect as ``role`` (with ``auth.enabled``: its own ACL user, see runtime/auth.py)."""
+    """Connect as ``role`` (with ``auth.enabled``: its own ACL user, see runtime/auth.py).
+    The domains declared as data in ``config.domain`` are registered first (every process
+    of the run sees the same ones: domains/declared.py)."""
     if not config.run.redis_url:
         raise ValueError("run.redis_url is empty: set it, or use `streamrl up` (embedded server)")
+    declare_domains(config.domain)
     client = RedisClient(actor_url(config, role, password))
     try:
         yield ActorContext(config, client, Names(config.run.name, shards=config.queues.shards))

@@ -1,0 +1,317 @@
+"""Domains declared as data: ``[domain.<name>]`` with a ``kind`` and its ``data``.
+
+A declared domain pairs a data set (a JSONL or Parquet file, a directory of them, or a
+Hugging Face ``datasets`` data set saved with ``save_to_disk``; read from local disk only)
+with a verifier kind (:mod:`streamrl.domains.kinds`), a field mapping, a prompt template and
+a split, so one kind serves many data sets in one run. ``kind`` may also name a plugin
+domain's entry point (``math``, ``code``...): that class then runs over the declared data
+(its rows mapped onto its own item type) instead of its own, or ``reasoning_gym``
+(:mod:`streamrl.domains.gym`).
+
+Guarantees:
+- every declared domain is built the same way in every process: :func:`declare_domains`
+  registers a factory per ``[domain.<name>]`` table with a ``kind`` (the runtime calls it
+  when an actor's context opens, ``up`` before it starts any child, building each one so
+  that a bad declaration stops the run at start);
+- a bad declaration is an error at build or load time, never mid-run, naming the domain,
+  the file and the row: an unknown kind, a missing file, a row without a mapped column, a
+  template naming a column the row lacks, a row the kind refuses (``check_item``);
+- ``load_items(split)`` is deterministic; train and eval share no item: the split is by a
+  stable hash of the id (sha256, not Python's salted ``hash``), by a column, or by file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import pkgutil
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from streamrl.config.schema import DomainConfig
+from streamrl.domains import kinds as kinds_pkg
+from streamrl.domains import registry
+from streamrl.domains.base import SINGLE_TURN, Domain
+from streamrl.domains.kinds import KINDS, Record, Verifier
+from streamrl.domains.template import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DeclarationError,
+    chat_ids,
+    chat_messages,
+)
+from streamrl.sandbox.base import ExecRequest, ExecResult
+
+Row = tuple[str, int, dict[str, Any]]
+"""(where it came from, its index there, the row)."""
+
+
+def load_kinds() -> dict[str, Any]:
+    """:data:`~streamrl.domains.kinds.KINDS` with every kind module imported."""
+    for mod in pkgutil.iter_modules(kinds_pkg.__path__):
+        importlib.import_module(f"{kinds_pkg.__name__}.{mod.name}")
+    return KINDS
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")
+    )
+
+
+def _file_rows(path: Path) -> Iterator[Row]:
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq  # optional: only parquet data needs it
+
+        for i, row in enumerate(pq.read_table(path).to_pylist()):
+            yield str(path), i, row
+        return
+    with path.open() as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise DeclarationError(f"{path}: row {i}: not JSON: {exc}") from None
+            if not isinstance(row, dict):
+                raise DeclarationError(f"{path}: row {i}: not a JSON object")
+            yield str(path), i, row
+
+
+def read_rows(path: Path, split_name: str | None = None) -> list[Row]:
+    """The rows of ``path`` (a file, a directory of ``.jsonl``/``.parquet`` files, or a saved
+    ``datasets`` data set; ``split_name`` picks one split of a saved DatasetDict)."""
+    if not path.exists():
+        raise DeclarationError(f"{path}: no such file or directory")
+    if _is_saved_dataset(path):
+        import datasets  # optional: only data sets saved with `datasets` need it
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if split_name is None or split_name not in ds:
+                raise DeclarationError(
+                    f"{path}: a DatasetDict with splits {sorted(ds)}: set split.by = 'files' "
+                    f"with split.train / split.eval naming two of them")
+            ds, where = ds[split_name], f"{path}[{split_name}]"
+        else:
+            where = str(path)
+        return [(where, i, dict(row)) for i, row in enumerate(ds)]
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet"))
+        if not files:
+            raise DeclarationError(f"{path}: no .jsonl or .parquet files in it")
+        return [r for p in files for r in _file_rows(p)]
+    return list(_file_rows(path))
+
+
+def hash_fraction(item_id: str) -> float:
+    """A stable number in [0, 1) from the id (the same in every process and Python)."""
+    digest = hashlib.sha256(item_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def split_rows(name: str, cfg: DomainConfig) -> dict[str, list[Row]]:
+    """``{"train": rows, "eval": rows}`` of the declared domain ``name``."""
+    s = cfg.split
+    if s.by == "files":
+        if cfg.data and _is_saved_dataset(Path(cfg.data)):
+            return {k: read_rows(Path(cfg.data), v) for k, v in (("train", s.train),
+                                                               ("eval", s.eval))}
+        base = Path(cfg.data) if cfg.data else Path()
+        return {k: read_rows(base / v) for k, v in (("train", s.train), ("eval", s.eval))}
+    rows = read_rows(Path(cfg.data))
+    out: dict[str, list[Row]] = {"train": [], "eval": []}
+    for where, i, row in rows:
+        if s.by == "column":
+            if s.column not in row:
+                raise DeclarationError(f"domain {name!r}: {where}: row {i}: no split column "
+                                       f"{s.column!r}")
+            value = str(row[s.column])
+            if value in (s.train, s.eval):
+                out["train" if value == s.train else "eval"].append((where, i, row))
+        else:
+            item_id = _row_id(name, cfg, where, i, row)
+            out["eval" if hash_fraction(item_id) < s.eval_fraction else "train"].append(
+                (where, i, row))
+    return out
+
+
+def _row_id(name: str, cfg: DomainConfig, where: str, i: int, row: dict[str, Any]) -> str:
+    column = cfg.fields.id
+    if column in row:
+        return str(row[column])
+    if column != "id":
+        raise DeclarationError(f"domain {name!r}: {where}: row {i}: no id column {column!r}")
+    return f"{Path(where).name}:{i}"
+
+
+def to_record(name: str, cfg: DomainConfig, where: str, i: int, row: dict[str, Any]) -> Record:
+    """The row as a :class:`Record` through the field mapping."""
+    f = cfg.fields
+    if f.prompt not in row or not isinstance(row[f.prompt], str):
+        raise DeclarationError(f"domain {name!r}: {where}: row {i}: no prompt column "
+                               f"{f.prompt!r} (a string)")
+    for field, column, default in (("answer", f.answer, "answer"), ("tests", f.tests, "tests")):
+        if column != default and column not in row:
+            raise DeclarationError(f"domain {name!r}: {where}: row {i}: no {field} column "
+                                   f"{column!r}")
+    mapped = {f.prompt, f.answer, f.tests, f.id}
+    extra = msgspec.to_builtins({k: v for k, v in row.items() if k not in mapped})
+    return Record(
+        id=_row_id(name, cfg, where, i, row),
+        prompt=row[f.prompt],
+        answer=msgspec.to_builtins(row.get(f.answer)),
+        tests=msgspec.to_builtins(row.get(f.tests)),
+        extra=extra,
+    )
+
+
+# -- the domains --------------------------------------------------------------------------
+
+
+class DeclaredDomain:
+    """A :class:`~streamrl.domains.base.Domain` over :class:`Record` items: a data set and a
+    verifier kind."""
+
+    item_type = Record
+    episode = SINGLE_TURN
+
+    def __init__(self, name: str, cfg: DomainConfig, verifier: Verifier) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.verifier = verifier
+        self.sandbox = verifier.sandbox
+        self.episode = getattr(verifier, "episode", SINGLE_TURN)
+        self.default_max_new_tokens = cfg.max_new_tokens or int(
+            getattr(verifier, "max_new_tokens", DEFAULT_MAX_NEW_TOKENS))
+        self._cache: dict[str, list[Record]] = {}
+
+    def load_items(self, split: str) -> list[Record]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
+        if not self._cache:
+            self._cache = {k: self._records(rows) for k, rows in
+                           split_rows(self.name, self.cfg).items()}
+        return list(self._cache[split])
+
+    def _records(self, rows: list[Row]) -> list[Record]:
+        out = []
+        for where, i, row in rows:
+            item = to_record(self.name, self.cfg, where, i, row)
+            try:
+                self.verifier.check_item(item)
+                chat_messages(self.cfg.prompt, item)
+            except (ValueError, KeyError) as exc:
+                raise DeclarationError(f"domain {self.name!r}: {where}: row {i}: "
+                                       f"{type(exc).__name__}: {exc}") from None
+            out.append(item)
+        return out
+
+    def render_prompt(self, item: Record, tokenizer: Any) -> list[int]:
+        return chat_ids(tokenizer, chat_messages(self.cfg.prompt, item))
+
+    def exec_request(self, item: Record, completion_text: str) -> ExecRequest | None:
+        return self.verifier.exec_request(item, completion_text)
+
+    def score(self, item: Record, completion_text: str, result: ExecResult | None) -> float:
+        return self.verifier.score(item, completion_text, result)
+
+
+class PluginOverData:
+    """A plugin domain (an entry point's class) over declared data: each row, its columns
+    renamed by the field mapping, becomes the plugin's own item type; rendering, running and
+    scoring are the plugin's."""
+
+    def __init__(self, name: str, cfg: DomainConfig, base: Any) -> None:
+        self.name = name
+        self.cfg = cfg
+        self.base = base
+        self.item_type = base.item_type
+        self.episode = base.episode
+        self.sandbox = base.sandbox
+        self.default_max_new_tokens = cfg.max_new_tokens or base.default_max_new_tokens
+        self._cache: dict[str, list[Any]] = {}
+
+    def load_items(self, split: str) -> list[Any]:
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
+        if not self._cache:
+            self._cache = {k: [self._item(*r) for r in rows] for k, rows in
+                           split_rows(self.name, self.cfg).items()}
+        return list(self._cache[split])
+
+    def _item(self, where: str, i: int, row: dict[str, Any]) -> Any:
+        f = self.cfg.fields
+        renamed = {**row, **{field: row[column] for field, column in
+                             (("prompt", f.prompt), ("answer", f.answer), ("tests", f.tests),
+                              ("id", f.id)) if column in row}}
+        renamed.setdefault("id", _row_id(self.name, self.cfg, where, i, row))
+        try:
+            return msgspec.convert(renamed, self.item_type)
+        except msgspec.ValidationError as exc:
+            raise DeclarationError(f"domain {self.name!r} (kind {self.cfg.kind!r}): {where}: "
+                                   f"row {i}: {exc}") from None
+
+    def __getattr__(self, attr: str) -> Any:  # render_prompt, score, the multi-turn methods
+        return getattr(self.base, attr)
+
+
+def build_domain(name: str, cfg: DomainConfig) -> Domain:
+    """The declared domain ``name`` (``cfg.kind`` set); :class:`DeclarationError` if its kind
+    is unknown or its options are refused."""
+    if cfg.kind == "reasoning_gym":
+        from streamrl.domains.gym import ReasoningGymDomain  # optional dependency
+
+        return ReasoningGymDomain(name, cfg)
+    kinds = load_kinds()
+    if cfg.kind in kinds:
+        try:
+            verifier = kinds[cfg.kind](cfg.verifier)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise DeclarationError(f"domain {name!r}: kind {cfg.kind!r}: [domain.{name}."
+                                   f"verifier]: {exc}") from None
+        return DeclaredDomain(name, cfg, verifier)
+    plugin = registry.entry_points().get(cfg.kind)
+    if plugin is not None:
+        if cfg.verifier:
+            raise DeclarationError(f"domain {name!r}: kind {cfg.kind!r} is a plugin domain: it "
+                                   f"takes no [domain.{name}.verifier] options")
+        return PluginOverData(name, cfg, plugin.load()())  # type: ignore[return-value]
+    known = sorted({*kinds, "reasoning_gym", *registry.entry_points()})
+    raise DeclarationError(f"domain {name!r}: unknown kind {cfg.kind!r}; known: {known}")
+
+
+def declare_domains(domains: Mapping[str, DomainConfig]) -> list[str]:
+    """Register a factory for every declared domain (a table with a ``kind``); returns their
+    names. Idempotent for the same tables (each process of a run calls it once)."""
+    declared = []
+    for name, cfg in domains.items():
+        if cfg.kind:
+            registry.declare(name, _factory(name, cfg))
+            declared.append(name)
+    return declared
+
+
+def _factory(name: str, cfg: DomainConfig) -> Callable[[], Domain]:
+    def factory() -> Domain:
+        return build_domain(name, cfg)
+
+    factory.declaration = cfg  # type: ignore[attr-defined]  # registry.declare compares it
+    return factory
+
+
+def check_declared(domains: Mapping[str, DomainConfig]) -> None:
+    """Build every declared domain and load both splits (``up`` at start): a bad declaration
+    raises :class:`DeclarationError` before any actor runs."""
+    for name in declare_domains(domains):
+        domain = registry.get_domain(name)
+        for split in ("train", "eval"):
+            if not domain.load_items(split) and split == "train":
+                raise DeclarationError(f"domain {name!r}: no train items")
