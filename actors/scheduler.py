@@ -31,20 +31,29 @@ Admission guarantees:
 - domains: which domain each training task comes from is decided by
   :class:`actors.scheduling.FairShare` (weights, priorities and in-flight caps from the
   ``[domain.<name>]`` tables; with ``scheduler.adaptive``, re-weighted toward the target
-  ratios of trained samples from the verifier's per-domain counters).
+  ratios of trained samples from the verifier's per-domain counters); a domain's items in
+  epochs without replacement (:class:`actors.scheduling.EpochOrder`), and a domain with
+  difficulty levels moves up one when its recent train reward passes its curriculum
+  threshold (:class:`actors.scheduling.Climb`).
 Once the run's stop flag is set, no more training tasks are admitted.
 """
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
 import msgspec
 import structlog
 import trio
 
-from streamrl.actors.scheduling import FairShare, Share
+from streamrl.actors.scheduling import (
+    Climb,
+    EpochOrder,
+    FairShare,
+    Share,
+    reward_counters,
+    stable_seed,
+)
 from streamrl.config.schema import Config
 from streamrl.domains.registry import get_domain
 from streamrl.protocol import names as N
@@ -106,6 +115,21 @@ def shares(config: Config) -> list[Share]:
     ]
 
 
+CURRICULUM_CHECK_S = 5.0
+
+
+def climbs(config: Config) -> dict[str, Climb]:
+    """The curriculum of every trained domain with one (``[domain.<name>.curriculum]``
+    threshold > 0, and difficulty levels: a ``levels()`` method returning more than 1)."""
+    out = {}
+    for name in config.scheduler.domains:
+        cur = config.domain_config(name).curriculum
+        levels = getattr(get_domain(name), "levels", None)
+        if cur.threshold > 0 and levels is not None and levels() > 1:
+            out[name] = Climb(levels(), cur.threshold, cur.min_groups)
+    return out
+
+
 def eval_domains(config: Config) -> list[str]:
     """The domains of a held-out round: the trained ones, then the evaluation-only ones."""
     names = config.scheduler.domains + config.scheduler.eval_domains
@@ -152,8 +176,10 @@ class Scheduler:
     def __init__(self, ctx: ActorContext) -> None:
         self.ctx = ctx
         self.cfg = ctx.config.scheduler
-        self.rng = random.Random(ctx.config.run.seed)
         self.items = {d: get_domain(d).load_items("train") for d in self.cfg.domains}
+        self.orders = {d: self._order(d) for d in self.cfg.domains}
+        self.climbs = climbs(ctx.config)
+        self.next_climb_check = 0.0
         self.sampling = {
             d: domain_sampling(ctx.config, d, self.cfg.temperature) for d in self.cfg.domains
         }
@@ -170,7 +196,7 @@ class Scheduler:
         domain = self.fair.pick()
         if domain is None:
             return None
-        item = self.rng.choice(self.items[domain])
+        item = self.items[domain][self.orders[domain].next()]
         return make_task(
             domain,
             item,
@@ -179,6 +205,28 @@ class Scheduler:
             sampling=self.sampling[domain],
             version=version,
         )
+
+    def _order(self, domain: str) -> EpochOrder:
+        """Epochs without replacement over the domain's train items (its own seed)."""
+        seed = stable_seed(self.ctx.config.run.seed, self.ctx.config.domain_config(domain).seed,
+                           domain, len(self.items[domain]))
+        return EpochOrder(len(self.items[domain]), seed)
+
+    async def observe_curriculum(self) -> None:
+        """Move each curriculum domain up a level once its recent train reward passed its
+        threshold (:class:`actors.scheduling.Climb`; read every few seconds): its train items
+        are then those of the new level."""
+        if trio.current_time() < self.next_climb_check:
+            return
+        self.next_climb_check = trio.current_time() + CURRICULUM_CHECK_S
+        for name, climb in self.climbs.items():
+            groups_counter, reward_counter = reward_counters(name)
+            groups = await self.counted(groups_counter)
+            reward = await self.counted(reward_counter) / 1000
+            if climb.observe(groups, reward):
+                self.items[name] = get_domain(name).level_items(climb.level)  # type: ignore[attr-defined]
+                self.orders[name] = self._order(name)
+                log.info("curriculum level up", domain=name, level=climb.level)
 
     async def observe_domains(self) -> None:
         """Feed the verifier's per-domain counters (resolved, trained groups) to the share."""
@@ -268,6 +316,8 @@ class Scheduler:
             while True:
                 if self.cfg.adaptive or any(s.max_inflight for s in self.fair.shares):
                     await self.observe_domains()
+                if self.climbs:
+                    await self.observe_curriculum()
                 count, admitted = await self.admissible(version)
                 metrics.record_admission(c.names.run, count, self.blocked)
                 if count and await self.admit(count, version, admitted):

@@ -23,11 +23,18 @@ Guarantees (of :class:`FairShare`, a pure in-memory policy; the scheduler feeds 
   times its weight's share of the tasks instead of all of them;
 - ``pick`` and feedback are O(log n) in the number of domains (a heap per priority level,
   stale entries dropped lazily).
+
+Also here, as pure policies the scheduler applies: which item of a domain comes next
+(:class:`EpochOrder`: epochs without replacement, seeded) and when a domain with difficulty
+levels moves up (:func:`next_level`, :class:`Climb`: its recent train reward passed the
+configured threshold).
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import random
 from dataclasses import dataclass
 
 
@@ -176,3 +183,76 @@ class FairShare:
             )
             for name, st in self._states.items()
         }
+
+
+# -- which item next: epochs without replacement ---------------------------------------------
+
+
+def stable_seed(*parts: object) -> int:
+    """A seed from ``parts`` that is the same in every process (not Python's salted hash)."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "big")
+
+
+class EpochOrder:
+    """Indices ``0..n-1`` in a fresh seeded shuffle per epoch: within an epoch no item is
+    drawn twice, and every item is drawn once before any is drawn again."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        if n < 1:
+            raise ValueError("no items to draw from")
+        self.n = n
+        self.epoch = 0
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+
+    def next(self) -> int:
+        if not self._order:
+            self._order = list(range(self.n))
+            self._rng.shuffle(self._order)
+            self._order.reverse()  # pop() from the end: the shuffle's order, first to last
+            self.epoch += 1
+        return self._order.pop()
+
+
+# -- difficulty curriculum ---------------------------------------------------------------------
+
+
+def next_level(level: int, levels: int, groups: int, reward_sum: float, *,
+               threshold: float, min_groups: int) -> int:
+    """The curriculum level after observing ``groups`` train groups at ``level`` whose mean
+    rewards sum to ``reward_sum``: one up when at least ``min_groups`` were seen and their
+    mean reward reached ``threshold`` (and a level above exists), else the same. Never
+    down: a level once passed stays passed."""
+    if threshold <= 0 or level + 1 >= levels or groups < min_groups or groups <= 0:
+        return level
+    return level + 1 if reward_sum / groups >= threshold else level
+
+
+@dataclass
+class Climb:
+    """One domain's place on its curriculum: the level and the cumulative counts (groups,
+    reward sum) at which it started, so only groups resolved at this level count."""
+
+    levels: int
+    threshold: float
+    min_groups: int
+    level: int = 0
+    base_groups: int = 0
+    base_reward: float = 0.0
+
+    def observe(self, groups: int, reward_sum: float) -> bool:
+        """Feed cumulative counts; True when the domain moved up a level."""
+        new = next_level(self.level, self.levels, groups - self.base_groups,
+                         reward_sum - self.base_reward, threshold=self.threshold,
+                         min_groups=self.min_groups)
+        if new == self.level:
+            return False
+        self.level, self.base_groups, self.base_reward = new, groups, reward_sum
+        return True
+
+
+def reward_counters(domain: str) -> tuple[str, str]:
+    """The run counters a curriculum reads for ``domain``: train groups scored, and the sum
+    of their mean rewards in thousandths (integers, added by the verifier's hand-off with
+    ``runtime.serve.Count``; under ``resolved:`` so the scheduler's grant reads them)."""
+    return f"resolved:{domain}:scored", f"resolved:{domain}:reward_milli"

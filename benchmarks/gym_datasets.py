@@ -1,0 +1,199 @@
+"""Claim: every reasoning-gym data set that passes these checks works as a domain
+(``kind = "reasoning_gym"``); the others are listed with the reason.
+
+For each data set in ``reasoning_gym.factory.DATASETS`` it builds the domain
+(:class:`streamrl.domains.gym.ReasoningGymDomain`) with small splits, then checks, per split:
+the items load (generated, JSON-able); each survives the wire (``msgspec.to_builtins`` ->
+MessagePack -> ``Record``, as in ``Task.spec``); the data set's own answer in
+``<answer>`` tags scores 1.0 through the domain's ``score`` after that round trip; an empty
+completion scores below 1; train and eval share no prompt; then, for a data set with a
+curriculum, the same at its top level (only those whose top level passes get a curriculum
+in the config: some generate exponentially slowly there). Each data set runs in a child
+process under a deadline, so one that hangs is a finding, not a stuck survey.
+``--write-config configs/gym.toml`` writes the run config of the data sets that work.
+
+    .venv/bin/python benchmarks/gym_datasets.py --json [--items 4] [--timeout-s 60]
+        [--write-config configs/gym.toml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+def check(name: str, items: int, curriculum: bool) -> dict[str, Any]:
+    from streamrl.config.schema import CurriculumConfig, DomainConfig, SplitConfig
+    from streamrl.domains.gym import ReasoningGymDomain
+    from streamrl.domains.kinds import Record
+
+    t0 = time.monotonic()
+    split = SplitConfig(train_size=items, eval_size=items)
+    cfg = DomainConfig(kind="reasoning_gym", dataset=name, split=split,
+                       curriculum=CurriculumConfig(threshold=0.5 if curriculum else 0.0))
+    domain = ReasoningGymDomain(name, cfg)
+    levels = domain.levels()
+    batches = {"eval": domain.load_items("eval"), "train": domain.load_items("train")}
+    if levels > 1:  # the curriculum's top level: the hardest items it generates
+        batches[f"level{levels - 1}"] = domain.level_items(levels - 1)
+    if not batches["train"] or not batches["eval"]:
+        return {"ok": False, "reason": "no items", "levels": levels}
+    if {r.prompt for r in batches["train"]} & {r.prompt for r in batches["eval"]}:
+        return {"ok": False, "reason": "train and eval share a prompt", "levels": levels}
+    verifier = ReasoningGymDomain(name, cfg)  # as in another process: its own generators
+    no_reference = 0
+    for split, records in batches.items():
+        for record in records:
+            wire = msgspec.msgpack.decode(msgspec.msgpack.encode(msgspec.to_builtins(record)))
+            item = msgspec.convert(wire, Record)
+            if item.answer is None:  # the scorer checks validity (several answers are right)
+                no_reference += 1
+            else:
+                gold = verifier.score(item, f"<answer>{item.answer}</answer>", None)
+                if gold < 1.0:
+                    return {"ok": False, "levels": levels,
+                            "reason": f"{split}: its own answer scores {gold} ({item.id})"}
+            if verifier.score(item, "", None) >= 1.0:
+                return {"ok": False, "levels": levels,
+                        "reason": f"{split}: an empty completion scores 1 ({item.id})"}
+    return {"ok": True, "levels": levels, "seconds": round(time.monotonic() - t0, 2),
+            "no_reference_answer": no_reference > 0}
+
+
+def _child(name: str, items: int, curriculum: bool, out: Any) -> None:
+    sys.stdout = open(os.devnull, "w")  # some generators print progress  # noqa: SIM115
+    try:
+        out.send(check(name, items, curriculum))
+    except Exception as exc:
+        out.send({"ok": False, "reason": f"{type(exc).__name__}: {str(exc)[:300]}"})
+
+
+def survey(names: list[str], items: int, timeout_s: float) -> dict[str, dict[str, Any]]:
+    results = {}
+    ctx = mp.get_context("fork")
+    for name in names:
+        for curriculum in (False, True):
+            recv, send = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_child, args=(name, items, curriculum, send), daemon=True)
+            proc.start()
+            if recv.poll(timeout_s):
+                result = recv.recv()
+            else:
+                result = {"ok": False, "reason": f"no result within {timeout_s} s"}
+            proc.kill()
+            proc.join()
+            if not curriculum:
+                results[name] = result
+                if not result["ok"]:
+                    break
+            elif not result["ok"] or result.get("levels", 1) > 1:  # does its top level work?
+                results[name]["levels"] = result["levels"]
+                results[name]["curriculum"] = result if not result["ok"] else True
+        print(name, results[name], file=sys.stderr, flush=True)
+    return results
+
+
+def gym_config(names: list[str], curriculum: dict[str, int]) -> str:
+    """configs/gym.toml: one reasoning_gym domain per data set that works."""
+    head = f'''# {len(names)} reasoning-gym data sets as domains at once (benchmarks/gym_datasets.py
+# --write-config configs/gym.toml writes this file from the data sets that pass its checks).
+# Each domain's items are generated by reasoning-gym (train seed per curriculum level, a
+# separate eval seed, no shared prompt) and scored by its own score_answer; the held-out
+# eval is `eval_items` items per domain every `eval_every` versions. Domains with a
+# reasoning-gym curriculum move up a level when their recent train reward passes
+# curriculum.threshold (actors/scheduling.py).
+#   streamrl up --config configs/gym.toml --max-minutes 20 --summary-json runs/gym.json
+#   streamrl up --config configs/gym.toml --set model.spec=tiny --max-minutes 5 \\
+#       --summary-json /tmp/S.json        # wiring check
+[run]
+name = "gym"
+redis_url = ""
+
+[auth]
+enabled = true
+
+[model]
+spec = "smollm2-135m"
+
+[scheduler]
+domains = [
+{"".join(f'    "{n}",{chr(10)}' for n in names)}]
+group_size = 4
+max_new_tokens = 96
+temperature = 0.8
+max_backlog = 4
+eval_every = 20
+eval_items = 2          # per domain: {2 * len(names)} held-out items a round
+
+[generator]
+concurrency = 16
+max_batch = 48
+threads = 1
+
+[executor]
+concurrency = 2
+min_isolation = "bwrap"
+
+[verifier]
+concurrency = 4
+
+[learner]
+groups_per_step = 4
+max_staleness = 1
+lr = 2e-5
+micro_batch_size = 8
+threads = 1
+keep_last = 2
+
+[queues]
+reclaim_min_idle_ms = 120000
+heartbeat_interval_s = 20
+
+[up]
+progress_interval_s = 15
+'''
+    tables = []
+    for n in names:
+        table = (f'\n[domain.{n}]\nkind = "reasoning_gym"\ndataset = "{n}"\n'
+                 f'split = {{ train_size = 200, eval_size = 8 }}\n')
+        if curriculum.get(n, 1) > 1:
+            table += "curriculum = { threshold = 0.7, min_groups = 8 }\n"
+        tables.append(table)
+    return head + "".join(tables)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--items", type=int, default=4)
+    ap.add_argument("--timeout-s", type=float, default=60.0)
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--write-config", default="")
+    args = ap.parse_args()
+    from streamrl.domains.gym import datasets
+
+    names = args.only or datasets()
+    results = survey(names, args.items, args.timeout_s)
+    ok = [n for n, r in results.items() if r["ok"]]
+    report = {"datasets": len(names), "work": len(ok),
+              "fail": {n: r["reason"] for n, r in results.items() if not r["ok"]},
+              "with_curriculum": sum(1 for n in ok if results[n].get("curriculum") is True),
+              "curriculum_fail": {n: r["curriculum"]["reason"] for n, r in results.items()
+                                  if isinstance(r.get("curriculum"), dict)}}
+    if args.write_config:
+        levels = {n: int(results[n]["levels"]) if results[n].get("curriculum") is True else 1
+                  for n in ok}
+        Path(args.write_config).write_text(gym_config(ok, levels))
+    print(json.dumps(report if args.json else {**report, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""reasoning-gym data sets as domains (domains/gym.py), the item order and curriculum
+policies (actors/scheduling.py EpochOrder, next_level, Climb), and the scheduler's
+curriculum hook against a real Redis."""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from streamrl.actors.scheduler import Scheduler
+from streamrl.actors.scheduling import Climb, EpochOrder, next_level, reward_counters
+from streamrl.config.schema import DomainConfig
+from streamrl.domains.declared import DeclarationError, build_domain, declare_domains
+from streamrl.domains.gym import ReasoningGymDomain
+from streamrl.domains.kinds import Record
+from streamrl.domains.registry import get_domain as scheduler_domain
+from streamrl.protocol import names as N
+from streamrl.queues.client import RedisClient
+from streamrl.runtime.context import ActorContext
+from tests.helpers import run_config
+
+
+def _gym(dataset: str, **kw: Any) -> ReasoningGymDomain:
+    cfg = msgspec.convert({"kind": "reasoning_gym", "dataset": dataset, **kw}, DomainConfig)
+    domain = build_domain(f"rg-{dataset}", cfg)
+    assert isinstance(domain, ReasoningGymDomain)
+    return domain
+
+
+def test_items_are_generated_deterministically_with_separate_train_and_eval_seeds() -> None:
+    split = {"train_size": 30, "eval_size": 10}
+    a, b = _gym("chain_sum", split=split), _gym("chain_sum", split=split)
+    train, held = a.load_items("train"), a.load_items("eval")
+    assert [r.prompt for r in train] == [r.prompt for r in b.load_items("train")]
+    assert len(held) == 10 and {r.prompt for r in train}.isdisjoint({r.prompt for r in held})
+    # another eval seed: other held-out items, the same train items
+    c = _gym("chain_sum", split={**split, "eval_seed": 5_000_000})
+    assert [r.prompt for r in c.load_items("eval")] != [r.prompt for r in held]
+    assert [r.prompt for r in c.load_items("train")] == [r.prompt for r in train]
+    # the data set's config table reaches the generator
+    two = _gym("chain_sum", split=split, dataset_config={"min_terms": 2, "max_terms": 2})
+    assert all(r.prompt.count("+") + r.prompt.count("-") == 1
+               for r in two.load_items("eval")), two.load_items("eval")[0].prompt
+
+
+def test_scored_by_its_own_score_answer_after_the_wire() -> None:
+    domain = _gym("basic_arithmetic", split={"train_size": 5, "eval_size": 5})
+    verifier = _gym("basic_arithmetic", split={"train_size": 5, "eval_size": 5})  # another process
+    for item in domain.load_items("eval"):
+        wire = msgspec.convert(msgspec.msgpack.decode(msgspec.msgpack.encode(
+            msgspec.to_builtins(item))), Record)
+        assert verifier.score(wire, f"Thinking...\n<answer>{item.answer}</answer>", None) == 1.0
+        assert verifier.score(wire, f"{item.answer}", None) == 0.0  # not in the asked format
+        assert verifier.score(wire, "<answer>banana</answer>", None) == 0.0
+        # a forged item (another prompt under its id): refused, not scored
+        forged = msgspec.structs.replace(wire, prompt="What is 1 + 1?")
+        with pytest.raises(ValueError, match="not the one this process generates"):
+            verifier.score(forged, "<answer>2</answer>", None)
+
+
+def test_curriculum_levels_get_harder_and_unknown_datasets_are_refused() -> None:
+    domain = _gym("chain_sum", split={"train_size": 20, "eval_size": 4},
+                  curriculum={"threshold": 0.5})
+    assert domain.levels() > 2
+    easy, hard = domain.level_items(0), domain.level_items(domain.levels() - 1)
+    digits = lambda items: sum(sum(c.isdigit() for c in r.prompt) for r in items)  # noqa: E731
+    assert digits(hard) > digits(easy)
+    assert {r.extra["level"] for r in hard} == {domain.levels() - 1}
+    capped = _gym("chain_sum", curriculum={"threshold": 0.5, "max_level": 1})
+    assert capped.levels() == 2
+    assert _gym("chain_sum").levels() == 1  # no threshold: no curriculum
+    with pytest.raises(DeclarationError, match="reasoning_gym has no data set 'nope'"):
+        _gym("nope")
+
+
+def test_epochs_without_replacement() -> None:
+    order = EpochOrder(10, seed=3)
+    first, second = [order.next() for _ in range(10)], [order.next() for _ in range(10)]
+    assert sorted(first) == sorted(second) == list(range(10)) and first != second
+    assert order.epoch == 2
+    again = EpochOrder(10, seed=3)
+    assert [again.next() for _ in range(10)] == first  # seeded: the same in every process
+    seven = EpochOrder(7, seed=1)
+    draws = Counter(seven.next() for _ in range(70))
+    assert set(draws.values()) == {10}
+
+
+def test_next_level_moves_up_only_past_the_threshold_with_enough_groups() -> None:
+    kw = {"threshold": 0.7, "min_groups": 8}
+    assert next_level(0, 5, groups=8, reward_sum=6.0, **kw) == 1  # mean 0.75
+    assert next_level(0, 5, groups=8, reward_sum=5.0, **kw) == 0  # mean 0.625
+    assert next_level(0, 5, groups=7, reward_sum=7.0, **kw) == 0  # too few groups
+    assert next_level(4, 5, groups=80, reward_sum=80.0, **kw) == 4  # the top level
+    assert next_level(0, 5, groups=80, reward_sum=80.0, threshold=0.0, min_groups=1) == 0
+    # Climb counts only the groups resolved since its last move
+    climb = Climb(levels=3, threshold=0.5, min_groups=4)
+    assert climb.observe(4, 3.0) and climb.level == 1
+    assert not climb.observe(7, 3.0)  # 3 new groups, reward 0
+    assert not climb.observe(8, 3.5)  # 4 new groups, mean 0.125
+    assert climb.observe(12, 7.0) and climb.level == 2  # 8 new groups, mean 0.5
+    assert (climb.base_groups, climb.base_reward) == (12, 7.0)
+    assert not climb.observe(100, 100.0)  # the top level
+
+
+async def test_the_scheduler_moves_a_domain_up_when_its_reward_passes(
+    client: RedisClient, redis_url: str, tmp_path: Path
+) -> None:
+    names = N.Names(f"t{uuid.uuid4().hex[:10]}")
+    config = run_config(
+        tmp_path, redis_url, names.run,
+        "scheduler.domains=['rg-chain', 'arith']",
+        "domain.rg-chain.kind='reasoning_gym'", "domain.rg-chain.dataset='chain_sum'",
+        "domain.rg-chain.split.train_size=20", "domain.rg-chain.split.eval_size=4",
+        "domain.rg-chain.curriculum.threshold=0.6", "domain.rg-chain.curriculum.min_groups=4",
+    )
+    declare_domains(config.domain)
+    scheduler = Scheduler(ActorContext(config, client, names))
+    assert list(scheduler.climbs) == ["rg-chain"]
+    level0 = {t.prompt for t in (scheduler.sample(0) for _ in range(40))
+              if t is not None and t.domain == "rg-chain"}
+    groups, reward = reward_counters("rg-chain")
+    # When the verifier's counters say 4 groups at mean reward 0.5: no move
+    await client.call(client.sync.set, names.counter(groups), 4)
+    await client.call(client.sync.set, names.counter(reward), 2000)
+    await scheduler.observe_curriculum()
+    assert scheduler.climbs["rg-chain"].level == 0
+    # ... and 8 groups at 0.75: level 1, whose items the scheduler samples from then on
+    await client.call(client.sync.set, names.counter(groups), 8)
+    await client.call(client.sync.set, names.counter(reward), 6000)
+    scheduler.next_climb_check = 0.0
+    await scheduler.observe_curriculum()
+    assert scheduler.climbs["rg-chain"].level == 1
+    tasks = [t for t in (scheduler.sample(0) for _ in range(40)) if t is not None]
+    level1 = [t for t in tasks if t.domain == "rg-chain"]
+    assert level1 and all(t.spec["extra"]["level"] == 1 for t in level1)
+    domain: Any = scheduler_domain("rg-chain")
+    assert {t.prompt for t in level1} <= {r.prompt for r in domain.level_items(1)}
+    assert level0 <= {r.prompt for r in domain.level_items(0)}
