@@ -14,7 +14,7 @@ from streamrl.actors.scheduler import Scheduler
 from streamrl.actors.scheduler import serve as serve_scheduler
 from streamrl.config.schema import Config, load_config
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import StepMetrics, Task
+from streamrl.protocol.messages import StepMetrics, Task, Trajectory
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
@@ -116,7 +116,10 @@ async def test_the_learner_drops_groups_older_than_zero_versions(
                                       weight_versions=version))  # fmt: skip
 
     producer = Producer(client, names)
-    await producer.publish(N.TRAJECTORIES, [group(0), group(0), group(0), group(1), group(1)])
+    groups = [group(0), group(0), group(0), group(1), group(1)]
+    admitted = [decode(g, Trajectory).episode_id for g in groups]  # as the scheduler does
+    await client.call(client.sync.sadd, names.admitted_groups, *admitted)
+    await producer.publish(N.TRAJECTORIES, groups)
     with trio.fail_after(120):
         await learner_actor.serve(ctx)
     # Then the third version-0 group was dropped and counted; step 2 trained the v1 groups
