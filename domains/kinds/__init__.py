@@ -42,8 +42,9 @@ class Record(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class TestResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One test of a code kind's run: ``status`` is ``pass``, ``fail`` or ``error``;
-    ``message`` the assertion message or the traceback, truncated."""
+    """One test of a code kind's run: ``status`` is ``pass``, ``fail`` or ``error`` (the
+    ``stdio`` kind adds ``timeout`` and ``truncated``: only ``pass`` counts); ``message`` the
+    assertion message, expected vs got, or the traceback / stderr tail, truncated."""
 
     name: str
     status: str
@@ -51,8 +52,11 @@ class TestResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Verifier(Protocol):
-    sandbox: SandboxSpec
-    """Where ``exec_request`` runs (``NO_SANDBOX`` for kinds that only read the text)."""
+    @property
+    def sandbox(self) -> SandboxSpec:
+        """Where ``exec_request`` runs (``NO_SANDBOX`` for kinds that only read the text);
+        read-only, so a frozen dataclass's field keeps the protocol."""
+        ...
 
     def check_item(self, item: Record) -> None:
         """Raise ``ValueError`` naming what ``item`` lacks for this kind (load time)."""
