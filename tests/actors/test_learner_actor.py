@@ -6,6 +6,7 @@ import secrets
 from pathlib import Path
 
 import msgspec
+import pytest
 import trio
 
 from streamrl.actors.learner import serve
@@ -18,7 +19,7 @@ from streamrl.protocol.messages import StepMetrics, Trajectory, WeightsPublished
 from streamrl.protocol.roles import apply_acls
 from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import RedisClient
-from streamrl.queues.codec import decode, encode
+from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
@@ -203,4 +204,49 @@ async def test_groups_pending_on_the_learner_but_never_received_are_taken_back(
     [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.METRICS))
     assert decode(fields[b"d"], StepMetrics).groups == 2
     pending = await client.call(client.sync.xpending, key, group)
+    assert pending["pending"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "issue 15 item 3, open: the learner's prefetch holds the next step's group while the"
+    " poisoned step crashes, so every restart redelivers it too and it is dead-lettered with"
+    " the poisoned one (the learner then waits for a group that never comes); needs the"
+    " batch runtime to isolate a failing group (retry, then probe each group) in-process"
+))
+async def test_a_group_that_crashes_the_learner_is_dead_lettered_after_max_deliveries(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a poisoned group (a token id far outside the vocabulary: the training step raises)
+    # ahead of two good ones, one group per step, at most 2 deliveries
+    config = run_config(
+        tmp_path, redis_url, names.run, "model.spec=tiny", "learner.groups_per_step=1",
+        "learner.max_steps=2", "queues.block_ms=200", "queues.max_deliveries=2",
+    )
+    poison = make_trajectory([1, 2, 3], [[5, 10**7]] * 2, [[-1.0] * 2] * 2, [0.0, 1.0])
+    good = [_group(0, [0.0, 1.0]), _group(0, [1.0, 0.0])]
+    [poison_id, *_] = await Producer(client, names).publish(
+        N.TRAJECTORIES, [encode(poison), *good]
+    )
+
+    # When the learner crashes on it, and is restarted each time (as its supervisor does)
+    crashes = 0
+    with trio.fail_after(90):
+        while True:
+            try:
+                await serve(ActorContext(config, client, names))
+                break
+            except Exception:
+                crashes += 1
+                assert crashes <= 2, "the poisoned group came back past the delivery limit"
+
+    # Then it crashed the learner max_deliveries times, then was dead-lettered before it was
+    # trained again, and the learner trained the good groups (v1, v2)
+    assert crashes == 2
+    [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.DEAD))
+    letter = decode(fields[b"d"], DeadLetter)
+    assert letter.entry_id == poison_id and "delivered 3 times" in letter.error
+    events = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
+    assert [decode(f[b"d"], WeightsPublished).version for _, f in events] == [1, 2]
+    pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
     assert pending["pending"] == 0
