@@ -80,12 +80,70 @@ def write_stdio_example(out: Path) -> Path:
     return path
 
 
+HARBOR_TASKS: dict[str, dict[str, str]] = {
+    "hello-file": {
+        "instruction.md": "Create the file `/app/hello.txt` holding exactly the line "
+                          "`Hello, world!`.\n",
+        "task.toml": 'version = "1.0"\n[agent]\ntimeout_sec = 20.0\n'
+                     '[verifier]\ntimeout_sec = 20.0\n',
+        "environment/Dockerfile": "FROM debian:bookworm-slim\nWORKDIR /app\n",
+        "solution/solve.sh": "#!/bin/bash\necho 'Hello, world!' > /app/hello.txt\n",
+        "tests/test.sh": "#!/bin/bash\nmkdir -p /logs/verifier\n"
+                         'if [ "$(cat /app/hello.txt 2>/dev/null)" = "Hello, world!" ]; then\n'
+                         "  echo 1 > /logs/verifier/reward.txt\nelse\n"
+                         "  echo 0 > /logs/verifier/reward.txt\nfi\n",
+    },
+    "count-lines": {
+        "instruction.md": "`/app/data/words.txt` holds one word a line. Write the number of "
+                          "distinct words in it to `/app/count.txt`.\n",
+        "environment/data/words.txt": "redis\nstream\ntrio\nredis\nlua\nstream\nmsgspec\n",
+        "solution/solve.sh": "#!/bin/bash\nsort -u /app/data/words.txt | wc -l "
+                             "> /app/count.txt\n",
+        # the reference is in tests/ (hidden until the script is done), never recomputed
+        # from the work dir the script may have rewritten
+        "tests/expected.txt": "5\n",
+        "tests/check.py": "import sys\ntry:\n    got = open('/app/count.txt').read().split()\n"
+                          "except OSError:\n    got = []\n"
+                          "want = open('/tests/expected.txt').read().split()\n"
+                          "open('/logs/verifier/reward.txt', 'w').write('1' if got == want "
+                          "else '0')\n",
+        "tests/test.sh": "#!/bin/bash\npython3 /tests/check.py\n",
+    },
+    "letters": {
+        "instruction.md": "Create the directory `/app/out` with the files `a.txt`, `b.txt`, "
+                          "`c.txt` and `d.txt`, each holding its own letter (`a` in "
+                          "`a.txt`...).\n",
+        "solution/solve.sh": "#!/bin/bash\nmkdir -p /app/out\n"
+                             "for l in a b c d; do echo $l > /app/out/$l.txt; done\n",
+        "tests/test.sh": "#!/bin/bash\nok=0\nfor l in a b c d; do\n"
+                         '  [ "$(cat /app/out/$l.txt 2>/dev/null)" = "$l" ] && ok=$((ok + 1))\n'
+                         "done\n"
+                         "python3 -c \"print($ok / 4)\" > /logs/verifier/reward.txt\n",
+    },
+}
+"""Three tasks in the Harbor layout: a file to create, a count (its reference hidden in
+tests/), and partial credit (a fraction as the reward)."""
+
+
+def write_harbor_example(out: Path) -> Path:
+    """The task directories under ``out/harbor`` and their rows in ``out/harbor.jsonl``."""
+    from streamrl.domains.kinds.harbor import write_harbor_jsonl
+
+    for task, files in HARBOR_TASKS.items():
+        for rel, text in files.items():
+            path = out / "harbor" / task / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    return write_harbor_jsonl(out / "harbor", out / "harbor.jsonl")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
         raise SystemExit("usage: python -m streamrl.domains.kinds.examples OUT_DIR")
     out = Path(args[0])
     print(write_stdio_example(out))
+    print(write_harbor_example(out))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,247 @@
+"""The ``harbor`` kind: task directories in the Harbor (Terminal-Bench 2) layout, run in the
+sandbox, rewarded by their own ``tests/test.sh``.
+
+A task directory holds ``instruction.md`` (the prompt), ``environment/`` (files staged into
+the work dir; its ``Dockerfile`` / ``docker-compose.yaml`` describe an image and are not
+staged), optionally ``solution/`` (a reference, ``solve.sh``; kept in ``extra`` for checks,
+never run), ``tests/`` (``test.sh`` and what it needs; it writes the reward to
+``/logs/verifier/reward.txt``) and optionally ``task.toml`` (``[agent].timeout_sec`` and
+``[verifier].timeout_sec`` lower the kind's own limits for that task).
+:func:`load_harbor` reads a directory of them into :class:`Record` items, and
+:func:`write_harbor_jsonl` writes them as rows (a ``[domain.<name>]`` ``data`` file: files
+as ``{path: base64}`` in ``tests`` and ``extra["environment"]``).
+
+The model's completion is a shell script (its first fenced block, else the whole text). The
+sandbox runs ``python3 -I .harbor_harness.py`` (:mod:`domains.kinds.harbor_harness`, where
+the order of the steps and what they do and do not prevent is spelled out): the script in
+the staged environment; everything it left running killed; ``tests/`` staged fresh (never
+visible before) with a fresh reward location; ``test.sh``. Reward = the number in the
+reward file, clamped to [0, 1]; missing or garbage: 0; counted only from the harness's one
+line ``<nonce> <json>`` with exit code 0 and no timeout.
+
+The process backend's root is read-only, so Harbor's absolute paths (``/tests``, ``/logs``,
+the agent's work dir ``workdir``, default ``/app``) are rewritten to the staged directories
+in the text of the test files and of the script.
+
+Options: ``solution_timeout_s`` (30), ``test_timeout_s`` (30), ``workdir`` (``/app``),
+``memory_mb`` (1024); the sandbox's limit is the two timeouts plus a margin.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import os
+import re
+import tomllib
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from streamrl.domains.base import SandboxSpec
+from streamrl.domains.kinds import Record, TestResult, Verifier, kind
+from streamrl.domains.kinds.answers import check_options
+from streamrl.domains.kinds.pytests import KEY_ENV
+from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
+
+HARNESS = ".harbor_harness.py"
+HARNESS_SOURCE = (Path(__file__).parent / "harbor_harness.py").read_bytes()
+IMAGE_FILES = {"Dockerfile", "docker-compose.yaml", "docker-compose.yml"}
+MAX_TASK_BYTES = 4 << 20
+_MARGIN_S = 5.0
+_FENCE = re.compile(r"```[ \t]*(?:bash|sh|shell|console)?[ \t]*\n(.*?)(?:```|\Z)",
+                    re.DOTALL | re.IGNORECASE)
+
+
+def extract_script(text: str) -> str:
+    """The first fenced block (``bash``, ``sh`` or untagged), else the whole text."""
+    match = _FENCE.search(text)
+    return (match.group(1) if match else text).strip()
+
+
+# -- the loader ---------------------------------------------------------------------------
+
+
+def _files(root: Path, skip: Collection[str] = ()) -> dict[str, str]:
+    if not root.is_dir():
+        return {}
+    return {p.relative_to(root).as_posix(): base64.b64encode(p.read_bytes()).decode()
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.is_symlink() and p.name not in skip}
+
+
+def harbor_row(task: Path) -> dict[str, Any]:
+    """One task directory as a row: ``id`` (the directory's name), ``prompt``, ``tests``,
+    ``environment``, ``solution``, ``agent_timeout_s`` / ``verifier_timeout_s`` (0: none)."""
+    instruction = task / "instruction.md"
+    if not instruction.is_file():
+        raise ValueError(f"{task}: no instruction.md")
+    config: dict[str, Any] = {}
+    if (task / "task.toml").is_file():
+        try:
+            config = tomllib.loads((task / "task.toml").read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{task}/task.toml: {exc}") from None
+    tests = _files(task / "tests")
+    if "test.sh" not in tests:
+        raise ValueError(f"{task}: no tests/test.sh")
+    row = {
+        "id": task.name,
+        "prompt": instruction.read_text(),
+        "tests": tests,
+        "environment": _files(task / "environment", IMAGE_FILES),
+        "solution": _files(task / "solution"),
+        "agent_timeout_s": float(config.get("agent", {}).get("timeout_sec", 0)),
+        "verifier_timeout_s": float(config.get("verifier", {}).get("timeout_sec", 0)),
+    }
+    size = len(json.dumps(row))
+    if size > MAX_TASK_BYTES:
+        raise ValueError(f"{task}: {size} bytes as a row, more than {MAX_TASK_BYTES}")
+    return row
+
+
+def harbor_rows(tasks_dir: Path) -> list[dict[str, Any]]:
+    """Every task directory (one holding ``instruction.md``) under ``tasks_dir``, by name."""
+    found = sorted(p.parent for p in Path(tasks_dir).glob("*/instruction.md"))
+    if not found:
+        raise ValueError(f"{tasks_dir}: no task directories (*/instruction.md)")
+    return [harbor_row(task) for task in found]
+
+
+def load_harbor(tasks_dir: Path) -> list[Record]:
+    """The task directories under ``tasks_dir`` as items of this kind."""
+    records = []
+    for row in harbor_rows(tasks_dir):
+        extra = {k: v for k, v in row.items() if k not in ("id", "prompt", "tests")}
+        records.append(Record(id=row["id"], prompt=row["prompt"], tests=row["tests"],
+                              extra=extra))
+    return records
+
+
+def write_harbor_jsonl(tasks_dir: Path, out: Path) -> Path:
+    """The task directories as a JSONL data file for a ``[domain.<name>]`` of this kind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(row) + "\n" for row in harbor_rows(tasks_dir)))
+    return out
+
+
+# -- the verifier -------------------------------------------------------------------------
+
+
+def _b64_files(value: Any, what: str, item: Record) -> dict[str, str]:
+    if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ValueError(f"item {item.id!r}: {what} must be {{path: base64}}")
+    for path in value:
+        if path.startswith("/") or ".." in Path(path).parts:
+            raise ValueError(f"item {item.id!r}: {what}: bad path {path!r}")
+    return dict(value)
+
+
+@dataclass(frozen=True)
+class Harbor:
+    solution_timeout_s: float = 30.0
+    test_timeout_s: float = 30.0
+    workdir: str = "/app"
+    memory_mb: int = 1024
+
+    @property
+    def sandbox(self) -> SandboxSpec:
+        timeout_s = self.solution_timeout_s + self.test_timeout_s + _MARGIN_S
+        return SandboxSpec(limits=Limits(
+            timeout_s=timeout_s, memory_mb=self.memory_mb, cpu_s=int(timeout_s) + 1,
+            max_processes=64, max_file_mb=16, output_bytes=256 << 10),
+            files={HARNESS: HARNESS_SOURCE})
+
+    def check_item(self, item: Record) -> None:
+        tests = _b64_files(item.tests, "tests", item)
+        if "test.sh" not in tests:
+            raise ValueError(f"item {item.id!r}: no tests/test.sh")
+        _b64_files(item.extra.get("environment", {}), "environment", item)
+
+    def nonce(self, item: Record, completion: str) -> str:
+        key = os.environ.get(KEY_ENV, "").encode() or hashlib.sha256(
+            json.dumps(item.tests, sort_keys=True).encode()).digest()
+        msg = item.id.encode() + b"\0" + completion.encode("utf-8", "replace")
+        return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+    def _timeout(self, item: Record, key: str, cap: float) -> float:
+        own = float(item.extra.get(key) or 0)
+        return min(own, cap) if own > 0 else cap
+
+    def exec_request(self, item: Record, completion: str) -> ExecRequest | None:
+        script = extract_script(completion)
+        if not script:
+            return None
+        files = {path: base64.b64decode(data) for path, data in
+                 _b64_files(item.extra.get("environment", {}), "environment", item).items()}
+        spec = {
+            "nonce": self.nonce(item, completion),
+            "script": script + "\n",
+            "tests": item.tests,
+            "workdir": self.workdir,
+            "solution_timeout_s": self._timeout(item, "agent_timeout_s",
+                                                self.solution_timeout_s),
+            "test_timeout_s": self._timeout(item, "verifier_timeout_s", self.test_timeout_s),
+            "max_tail": 2000,
+        }
+        sandbox = self.sandbox
+        return ExecRequest(argv=["python3", "-I", HARNESS], files={**files, **sandbox.files},
+                           stdin=json.dumps(spec).encode(), limits=sandbox.limits)
+
+    def report(self, item: Record, completion: str,
+               result: ExecResult | None) -> dict[str, Any] | None:
+        """The harness's report (the solution's and test.sh's exit, tails, the reward), or
+        None when the run produced no trustworthy one."""
+        if result is None or result.timed_out or result.exit_code != 0:
+            return None
+        lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
+        if len(lines) != 1 or result.stdout_dropped:
+            return None
+        head, _, body = lines[0].partition(" ")
+        if not hmac.compare_digest(head, self.nonce(item, completion)):
+            return None
+        try:
+            report = msgspec.json.decode(body)
+        except msgspec.DecodeError:
+            return None
+        return report if isinstance(report, dict) else None
+
+    def test_results(self, item: Record, completion: str,
+                     result: ExecResult | None) -> list[TestResult]:
+        """One result: ``test.sh`` passed (reward 1), failed (< 1) or errored (no reward)."""
+        report = self.report(item, completion, result)
+        if report is None:
+            return []
+        reward, tests = report.get("reward"), report.get("tests") or {}
+        message = str(report.get("error") or tests.get("stderr") or tests.get("stdout") or "")
+        status = "error" if not isinstance(reward, int | float) else (
+            "pass" if reward >= 1 else "fail")
+        return [TestResult(name="test.sh", status=status, message=message[-500:])]
+
+    def score(self, item: Record, completion: str, result: ExecResult | None) -> float:
+        report = self.report(item, completion, result)
+        reward = None if report is None else report.get("reward")
+        if not isinstance(reward, int | float) or isinstance(reward, bool):
+            return 0.0
+        return min(1.0, max(0.0, float(reward))) if reward == reward else 0.0
+
+
+@kind("harbor")
+def harbor(options: Mapping[str, Any]) -> Verifier:
+    check_options("harbor", options,
+                  {"solution_timeout_s", "test_timeout_s", "workdir", "memory_mb"})
+    verifier = Harbor(float(options.get("solution_timeout_s", 30.0)),
+                      float(options.get("test_timeout_s", 30.0)),
+                      str(options.get("workdir", "/app")),
+                      int(options.get("memory_mb", 1024)))
+    if verifier.solution_timeout_s <= 0 or verifier.test_timeout_s <= 0:
+        raise ValueError("solution_timeout_s and test_timeout_s must be > 0")
+    if not verifier.workdir.startswith("/"):
+        raise ValueError(f"workdir must be an absolute path, not {verifier.workdir!r}")
+    return verifier
