@@ -95,7 +95,7 @@ def survey(names: list[str], items: int, timeout_s: float) -> dict[str, dict[str
                 if not result["ok"]:
                     break
             elif not result["ok"] or result.get("levels", 1) > 1:  # does its top level work?
-                results[name]["levels"] = result["levels"]
+                results[name]["levels"] = result.get("levels", 0)
                 results[name]["curriculum"] = result if not result["ok"] else True
         print(name, results[name], file=sys.stderr, flush=True)
     return results

@@ -12,20 +12,25 @@ Guarantees:
 - every declared domain is built the same way in every process: :func:`declare_domains`
   registers a factory per ``[domain.<name>]`` table with a ``kind`` (the runtime calls it
   when an actor's context opens, ``up`` before it starts any child, building each one so
-  that a bad declaration stops the run at start);
+  that a bad declaration stops the run at start), and hands the tables to the processes an
+  actor starts (the verifier's scorer workers) through the environment (:data:`ENV`);
 - a bad declaration is an error at build or load time, never mid-run, naming the domain,
   the file and the row: an unknown kind, a missing file, a row without a mapped column, a
   template naming a column the row lacks, a row the kind refuses (``check_item``);
 - ``load_items(split)`` is deterministic; train and eval share no item: the split is by a
-  stable hash of the id (sha256, not Python's salted ``hash``), by a column, or by file.
+  stable hash of the id (sha256, not Python's salted ``hash``), by a column, or by file,
+  and a train row whose prompt is also a held-out row's is left out.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import importlib
 import json
+import os
 import pkgutil
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -143,6 +148,14 @@ def split_rows(name: str, cfg: DomainConfig) -> dict[str, list[Row]]:
     return out
 
 
+def held_out_apart(splits: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``splits`` without the train items whose prompt is also a held-out one's (a data set
+    with the same question twice, under two ids, must not train on its eval)."""
+    held = {item.prompt for item in splits["eval"]}
+    return {"train": [it for it in splits["train"] if it.prompt not in held],
+            "eval": splits["eval"]}
+
+
 def _row_id(name: str, cfg: DomainConfig, where: str, i: int, row: dict[str, Any]) -> str:
     column = cfg.fields.id
     if column in row:
@@ -197,8 +210,8 @@ class DeclaredDomain:
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
         if not self._cache:
-            self._cache = {k: self._records(rows) for k, rows in
-                           split_rows(self.name, self.cfg).items()}
+            self._cache = held_out_apart({k: self._records(rows) for k, rows in
+                                          split_rows(self.name, self.cfg).items()})
         return list(self._cache[split])
 
     def _records(self, rows: list[Row]) -> list[Record]:
@@ -243,8 +256,8 @@ class PluginOverData:
         if split not in ("train", "eval"):
             raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
         if not self._cache:
-            self._cache = {k: [self._item(*r) for r in rows] for k, rows in
-                           split_rows(self.name, self.cfg).items()}
+            self._cache = held_out_apart({k: [self._item(*r) for r in rows] for k, rows in
+                                          split_rows(self.name, self.cfg).items()})
         return list(self._cache[split])
 
     def _item(self, where: str, i: int, row: dict[str, Any]) -> Any:
@@ -288,15 +301,44 @@ def build_domain(name: str, cfg: DomainConfig) -> Domain:
     raise DeclarationError(f"domain {name!r}: unknown kind {cfg.kind!r}; known: {known}")
 
 
+ENV = "STREAMRL_DECLARED_DOMAINS"
+"""The declarations of this process, for the processes it starts (the verifier's scorer
+workers are fresh interpreters that never read the config): zlib-compressed JSON of the
+tables, base64. A process that looks up a name nothing registered declares it from here."""
+
+
 def declare_domains(domains: Mapping[str, DomainConfig]) -> list[str]:
-    """Register a factory for every declared domain (a table with a ``kind``); returns their
-    names. Idempotent for the same tables (each process of a run calls it once)."""
-    declared = []
-    for name, cfg in domains.items():
-        if cfg.kind:
-            registry.declare(name, _factory(name, cfg))
-            declared.append(name)
-    return declared
+    """Register a factory for every declared domain (a table with a ``kind``) and export the
+    declarations to the processes this one starts (:data:`ENV`); returns their names.
+    Idempotent for the same tables (each process of a run calls it once)."""
+    declared = {name: cfg for name, cfg in domains.items() if cfg.kind}
+    for name, cfg in declared.items():
+        registry.declare(name, _factory(name, cfg))
+    if declared:
+        inherited = _from_environment()
+        packed = zlib.compress(msgspec.json.encode({**inherited, **declared}), 9)
+        os.environ[ENV] = base64.b64encode(packed).decode()
+    return list(declared)
+
+
+def _from_environment() -> dict[str, DomainConfig]:
+    packed = os.environ.get(ENV)
+    if not packed:
+        return {}
+    raw = zlib.decompress(base64.b64decode(packed))
+    return msgspec.json.decode(raw, type=dict[str, DomainConfig])
+
+
+def _declare_inherited(name: str) -> bool:
+    """Resolver: declare ``name`` from the declarations this process inherited."""
+    cfg = _from_environment().get(name)
+    if cfg is None:
+        return False
+    registry.declare(name, _factory(name, cfg))
+    return True
+
+
+registry.add_resolver(_declare_inherited)
 
 
 def _factory(name: str, cfg: DomainConfig) -> Callable[[], Domain]:

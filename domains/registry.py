@@ -26,6 +26,8 @@ ENTRY_POINT_GROUP = "streamrl.domains"
 
 _factories: dict[str, Callable[[], Domain]] = {}
 _instances: dict[str, Domain] = {}
+_resolvers: list[Callable[[str], bool]] = []
+"""Asked, in order, for a name nothing registered: each may register it (True) or not."""
 
 F = TypeVar("F", bound=Callable[[], Any])
 
@@ -53,6 +55,13 @@ def declare(name: str, factory: Callable[[], Domain]) -> None:
     _instances.pop(name, None)
 
 
+def add_resolver(resolve: Callable[[str], bool]) -> None:
+    """Ask ``resolve(name)`` for a domain nothing registered (e.g. a declared domain in a
+    process that did not read the config itself: domains/declared.py)."""
+    if resolve not in _resolvers:
+        _resolvers.append(resolve)
+
+
 def entry_points() -> dict[str, importlib.metadata.EntryPoint]:
     return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
 
@@ -61,6 +70,8 @@ def get_domain(name: str) -> Domain:
     """The (shared) instance of the domain called ``name``; ``KeyError`` if unknown."""
     if name not in _instances:
         factory = _factories.get(name)
+        if factory is None and any(resolve(name) for resolve in _resolvers):
+            factory = _factories.get(name)
         if factory is None:
             ep = entry_points().get(name)
             if ep is None:

@@ -93,6 +93,12 @@ def test_split_by_hash_is_stable_disjoint_and_near_the_fraction(tmp_path: Path) 
     # the hash is sha256 of the id: the same number in every process and Python version
     assert hash_fraction("item-0") == int.from_bytes(
         __import__("hashlib").sha256(b"item-0").digest()[:8], "big") / 2**64
+    # the same prompt under two ids: never in train when it is held out
+    dup = _jsonl(tmp_path / "dup.jsonl", [{"prompt": f"p{i % 50}", "answer": "a", "id": str(i)}
+                                          for i in range(500)])
+    dups = build_domain("dup", _cfg(data=str(dup), split={"eval_fraction": 0.2}))
+    assert {r.prompt for r in dups.load_items("train")}.isdisjoint(
+        {r.prompt for r in dups.load_items("eval")})
     # rows without an id column: the file name and the row index are the id
     anon = build_domain("anon", _cfg(data=str(_jsonl(tmp_path / "anon.jsonl", [
         {"prompt": "x", "answer": "1"}, {"prompt": "y", "answer": "2"}]))))
@@ -243,3 +249,24 @@ def test_declare_registers_every_declared_domain_once(tmp_path: Path) -> None:
     broken = {"decl-c": _cfg(data=str(tmp_path / "gone.jsonl"))}
     with pytest.raises(DeclarationError, match=r"gone\.jsonl"):
         check_declared(broken)
+
+
+def test_a_process_the_actor_starts_inherits_the_declarations(tmp_path: Path) -> None:
+    # Given a declaration made in this process (as open_context makes it in an actor)
+    import os
+    import subprocess
+    import sys
+
+    data = _jsonl(tmp_path / "d.jsonl", ROWS)
+    declare_domains({"decl-env": _cfg(kind="exact", data=str(data), fields=MAPPED)})
+    # When a fresh interpreter it starts (a scorer worker: spawn, no config) looks it up
+    code = ("import streamrl.domains.declared\n"
+            "from streamrl.domains.registry import get_domain\n"
+            "d = get_domain('decl-env')\n"
+            "item = d.load_items('train')[0]\n"
+            "print(type(d).__name__, d.score(item, 'Answer: ' + item.answer, None))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ),
+                         capture_output=True, text=True, timeout=120)
+    # Then it builds the same domain from the inherited declarations
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["DeclaredDomain", "1.0"]
