@@ -40,6 +40,7 @@ Once the run's stop flag is set, no more training tasks are admitted.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -266,12 +267,14 @@ class Scheduler:
     async def admit(self, count: int, version: int, admitted: int) -> int:
         """Publish ``count`` tasks and add them to the admitted counter in one script, only if
         the counter still reads ``admitted`` (else nothing; the caller re-checks), so the
-        bounds computed from it hold exactly across restarts and replayed calls. Returns the
-        number admitted."""
+        bounds computed from it hold exactly across restarts and replayed calls; the same
+        script adds them per domain (``admitted_by_domain``, for status and the summary).
+        Returns the number admitted."""
         c = self.ctx
         sampled = [t for t in (self.sample(version) for _ in range(count)) if t is not None]
         if not sampled:
             return 0
+        tally = (c.names.admitted_by_domain, Counter(t.domain for t in sampled))
         if c.names.sharded:
             added = await publish_counted_routed(
                 c.client,
@@ -283,12 +286,13 @@ class Scheduler:
                 c.payload_limits(),
                 dedup_ttl_s=c.config.queues.dedup_ttl_s,
                 record=True,
+                tally=tally,
             )
         else:
             tasks = [encode(t) for t in sampled]
             added = await c.producer().publish_counted(
                 N.TASKS, tasks, c.names.admitted, admitted,
-                members=[t.episode_id for t in sampled],
+                members=[t.episode_id for t in sampled], tally=tally,
             )
         if added:  # all of them or none
             metrics.record_admitted(c.names.run, (t.domain for t in sampled))

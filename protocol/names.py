@@ -77,6 +77,12 @@ class Names(Layout):
         return f"{self.prefix}admitted"
 
     @property
+    def admitted_by_domain(self) -> str:
+        """Hash of training groups admitted per domain (field: the domain), added to by the
+        admission script with :attr:`admitted` (run-global, like it)."""
+        return f"{self.prefix}admitted_by_domain"
+
+    @property
     def admissions(self) -> str:
         """Hash of admissions reserved but maybe not yet published into every shard (sharded
         runs: the write-ahead record of :func:`queues.shards.publish_counted_routed`)."""

@@ -42,6 +42,7 @@ from streamrl.queues.operations import (
     ReadFlag,
     ReadPaused,
     ReadRange,
+    ReadTally,
     RequeueDead,
     SetFlag,
     TrimEvents,
@@ -78,6 +79,9 @@ SHARES = (counter("zero_variance"), counter("resolved:", prefix=True),
 """The verifier's counters: zero-variance skips, per-domain resolved and trained groups."""
 
 ADMITTED = Key(lambda n: n.admitted)
+ADMITTED_BY_DOMAIN = Key(lambda n: n.admitted_by_domain)
+DOMAIN_HEALTH = (ReadTally(ADMITTED_BY_DOMAIN), ReadCounters(SHARES))
+"""The per-domain figures of the summary and ``streamrl status`` (protocol/health.py)."""
 EVAL_ROUND = Key(lambda n: n.eval_round)
 STOP = Key(lambda n: n.stop)
 DEAD_GROUPS = Key(lambda n: n.dead_groups)
@@ -87,7 +91,8 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
     "scheduler": (
         Follow((N.WEIGHTS,)),  # the policy version
         Observe((N.TASKS,)),  # the generator group's backlog
-        PublishCounted(N.TASKS, ADMITTED),  # admission (protocol/admission.py)
+        # admission (protocol/admission.py), counted per domain with it
+        PublishCounted(N.TASKS, ADMITTED, tally=ADMITTED_BY_DOMAIN),
         Produce((N.TASKS,)),  # evaluation rounds
         Increment(EVAL_ROUND),
         ReadFlag(STOP),
@@ -120,6 +125,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         SetFlag(STOP),
         Increment(EVAL_ROUND),
         Produce((N.TASKS,)),
+        *DOMAIN_HEALTH,  # the summary's per-domain figures
     ),
     "archiver": (
         # its own group on both; acknowledges after the Parquet file is durable
@@ -142,6 +148,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         ReadBlobs(N.WORK_STREAMS),
         # dlq requeue (a training group's letter takes its admission slot back), purge
         RequeueDead(N.WORK_STREAMS),
+        *DOMAIN_HEALTH,  # status: the per-domain lines
     ),
 }
 """What each role does in Redis: the one table its ACL grants are derived from."""

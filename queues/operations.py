@@ -140,22 +140,25 @@ class PublishCounted(Op):
     entries' tickets opened with it (queues.streams.Producer.publish_counted); on a sharded
     run the write-ahead record in :attr:`Layout.reservations`, then each shard's publish once
     under ``dedup:<stage>:*`` (queues.shards.publish_counted_routed, finish_admissions). Reads
-    the counter it compares against."""
+    the counter it compares against. ``tally``: a hash added to in the same step (HINCRBY)."""
 
     stream: str
     counter: Key
     stage: str = "admit"
+    tally: Key | None = None
 
     def grants(self, layout: Layout) -> list[Grant]:
         stream, blobs = stream_pattern(layout, self.stream), blob_pattern(layout, self.stream)
         count, tickets = self.counter.pattern(layout), glob(layout.open_tickets)
         reserved, dedup = glob(layout.reservations), glob(layout.dedup(self.stage, "")) + "*"
+        tally = (self.tally.pattern(layout),) if self.tally else ()
         return [
-            Grant(SCRIPTS, rw=(stream, count, tickets)),  # publish_counted.lua
+            Grant(SCRIPTS, rw=(stream, count, tickets, *tally)),  # publish_counted.lua
             Grant(("sadd",), write=(tickets,)),
             Grant(("get", "incrby"), rw=(count,)),
-            Grant(SCRIPTS, rw=(count, reserved)),  # reserve_counted.lua
+            Grant(SCRIPTS, rw=(count, reserved, *tally)),  # reserve_counted.lua
             Grant(("hget", "hset", "hgetall", "hdel"), rw=(reserved,)),
+            *([Grant(("hincrby",), rw=tally)] if tally else []),
             Grant(SCRIPTS, rw=(stream, dedup, blobs, tickets)),  # publish_once.lua
             Grant(("set",), write=(dedup,)),
         ]
@@ -212,6 +215,16 @@ class ReadCounters(Op):
 
     def grants(self, layout: Layout) -> list[Grant]:
         return [Grant(("get", "mget"), read=tuple(k.pattern(layout) for k in self.keys))]
+
+
+@dataclass(frozen=True)
+class ReadTally(Op):
+    """:func:`read_tally` of ``key`` (a hash of counts: HGETALL)."""
+
+    key: Key
+
+    def grants(self, layout: Layout) -> list[Grant]:
+        return [Grant(("hgetall",), read=(self.key.pattern(layout),))]
 
 
 @dataclass(frozen=True)
@@ -325,6 +338,12 @@ async def read_counters(client: RedisClient, keys: list[str]) -> list[int]:
         for i, value in zip(indices, raw, strict=True):
             values[i] = int(value or 0)
     return values
+
+
+async def read_tally(client: RedisClient, key: str) -> dict[str, int]:
+    """Every field of the hash of counts ``key`` (missing: empty). Op: :class:`ReadTally`."""
+    raw = await client.call(client.sync.hgetall, key)
+    return {_str(k): int(v) for k, v in raw.items()}
 
 
 async def read_counter(client: RedisClient, key: str) -> int:

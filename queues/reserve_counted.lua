@@ -10,6 +10,8 @@
 -- ARGV[2]  a token unique to this call (fixed length), prefixed to the record
 -- ARGV[3]  the record (what to publish)
 -- ARGV[4]  how many entries it publishes
+-- KEYS[3], ARGV[5..]  (optional) a hash of tallies and (field, n) pairs: n added to each
+--          field with the reservation
 --
 -- Returns ARGV[4] when reserved (also when replayed after a lost reply: the record starts
 -- with this call's token), 0 when the counter had moved (another call counted first).
@@ -20,5 +22,8 @@ if held then
 end
 if tonumber(redis.call('GET', KEYS[1]) or '0') ~= tonumber(ARGV[1]) then return 0 end
 redis.call('INCRBY', KEYS[1], ARGV[4])
+for i = 5, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1])
+end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[2] .. ARGV[3])
 return tonumber(ARGV[4])

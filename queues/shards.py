@@ -345,12 +345,14 @@ async def publish_counted_routed(
     *,
     dedup_ttl_s: int = 24 * 3600,
     record: bool = False,
+    tally: tuple[str, dict[str, int]] | None = None,
 ) -> int:
     """Publish ``items`` [(routing key, payload)] routed over ``names.shards`` shards and add
     their number to the run-global ``counter``, only if it still holds ``expected``; returns
     how many were published (0 or ``len(items)``). ``record``: each routing key is opened as
     a ticket in its shard (:attr:`queues.keys.Layout.open_tickets`) in the same script that
     publishes its entry there (the pipeline's use of this: :mod:`streamrl.protocol.names`).
+    ``tally`` ``(run-global hash key, {field: n})``: added to with the counter, in step (1).
 
     The entries (one slot per shard) and the counter (the run's slot) cannot move in one
     script on a cluster, so this is three idempotent steps: (1) ``reserve_counted.lua``, in
@@ -363,7 +365,7 @@ async def publish_counted_routed(
     agreeing: every counted entry is published exactly once, nothing uncounted is published.
     """
     added = await reserve_admission(
-        client, names, stream, items, counter, expected, record=record
+        client, names, stream, items, counter, expected, record=record, tally=tally
     )
     await finish_admissions(client, names, limits, dedup_ttl_s=dedup_ttl_s)
     return added
@@ -379,6 +381,7 @@ async def reserve_admission(
     *,
     token: str | None = None,
     record: bool = False,
+    tally: tuple[str, dict[str, int]] | None = None,
 ) -> int:
     """Step (1) of :func:`publish_counted_routed` alone: count ``items`` and record them,
     if ``counter`` still holds ``expected``; publishes nothing. Repeating it with the same
@@ -393,8 +396,9 @@ async def reserve_admission(
     return int(
         await client.call(
             script,
-            keys=[counter, names.reservations],
-            args=[expected, token, encoded, len(items)],
+            keys=[counter, names.reservations, *([tally[0]] if tally else [])],
+            args=[expected, token, encoded, len(items),
+                  *(x for field, n in (tally[1].items() if tally else ()) for x in (field, n))],
         )
     )
 

@@ -606,15 +606,17 @@ class Producer:
         expected: int,
         *,
         members: list[str] | None = None,
+        tally: tuple[str, dict[str, int]] | None = None,
     ) -> int:
         """XADD ``payloads`` and add their number to the ``counter`` key, in one script, only
         if the counter still holds ``expected`` (compare-and-set). Safe to replay: after a
         lost reply, or when another producer moved the counter, it adds nothing. Returns the
         number of entries added (0 or ``len(payloads)``). ``members`` (the tickets the
         entries carry) are opened (:attr:`queues.keys.Layout.open_tickets`) in the same
-        step."""
+        step; ``tally`` ``(hash key, {field: n})`` (same slot) is added to in that step too."""
         key = self.names.stream(stream)
         prepared, blobs = prepare_many([(key, p) for p in payloads], self.limits)
+        pairs = [x for field, n in (tally[1].items() if tally else ()) for x in (field, n)]
 
         def run() -> int:
             if blobs:
@@ -622,7 +624,9 @@ class Producer:
                 store_blobs(pipe, blobs, self.limits)
                 pipe.execute()
             record = [self.names.open_tickets] if members else []
+            record += [tally[0]] if tally and pairs else []
             args: list[Any] = [expected, len(members or ()), *(members or ())]
+            args += [len(pairs) // 2, *pairs]
             args += [p for _, p in prepared]
             return int(self._publish_counted(keys=[key, counter, *record], args=args))
 
