@@ -31,7 +31,9 @@ being trained again.
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +68,15 @@ from streamrl.protocol.messages import (
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.operations import trim_events
 from streamrl.queues.shards import Consumer
-from streamrl.queues.stats import group_state
-from streamrl.queues.streams import Delivery
+from streamrl.runtime.batches import BatchRuntime, BatchSettings, Held, Settlement, open_batches
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.metrics import (
     record_dropped_stale,
     record_learner_step,
     record_policy_version,
 )
-from streamrl.runtime.serve import dead_letter, decode_or_dead_letter
+from streamrl.runtime.policies import Policies
+from streamrl.runtime.serve import Count, Output
 
 log = structlog.get_logger()
 
@@ -138,27 +140,52 @@ def follow(config: Config) -> int:
     return steps
 
 
+Batch = list[Held[Trajectory]]
+
+
 class Learner:
     def __init__(self, ctx: ActorContext, consumer: Consumer) -> None:
         self.ctx = ctx
         self.cfg = ctx.config.learner
         self.staleness = ctx.staleness()
         self.consumer = consumer
+        self.distributed = dist_util.is_distributed()
         self.root = ctx.config.run.path / "weights"
         self.base_dir = resolve_model(ctx.config.model.spec)
         self.trainer, self.version, self.resumed_optimizer = open_trainer(ctx.config)
         self.ledger = Ledger.open(self.root, self.version)
         self.dropped_stale = 0
         self.snapshot: Snapshot | None = None
-        self.held: set[str] = set()
-        """Entry ids of the groups collected, training or being published (not yet
-        acknowledged): this learner's share of its pending list."""
+        self.collecting = self.version
+        """The version the batch being collected will be trained at."""
+        self._refill = trio.Event()
         self.claimed: set[str] = set()
         """Episodes of the steps collected, training or being checkpointed (not yet in the
         ledger)."""
         self.duplicates_skipped = 0
+        self.batches: BatchRuntime[Trajectory]
+        """Set while :meth:`serve` runs."""
+
+    def batch_runtime(self) -> AbstractAsyncContextManager[BatchRuntime[Trajectory]]:
+        """The batch runtime on the learner's consumer: the one decode -> dead-letter path
+        and delivery limit, held groups heart-beaten, lost deliveries taken back (the
+        learner is its group's only consumer). Retries with isolation of a failing group in
+        one process; a distributed learner fails loudly instead (its other ranks take every
+        step with it: a retried or probed step would leave them behind)."""
+        policies = self.ctx.policies(time_limit_s=0)
+        if self.distributed:
+            policies = Policies(dataclasses.replace(policies.retry, max_retries=0))
+        q = self.ctx.config.queues
+        settings = BatchSettings(heartbeat_interval_s=q.heartbeat_interval_s, sole_consumer=True)
+        return open_batches(self.consumer, STAGE, Trajectory, policies, settings)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with self.batch_runtime() as self.batches:
+            await self._serve(task_status)
+        if self.distributed:  # the end: release the other ranks
+            await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
+
+    async def _serve(self, task_status: Any) -> None:
         await self._finish_interrupted_step()
         record_policy_version(self.ctx.names.run, self.version)
         task_status.started()
@@ -171,81 +198,83 @@ class Learner:
         # Step N+1 runs while step N's checkpoint is written and announced (from a snapshot
         # of the weights); at most one step is being published at a time, in order. The
         # groups of step N+1 are collected while step N trains (``_prefetch``).
+        batches, received = trio.open_memory_channel[Batch](0)
+        async with trio.open_nursery() as reading:
+            reading.start_soon(self._prefetch, batches)
+            async with received:
+                await self._train(received)
+            reading.cancel_scope.cancel()  # at max_steps: nothing more to collect
+
+    async def _train(self, batches: trio.MemoryReceiveChannel[Batch]) -> None:
+        """Take a step on each batch (a failing group isolated and dead-lettered by the
+        runtime: :meth:`runtime.batches.BatchRuntime.handle`), publishing each step while the
+        next one trains, until ``max_steps``."""
         published = trio.Event()
         published.set()
-        batches, received = trio.open_memory_channel[list[tuple[Delivery, Trajectory]]](0)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._prefetch, batches)
-            async with received:
-                while not self.cfg.max_steps or self.version < self.cfg.max_steps:
-                    t0 = time.monotonic()
-                    batch = await received.receive()
-                    waited = time.monotonic() - t0
-                    stats = await trio.to_thread.run_sync(
-                        distributed_step,
-                        self.trainer,
-                        [t for _, t in batch],
-                        abandon_on_cancel=False,
-                    )
-                    await published.wait()  # the shadow model is free again
-                    state = await trio.to_thread.run_sync(self._snapshot)
-                    self.version += 1
-                    published = trio.Event()
-                    nursery.start_soon(
-                        self._publish_step, batch, stats, waited, self.version, state, published
-                    )
-        if dist_util.is_distributed():  # the end: release the other ranks
-            await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
+            while not self.cfg.max_steps or self.version < self.cfg.max_steps:
+                t0 = time.monotonic()
+                collected = await batches.receive()
+                waited = time.monotonic() - t0
+                stats, batch = await self.batches.handle(collected, self._step, self._probe)
+                self.claimed -= {h.message.episode_id for h in collected if h not in batch}
+                if stats is None:  # every group of it dead-lettered: no step
+                    self.collecting -= 1
+                    self._refill.set()
+                    continue
+                await published.wait()  # the shadow model is free again
+                state = await trio.to_thread.run_sync(self._snapshot)
+                self.version += 1
+                published = trio.Event()
+                nursery.start_soon(
+                    self._publish_step, batch, stats, waited, self.version, state, published
+                )
 
-    async def _prefetch(self, batches: trio.MemorySendChannel[Any]) -> None:
+    async def _step(self, trajectories: list[Trajectory]) -> StepStats:
+        step = distributed_step if self.distributed else Trainer.step
+        return await trio.to_thread.run_sync(
+            step, self.trainer, trajectories, abandon_on_cancel=False
+        )
+
+    async def _probe(self, trajectory: Trajectory) -> None:
+        """The step's forward and backward passes on one group, the weights untouched."""
+
+        def probe() -> None:
+            self.trainer.step([trajectory], apply=False)
+
+        await trio.to_thread.run_sync(probe, abandon_on_cancel=False)
+
+    async def _prefetch(self, batches: trio.MemorySendChannel[Batch]) -> None:
         """Collect each step's groups while the step before it trains, so a learner whose
         groups are ready does not wait for reading, decoding and checking them. The groups
         are judged for staleness at the version they will be trained at (one more than now,
-        while a step runs); each batch is handed over only when the learner takes it."""
+        while a step runs; a step that dead-lettered all its groups is no step, so the next
+        batch comes one version earlier); each batch is handed over only when the learner
+        takes it."""
         async with batches:
-            version = self.version
-            while not self.cfg.max_steps or version < self.cfg.max_steps:
-                batch = await self._collect(self.cfg.groups_per_step, version)
-                self.claimed |= {t.episode_id for _, t in batch}
+            while True:
+                if self.cfg.max_steps and self.collecting >= self.cfg.max_steps:
+                    self._refill = trio.Event()
+                    await self._refill.wait()
+                    continue
+                batch = await self._collect(self.cfg.groups_per_step, self.collecting)
+                self.claimed |= {h.message.episode_id for h in batch}
                 await batches.send(batch)
-                version += 1
+                self.collecting += 1
 
-    async def _collect(self, n: int, version: int) -> list[tuple[Delivery, Trajectory]]:
+    async def _collect(self, n: int, version: int) -> Batch:
         """``n`` trainable groups to train at ``version``; fewer only for the last step of a
         run with ``scheduler.max_train_groups``, once no further group can arrive (see
         :meth:`_run_drained`): groups dropped upstream (zero variance, dead letters, stale)
         would otherwise leave a part-filled last batch waiting forever."""
-        batch: list[tuple[Delivery, Trajectory]] = []
-        while len(batch) < n:
-            deliveries = await self.consumer.read(n - len(batch))
-            for d in deliveries:
-                if d.entry_id in self.held:  # read again by a rewind (below): already ours
-                    continue
-                traj = await self._accept(d, {t.episode_id for _, t in batch}, version)
-                if traj is not None:
-                    batch.append((d, traj))
-                    self.held.add(d.entry_id)
-            if not deliveries and await self._lost_deliveries():
-                self.consumer.rewind()
-                continue
-            if not deliveries and batch and len(batch) < n and await self._run_drained():
-                log.info("final partial step", groups=len(batch), groups_per_step=n)
-                break
-        return batch
 
-    async def _lost_deliveries(self) -> bool:
-        """Whether entries are pending on this learner that it does not hold: delivered to it
-        in Redis, but the reply never arrived (Redis restarted during the read). A restarted
-        learner reads its pending list first; a running one rewinds to it here, when idle,
-        or they would stay pending and a last part-filled step would close the run without
-        them."""
-        c, names = self.ctx.client, self.ctx.names
-        own = await group_state(c, names, N.TRAJECTORIES, N.GROUP_OF_STREAM[N.TRAJECTORIES])
-        if own.pending <= len(self.held):
-            return False
-        log.warning("taking back pending groups whose delivery was lost",
-                    pending=own.pending, held=len(self.held))
-        return True
+        async def accept(held: Held[Trajectory], batch: Batch) -> bool:
+            return await self._accept(held, {h.message.episode_id for h in batch}, version)
+
+        batch = await self.batches.collect(n, accept=accept, enough=self._run_drained)
+        if len(batch) < n:
+            log.info("final partial step", groups=len(batch), groups_per_step=n)
+        return batch
 
     async def _run_drained(self) -> bool:
         """Whether no training group can reach the learner any more: admission closed and
@@ -253,42 +282,40 @@ class Learner:
         limit = self.ctx.config.scheduler.max_train_groups
         return await run_drained(self.ctx.client, self.ctx.names, limit)
 
-    async def _accept(self, d: Delivery, in_batch: set[str], version: int) -> Trajectory | None:
-        """Decode, skip groups already trained (or taken for a step not yet checkpointed),
-        check staleness against ``version``; anything not trainable is settled (acknowledged
-        or dead-lettered) here."""
-        traj: Trajectory | None = await decode_or_dead_letter(self.consumer, STAGE, d, Trajectory)
-        if traj is None:
-            return None
+    async def _accept(self, held: Held[Trajectory], in_batch: set[str], version: int) -> bool:
+        """Skip groups already trained (or taken for a step not yet checkpointed), check
+        staleness against ``version``; anything not trainable is settled (acknowledged or
+        dead-lettered) here."""
+        traj = held.message
         if training_group(traj) is None:  # an evaluation result, or a task of another split
             task = traj.rollout.task
             reason = f"not a training group: split {task.split!r}, eval round {task.eval_round}"
-            await dead_letter(self.consumer, STAGE, d, reason)
-            return None
+            await self.batches.dead_letter(held, reason, frees_ticket=False)
+            return False
         try:  # what the training step would refuse (killing the learner), refused here alone
             build_batch([traj])
         except ValueError as exc:
-            await dead_letter(self.consumer, STAGE, d, f"malformed group: {exc}", traj)
-            return None
+            await self.batches.dead_letter(held, f"malformed group: {exc}")
+            return False
         seen = self.ledger.consumed, self.claimed, in_batch
         if any(traj.episode_id in ids for ids in seen):
             self.duplicates_skipped += 1
-            await self._settle(d, traj, "duplicates_skipped", f"duplicate-{d.entry_id}")
+            await self._settle(held, "duplicates_skipped", f"duplicate-{held.entry_id}")
             log.warning("skipped group already trained", episode_id=traj.episode_id)
-            return None
+            return False
         if self.staleness.too_stale(traj, version):
             staleness = self.staleness.staleness(traj, version)
             self.dropped_stale += 1
             record_dropped_stale(self.ctx.names.run)
             await self._settle(
-                d, traj, "dropped_stale", f"stale-{traj.episode_id}", frees_slot=True
+                held, "dropped_stale", f"stale-{traj.episode_id}", frees_slot=True
             )
             log.warning("dropped stale group", episode_id=traj.episode_id, staleness=staleness)
-            return None
-        return traj
+            return False
+        return True
 
     async def _settle(
-        self, d: Delivery, traj: Trajectory, counter: str, once: str, *, frees_slot: bool = False
+        self, held: Held[Trajectory], counter: str, once: str, *, frees_slot: bool = False
     ) -> None:
         """Acknowledge a group that is not trained (a duplicate, stale), taking it out of the
         admission record and adding one to ``counter`` with its acknowledgement, in one
@@ -298,11 +325,11 @@ class Learner:
         admission's D) counts only if this settlement took the group out of the admission
         record: a group settled already (dead-lettered upstream, counted in ``dead_groups``;
         dropped by an earlier entry of it) or never admitted frees no second slot."""
-        names = self.consumer.names
-        await self.consumer.ack_many(
-            [d.entry_id], names.dedup("learner", once), [], settled=[traj.episode_id],
-            counters=[(names.counter(counter), 1)], only_settling=frees_slot,
-        )
+        dedup = self.consumer.names.dedup("learner", once)
+        await self.batches.settle([held.entry_id], Settlement(
+            dedup, counts=[Count(counter)], tickets=[held.message.episode_id],
+            only_settling=frees_slot,
+        ))  # fmt: skip
 
     def _snapshot(self) -> dict[str, Any] | None:
         if self.snapshot is None:
@@ -312,7 +339,7 @@ class Learner:
 
     async def _publish_step(
         self,
-        batch: list[tuple[Delivery, Trajectory]],
+        batch: Batch,
         stats: StepStats,
         waited: float,
         version: int,
@@ -321,11 +348,12 @@ class Learner:
     ) -> None:
         record = StepRecord(
             version=version,
-            episode_ids=[t.episode_id for _, t in batch],
-            trajectory_ids=[t.id for _, t in batch],
-            entry_ids=[d.entry_id for d, _ in batch],
+            episode_ids=[h.message.episode_id for h in batch],
+            trajectory_ids=[h.message.id for h in batch],
+            entry_ids=[h.entry_id for h in batch],
         )
-        staleness = [self.staleness.staleness(t, version - 1) for _, t in batch]
+        trajectories = [h.message for h in batch]
+        staleness = [self.staleness.staleness(t, version - 1) for t in trajectories]
         metrics = StepMetrics(
             id=new_id(),
             created_at=now(),
@@ -335,7 +363,7 @@ class Learner:
             grad_norm=stats.grad_norm,
             reward_mean=stats.reward_mean,
             groups=len(batch),
-            samples=sum(len(t.rewards) for _, t in batch),
+            samples=sum(len(t.rewards) for t in trajectories),
             tokens=stats.tokens,
             dropped_stale=self.dropped_stale,
             max_staleness_seen=max(staleness, default=0),
@@ -345,11 +373,10 @@ class Learner:
         path = await trio.to_thread.run_sync(self._checkpoint, record, metrics, state)
         await self._announce(version, str(path), record.entry_ids, metrics, record.episode_ids)
         record_learner_step(
-            self.ctx.names.run, metrics, [t for _, t in batch], staleness,
+            self.ctx.names.run, metrics, trajectories, staleness,
             kl_ref=stats.kl_ref, approx_kl=stats.approx_kl,
         )
         self.claimed -= set(record.episode_ids)  # in the ledger now
-        self.held -= set(record.entry_ids)  # acknowledged
         done.set()
         await self._trim_events()
         log.info(
@@ -400,15 +427,11 @@ class Learner:
         event = WeightsPublished(
             id=new_id(), created_at=now(), policy_version=version, version=version, path=path
         )
-        outputs = [(self.ctx.names.stream(N.WEIGHTS), encode(event))]
+        outputs = [Output(N.WEIGHTS, event)]
         if metrics is not None:
-            outputs.append((self.ctx.names.stream(N.METRICS), encode(metrics)))
-        await self.consumer.ack_many(
-            entry_ids,
-            self.ctx.names.dedup("learner", f"step-{version}"),
-            outputs,
-            settled=list(groups) if groups else None,
-        )
+            outputs.append(Output(N.METRICS, metrics))
+        dedup = self.ctx.names.dedup("learner", f"step-{version}")
+        await self.batches.settle(entry_ids, Settlement(dedup, outputs, tickets=groups))
 
     async def _trim_events(self) -> None:
         """Event streams have no consumer group to trim by: keep the newest N of each."""

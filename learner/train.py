@@ -287,9 +287,11 @@ class Trainer:
         if "rng" in state:
             set_rng_state(state["rng"])
 
-    def step(self, trajectories: Sequence[Trajectory]) -> StepStats:
+    def step(self, trajectories: Sequence[Trajectory], *, apply: bool = True) -> StepStats:
         """One optimiser step on ``trajectories`` (already filtered for staleness). In a
-        distributed run every rank must call it with the same trajectories."""
+        distributed run every rank must call it with the same trajectories. ``apply=False``:
+        every forward and backward pass and the gradient check of the step, but the weights
+        and the optimiser are left as they were (a probe: does this group alone fail?)."""
         cfg = self.config
         started = time.perf_counter()
         all_rewards = [r for t in trajectories for r in t.rewards]
@@ -306,7 +308,7 @@ class Trainer:
 
         full = build_batch(groups, pad_id=self.pad_id, eps=cfg.adv_eps)
         return self.step_batch(full, reward_mean=reward_mean, groups=len(groups),
-                               dropped_groups=dropped, started=started)  # fmt: skip
+                               dropped_groups=dropped, started=started, apply=apply)  # fmt: skip
 
     def step_batch(
         self,
@@ -316,8 +318,10 @@ class Trainer:
         groups: int = 0,
         dropped_groups: int = 0,
         started: float | None = None,
+        apply: bool = True,
     ) -> StepStats:
-        """One optimiser step on an already built batch (the whole batch on every rank)."""
+        """One optimiser step on an already built batch (the whole batch on every rank);
+        ``apply=False``: the gradient only (see :meth:`step`)."""
         cfg = self.config
         mbs = cfg.micro_batch_size
         started = time.perf_counter() if started is None else started
@@ -351,9 +355,10 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm}; weights unchanged")
-        self.optimizer.step()
+        if apply:
+            self.optimizer.step()
+            self.steps += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
 
         tokens = max(float(total_tokens), 1.0)
         loss_sum, clip, ratio, kl, kl_ref = sums.tolist()

@@ -208,45 +208,67 @@ async def test_groups_pending_on_the_learner_but_never_received_are_taken_back(
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 15 item 3, open: the learner's prefetch holds the next step's group while the"
-    " poisoned step crashes, so every restart redelivers it too and it is dead-lettered with"
-    " the poisoned one (the learner then waits for a group that never comes); needs the"
-    " batch runtime to isolate a failing group (retry, then probe each group) in-process"
-))
-async def test_a_group_that_crashes_the_learner_is_dead_lettered_after_max_deliveries(
-    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
-) -> None:
+@pytest.mark.parametrize(("groups_per_step", "good", "trained"), [(1, 2, [1, 1]), (2, 3, [1, 2])])
+async def test_a_group_that_fails_the_step_is_dead_lettered_alone_and_the_rest_trained(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path,
+    groups_per_step: int, good: int, trained: list[int],
+) -> None:  # fmt: skip
     # Given a poisoned group (a token id far outside the vocabulary: the training step raises)
-    # ahead of two good ones, one group per step, at most 2 deliveries
+    # ahead of good ones, the next step's groups prefetched while the poisoned step fails
     config = run_config(
-        tmp_path, redis_url, names.run, "model.spec=tiny", "learner.groups_per_step=1",
-        "learner.max_steps=2", "queues.block_ms=200", "queues.max_deliveries=2",
-    )
+        tmp_path, redis_url, names.run, "model.spec=tiny",
+        f"learner.groups_per_step={groups_per_step}", "learner.max_steps=2",
+        "queues.block_ms=200", "queues.max_deliveries=2", "retry.max_retries=1",
+        "retry.backoff_s=0.05",
+    )  # fmt: skip
     poison = make_trajectory([1, 2, 3], [[5, 10**7]] * 2, [[-1.0] * 2] * 2, [0.0, 1.0])
-    good = [_group(0, [0.0, 1.0]), _group(0, [1.0, 0.0])]
+    groups = [_group(0, [float(i % 2), float((i + 1) % 2)]) for i in range(good)]
     [poison_id, *_] = await Producer(client, names).publish(
-        N.TRAJECTORIES, [encode(poison), *good]
+        N.TRAJECTORIES, [encode(poison), *groups]
     )
 
-    # When the learner crashes on it, and is restarted each time (as its supervisor does)
-    crashes = 0
+    # When the learner runs (no restart: the step's failure stays in the process)
     with trio.fail_after(90):
-        while True:
-            try:
-                await serve(ActorContext(config, client, names))
-                break
-            except Exception:
-                crashes += 1
-                assert crashes <= 2, "the poisoned group came back past the delivery limit"
+        await serve(ActorContext(config, client, names))
 
-    # Then it crashed the learner max_deliveries times, then was dead-lettered before it was
-    # trained again, and the learner trained the good groups (v1, v2)
-    assert crashes == 2
+    # Then the step was retried, then each group of it tried alone: only the poisoned one is
+    # dead-lettered, with the error, and every good group is trained (the prefetched ones
+    # too), v1 and v2; nothing is left pending
     [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.DEAD))
     letter = decode(fields[b"d"], DeadLetter)
-    assert letter.entry_id == poison_id and "delivered 3 times" in letter.error
+    assert letter.entry_id == poison_id
+    assert "failed on it alone" in letter.error and "IndexError" in letter.error
     events = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
     assert [decode(f[b"d"], WeightsPublished).version for _, f in events] == [1, 2]
+    steps = await client.call(client.sync.xrange, names.stream(N.METRICS))
+    assert [decode(f[b"d"], StepMetrics).groups for _, f in steps] == trained
     pending = await client.call(client.sync.xpending, names.stream(N.TRAJECTORIES), "learner")
     assert pending["pending"] == 0
+
+
+async def test_a_group_past_the_delivery_limit_is_dead_lettered_untrained(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a group delivered to the learner 3 times already (its process died each time, as
+    # with a group that runs it out of memory), with at most 2 deliveries, and a good group
+    config = run_config(
+        tmp_path, redis_url, names.run, "model.spec=tiny", "learner.groups_per_step=1",
+        "learner.max_steps=1", "queues.block_ms=200", "queues.max_deliveries=2",
+    )  # fmt: skip
+    key, group = names.stream(N.TRAJECTORIES), N.GROUP_OF_STREAM[N.TRAJECTORIES]
+    await client.call(client.sync.xgroup_create, key, group, "0", mkstream=True)
+    [killer_id] = await Producer(client, names).publish(N.TRAJECTORIES, [_group(0, [0.0, 1.0])])
+    for start in (">", "0", "0"):
+        await client.call(client.sync.xreadgroup, group, "learner-0", {key: start})
+    await Producer(client, names).publish(N.TRAJECTORIES, [_group(0, [1.0, 0.0])])
+
+    # When the learner starts
+    with trio.fail_after(60):
+        await serve(ActorContext(config, client, names))
+
+    # Then the group is dead-lettered before it is handled again, and the good one trained
+    [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.DEAD))
+    letter = decode(fields[b"d"], DeadLetter)
+    assert letter.entry_id == killer_id and "delivered 4 times" in letter.error
+    events = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
+    assert [decode(f[b"d"], WeightsPublished).version for _, f in events] == [1]
