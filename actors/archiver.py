@@ -19,6 +19,7 @@ Guarantees:
 from __future__ import annotations
 
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,9 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Trajectory
 from streamrl.protocol.pipeline import pipeline_state
 from streamrl.queues.codec import MessageError, decode
-from streamrl.queues.shards import Consumer
-from streamrl.queues.streams import Delivery, EventReader
+from streamrl.queues.streams import EventReader
 from streamrl.runtime import metrics
+from streamrl.runtime.batches import BatchSettings, Held, Settlement, open_batches, serve_batches
 from streamrl.runtime.context import ActorContext
 
 log = structlog.get_logger()
@@ -51,7 +52,11 @@ def archive_dir(ctx_config: Any) -> Path:
 
 def row(stream: str, entry_id: str, payload: bytes) -> dict[str, Any]:
     """One archive row; raises MessageError for a payload that is not a Trajectory."""
-    t = decode(payload, Trajectory)
+    return trajectory_row(stream, entry_id, decode(payload, Trajectory), payload)
+
+
+def trajectory_row(stream: str, entry_id: str, t: Trajectory, payload: bytes) -> dict[str, Any]:
+    """One archive row of ``t``, decoded from ``payload``."""
     task = t.rollout.task
     return {
         "entry_id": entry_id,
@@ -88,40 +93,41 @@ def write_parquet(path: Path, rows: list[dict[str, Any]]) -> None:
         os.close(fd)
 
 
-async def archive_batch(
-    consumer: Consumer, root: Path, deliveries: list[Delivery]
-) -> int:
-    """Archive what can be archived, acknowledge everything read; returns rows written.
-    Entries that are not trajectories are acknowledged and logged: the archive is a copy, the
-    stage that consumes the stream dead-letters them."""
-    rows = []
-    for d in deliveries:
-        if d.payload is None:
-            log.warning("not archived", entry_id=d.entry_id, reason=d.error)
-            continue
-        try:
-            rows.append(row(consumer.stream_name, d.entry_id, d.payload))
-        except MessageError as exc:
-            log.warning("not archived", entry_id=d.entry_id, reason=str(exc))
-    if rows:
-        path = root / consumer.stream_name / f"{rows[0]['entry_id']}_{len(rows)}.parquet"
-        await trio.to_thread.run_sync(write_parquet, path, rows)
-    await consumer.ack([d.entry_id for d in deliveries])
-    return len(rows)
+async def archive(stream: str, root: Path, batch: list[Held[Trajectory]]) -> Settlement:
+    """Write ``batch`` to one Parquet file, durably; its acknowledgement (the runtime's, after
+    this returns) is all that settling it takes."""
+    rows = [trajectory_row(stream, h.entry_id, h.message, h.delivery.payload or b"")
+            for h in batch]  # fmt: skip
+    path = root / stream / f"{rows[0]['entry_id']}_{len(rows)}.parquet"
+    await trio.to_thread.run_sync(write_parquet, path, rows)
+    log.info("archived", stream=stream, rows=len(rows))
+    return Settlement()
 
 
 async def serve_stream(
     ctx: ActorContext, stream: str, root: Path, batch: int,
     *, task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:  # fmt: skip
-    async with ctx.consumer(stream, GROUP, group=GROUP) as consumer:
-        task_status.started()
-        while not ctx.shutdown.is_set():
-            deliveries = await consumer.read(batch)
-            deliveries += await consumer.reclaim(batch)  # a crashed archiver's entries
-            if deliveries:
-                n = await archive_batch(consumer, root, deliveries)
-                log.info("archived", stream=stream, rows=n)
+    """Archive ``stream`` through the batch runtime (runtime/batches.py): an observer group
+    (what does not decode, or is past the delivery limit, is acknowledged and logged: the
+    stage that consumes the stream dead-letters it), a crashed archiver's entries reclaimed,
+    up to ``batch`` entries per file (fewer after ``queues.block_ms`` with some in hand),
+    acknowledged in one call once the file is durable; until shutdown."""
+    q = ctx.config.queues
+    settings = BatchSettings(
+        heartbeat_interval_s=q.heartbeat_interval_s,
+        reclaim_interval_s=q.reclaim_interval_s,
+        observer=True,
+    )
+    policies = ctx.policies(time_limit_s=0)
+    async with (
+        ctx.consumer(stream, GROUP, group=GROUP) as consumer,
+        open_batches(consumer, GROUP, Trajectory, policies, settings) as runtime,
+    ):
+        await serve_batches(
+            runtime, partial(archive, stream, root), size=batch,
+            deadline_s=q.block_ms / 1000, until=ctx.shutdown, task_status=task_status,
+        )  # fmt: skip
 
 
 async def serve_run_metrics(
