@@ -238,7 +238,6 @@ class Scheduler:
     async def admissible(self, version: int) -> tuple[int, int]:
         """``(how many training groups may be admitted now, how many were admitted so far)``."""
         c = self.ctx
-        learner = c.config.learner
         state = await admission_state(
             c.client, c.names, dynamic_sampling=c.config.verifier.dynamic_sampling
         )
@@ -246,10 +245,7 @@ class Scheduler:
         if state.stopped:
             self.blocked = "stopped"
             return 0, admitted
-        by_staleness = staleness_room(
-            state, version, max_staleness=learner.max_staleness,
-            groups_per_step=learner.groups_per_step,
-        )
+        by_staleness = staleness_room(state, version, c.staleness())
         limit = self.cfg.max_train_groups
         by_limit = limit - admitted if limit else by_staleness
         backlog = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])

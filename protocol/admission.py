@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamrl.protocol import names as N
+from streamrl.protocol.staleness import StalenessPolicy
 from streamrl.queues.client import RedisClient
 from streamrl.queues.operations import (
     count_reservations,
@@ -53,16 +54,14 @@ async def admission_state(
     return AdmissionState(admitted, False, never)
 
 
-def staleness_room(
-    state: AdmissionState, version: int, *, max_staleness: int, groups_per_step: int
-) -> int:
+def staleness_room(state: AdmissionState, version: int, policy: StalenessPolicy) -> int:
     """How many more training groups the staleness bound admits at policy version
-    ``version``: ``(V + max_staleness + 1) * groups_per_step + D - admitted`` (may be <= 0).
-    A group that will never be trained frees its slot (replaced at today's V): without it,
-    once more than ``max_staleness * groups_per_step`` groups were lost the learner could
-    never fill a batch again and the run would stall."""
-    bound = (version + max_staleness + 1) * groups_per_step + state.never_trained
-    return bound - state.admitted
+    ``version`` (may be <= 0): the run's one staleness policy
+    (:meth:`streamrl.protocol.staleness.StalenessPolicy.room`) on these counters. A group that
+    will never be trained frees its slot (replaced at today's V): without it, once more than
+    ``max_staleness * groups_per_step`` groups were lost the learner could never fill a batch
+    again and the run would stall."""
+    return policy.room(version, state.admitted, state.never_trained)
 
 
 async def counted(client: RedisClient, names: N.Names, name: str) -> int:

@@ -3,6 +3,7 @@ ask: the admission bound, the synchronous mode's version wait, the learner's dro
 
 from __future__ import annotations
 
+from streamrl.protocol.admission import AdmissionState, staleness_room
 from streamrl.protocol.messages import Trajectory
 from streamrl.protocol.staleness import StalenessPolicy
 from streamrl.testing.messages import make_trajectory
@@ -33,6 +34,14 @@ def test_admission_room_is_the_bound_minus_the_admitted() -> None:
     assert policy.room(version=1, admitted=12, never_trained=0) == 4
     assert policy.room(version=1, admitted=12, never_trained=3) == 7  # each lost group replaced
     assert policy.room(version=0, admitted=14, never_trained=0) == -2
+
+
+def test_the_schedulers_room_is_the_policys() -> None:
+    # Given the run's counters as the scheduler reads them
+    policy = StalenessPolicy(max_staleness=2, groups_per_step=4)
+    state = AdmissionState(admitted=12, stopped=False, never_trained=3)
+    # Then its room is the one policy's
+    assert staleness_room(state, 1, policy) == policy.room(1, 12, 3) == 7
 
 
 def test_admission_and_the_learner_agree_on_the_bound() -> None:
