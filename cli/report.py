@@ -7,11 +7,15 @@ producer wrote it: the throughput of each stage).
 
 Charts (matplotlib, Agg backend): ``reward.png`` (training reward per domain over policy
 versions), ``eval.png`` (held-out reward per domain over policy versions; an eval-only
-domain such as ``general`` dashed), ``throughput.png`` (entries per minute each stage
+domain such as ``general`` dashed); with more than :data:`LINES_UP_TO` domains each is a
+heatmap instead (a row per domain, a column per policy version, the reward as colour; an
+eval-only domain's label starts with ``*``, a forgetting one's ends with ``!``), so 100+
+domains stay legible; ``throughput.png`` (entries per minute each stage
 produced), ``learner_busy.png`` (step / (step + wait) per step), ``staleness.png`` (max
 staleness per step); ``summary.md`` holds the numbers behind them, and each domain's
-held-out reward at its first and last evaluated version (forgetting). A chart with no data
-is left out and the summary says so.
+held-out reward at its first and last evaluated version: a drop of more than
+``scheduler.forgetting_margin`` on an eval-only domain is flagged as forgetting. A chart
+with no data is left out and the summary says so.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ PRODUCED_BY = {
 MAX_ENTRIES = 100_000
 MIN_RATE_SPAN_S = 10.0
 """A rate over a shorter span is not printed (it would say nothing)."""
+LINES_UP_TO = 12
+"""A reward chart draws a line per domain up to this many domains, else a heatmap."""
 
 
 @dataclass
@@ -87,20 +93,32 @@ def per_version(series: dict[str, dict[int, list[float]]]) -> dict[str, list[tup
     return {d: [(v, _mean(r)) for v, r in sorted(by.items())] for d, by in sorted(series.items())}
 
 
-def forgetting(data: RunData) -> list[str]:
+def forgotten(data: RunData, margin: float) -> set[str]:
+    """The eval-only domains whose held-out reward at the last evaluated version is more
+    than ``margin`` below the first."""
+    return {
+        d for d, points in per_version(data.evals).items()
+        if d not in data.reward and points[0][1] - points[-1][1] > margin
+    }
+
+
+def forgetting(data: RunData, margin: float = 0.05) -> list[str]:
     """Markdown: each domain's held-out reward at the first and the last evaluated policy
-    version (a drop on an eval-only domain is forgetting)."""
+    version; an eval-only domain that dropped by more than ``margin`` is flagged."""
     series = per_version(data.evals)
     if not series:
         return []
+    flagged = forgotten(data, margin)
     lines = ["", "## Held-out reward, first vs last version", "",
-             "| domain | trained | first (version) | last (version) | change |",
+             f"Forgetting: an eval-only domain more than {margin:.3f} below its first version.",
+             "", "| domain | trained | first (version) | last (version) | change |",
              "|---|---|---|---|---|"]
     for domain, points in series.items():
         (v0, r0), (v1, r1) = points[0], points[-1]
         trained = "yes" if domain in data.reward else "no (eval only)"
+        flag = " **forgetting**" if domain in flagged else ""
         lines.append(f"| {domain} | {trained} | {r0:.3f} (v{v0}) | {r1:.3f} (v{v1}) |"
-                     f" {r1 - r0:+.3f} |")
+                     f" {r1 - r0:+.3f}{flag} |")
     return lines
 
 
@@ -120,7 +138,29 @@ def throughput(times: list[float], bucket_s: float = 60.0) -> list[tuple[float, 
     return [(b * bucket_s / 60, n * 60 / bucket_s) for b, n in sorted(counts.items())]
 
 
-def charts(data: RunData, out: Path) -> list[str]:
+def heatmap(fig: Any, ax: Any, series: dict[str, list[tuple[int, float]]],
+            labels: dict[str, str]) -> None:
+    """One row per domain (sorted by name), one column per policy version any domain was
+    measured at, the mean reward as colour (blank: not measured at that version)."""
+    import numpy as np
+
+    versions = sorted({v for points in series.values() for v, _ in points})
+    column = {v: i for i, v in enumerate(versions)}
+    grid = np.full((len(series), len(versions)), np.nan)
+    for row, points in enumerate(series.values()):
+        for v, r in points:
+            grid[row, column[v]] = r
+    image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0,
+                      interpolation="nearest")
+    ax.set_yticks(range(len(series)), [labels.get(d, d) for d in series], fontsize=6)
+    step = max(1, len(versions) // 20)
+    ax.set_xticks(range(0, len(versions), step), [f"v{v}" for v in versions[::step]],
+                  fontsize=7)
+    ax.set_xlabel("policy version")
+    fig.colorbar(image, ax=ax, label="mean reward", fraction=0.04, pad=0.02)
+
+
+def charts(data: RunData, out: Path, margin: float = 0.05) -> list[str]:
     """Write the PNG charts; returns their file names."""
     import matplotlib
 
@@ -136,11 +176,20 @@ def charts(data: RunData, out: Path) -> list[str]:
         plt.close(fig)
         written.append(name)
 
+    flagged = forgotten(data, margin)
     for name, series, title in (
         ("reward.png", data.reward, "training reward per domain"),
         ("eval.png", data.evals, "held-out reward per domain"),
     ):
-        if series:
+        if len(series) > LINES_UP_TO:
+            labels = {d: ("* " if series is data.evals and d not in data.reward else "") + d
+                      + (" !" if d in flagged else "") for d in series}
+            fig, ax = plt.subplots(figsize=(8, 1.5 + 0.11 * len(series)))
+            heatmap(fig, ax, per_version(series), labels)
+            ax.set_title(f"{title} ({len(series)} domains"
+                         + ("; * eval only, ! forgetting)" if series is data.evals else ")"))
+            save(fig, name)
+        elif series:
             fig, ax = plt.subplots(figsize=(7, 4))
             for domain, points in per_version(series).items():
                 only = series is data.evals and domain not in data.reward  # e.g. general
@@ -174,7 +223,7 @@ def charts(data: RunData, out: Path) -> list[str]:
     return written
 
 
-def summary(run: str, data: RunData, written: list[str]) -> str:
+def summary(run: str, data: RunData, written: list[str], margin: float = 0.05) -> str:
     lines = [f"# Run {run}", ""]
     if data.steps:
         last = data.steps[-1]
@@ -198,7 +247,7 @@ def summary(run: str, data: RunData, written: list[str]) -> str:
         for domain, by in sorted(series.items()):
             for version, rewards in sorted(by.items()):
                 lines.append(f"| {domain} | {version} | {_mean(rewards):.3f} | {len(rewards)} |")
-    lines += forgetting(data)
+    lines += forgetting(data, margin)
     lines += ["", "## Throughput (entries still in the streams)", "",
               "| stage | entries | per minute |", "|---|---|---|"]
     for stage, times in data.produced.items():
@@ -210,12 +259,13 @@ def summary(run: str, data: RunData, written: list[str]) -> str:
 
 
 async def write_report(
-    client: RedisClient, names: N.Names, out: Path, archive: Path | None
+    client: RedisClient, names: N.Names, out: Path, archive: Path | None, *,
+    forgetting_margin: float = 0.05,
 ) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     data = await collect(client, names, archive)
-    written = charts(data, out)
-    (out / "summary.md").write_text(summary(names.run, data, written))
+    written = charts(data, out, forgetting_margin)
+    (out / "summary.md").write_text(summary(names.run, data, written, forgetting_margin))
     return [*written, "summary.md"]
 
 
@@ -223,6 +273,7 @@ async def run_report(
     client: RedisClient, names: N.Names, config: Config, args: argparse.Namespace
 ) -> int:
     archive = Path(args.archive) if args.archive else archive_dir(config)
-    written = await write_report(client, names, Path(args.out), archive)
+    written = await write_report(client, names, Path(args.out), archive,
+                                 forgetting_margin=config.scheduler.forgetting_margin)
     print(f"wrote {', '.join(written)} to {args.out}")
     return 0

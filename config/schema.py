@@ -160,6 +160,10 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     eval_domains: list[str] = msgspec.field(default_factory=list)
     """Evaluation-only domains (e.g. ``["general"]``): in every held-out round next to
     ``domains``, never trained, so that forgetting shows in the per-domain eval series."""
+    forgetting_margin: Annotated[float, Meta(ge=0, le=1)] = 0.05
+    """Flag forgetting (in ``streamrl status``, the summary's ``forgetting`` and the report)
+    when an evaluation-only domain's held-out reward in the latest round is more than this
+    below its first round's."""
     max_train_groups: NonNegInt = 0
     """Admit at most this many training groups in the whole run (0: no limit). Exact across
     scheduler restarts: the count of admitted groups lives in Redis."""
