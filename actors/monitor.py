@@ -21,6 +21,7 @@ import msgspec
 import trio
 
 from streamrl.protocol import names as N
+from streamrl.protocol.health import DomainHealth, domain_health
 from streamrl.protocol.messages import StepMetrics, Trajectory
 from streamrl.protocol.pipeline import Stall, assess_stall, lag_flag, pipeline_state
 from streamrl.queues.codec import decode
@@ -83,6 +84,43 @@ class Summary(msgspec.Struct, kw_only=True):
     eval_by_domain: dict[str, list[dict[str, Any]]] = {}
     """domain -> one point per completed round: round, policy_version, reward, items (the
     per-domain series over time; eval-only domains such as ``general`` included)."""
+    domains: dict[str, dict[str, Any]] = {}
+    """domain -> admitted, trained (groups forwarded to the learner), train_reward (mean of
+    its scored training groups, None before any), eval (held-out reward per completed round,
+    None for a round without it), forgetting (an eval-only domain's last round more than
+    ``scheduler.forgetting_margin`` below its first): :mod:`streamrl.protocol.health`."""
+    forgetting: list[str] = []
+    """The eval-only domains flagged as forgetting."""
+
+
+def forgetting(rounds: list[EvalRound], eval_only: list[str], margin: float) -> list[str]:
+    """The domains of ``eval_only`` whose held-out reward in the latest completed round that
+    has them is more than ``margin`` below the first such round's."""
+    flagged = []
+    for d in eval_only:
+        means = [statistics.fmean(r.by_domain[d]) for r in rounds if r.by_domain.get(d)]
+        if len(means) > 1 and means[0] - means[-1] > margin:
+            flagged.append(d)
+    return flagged
+
+
+def domain_rows(
+    health: dict[str, DomainHealth], rounds: list[EvalRound], flagged: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The summary's ``domains``: counters and the held-out series of each domain."""
+    names = list(dict.fromkeys([*health, *(d for r in rounds for d in sorted(r.by_domain))]))
+    rows = {}
+    for d in names:
+        h = health.get(d)
+        rows[d] = {
+            "admitted": h.admitted if h else 0,
+            "trained": h.trained if h else 0,
+            "train_reward": h.train_reward if h else None,
+            "eval": [statistics.fmean(r.by_domain[d]) if r.by_domain.get(d) else None
+                     for r in rounds],
+            "forgetting": d in flagged,
+        }
+    return rows
 
 
 def eval_series(rounds: list[EvalRound]) -> dict[str, list[dict[str, Any]]]:
@@ -115,6 +153,11 @@ class Monitor:
         self.queues: list[GroupState] = []
         self.stall: Stall | None = None
         self.dead = 0
+        self.health: dict[str, DomainHealth] = {}
+        sched = ctx.config.scheduler
+        self.trained_domains = list(sched.domains)
+        self.eval_only = [d for d in sched.eval_domains if d not in sched.domains]
+        self.forgetting_margin = sched.forgetting_margin
         self.started = time.monotonic()
         self._round_changed = trio.Event()
         self._seen: set[tuple[int, str, str]] = set()  # (round, domain, item id) recorded
@@ -132,7 +175,17 @@ class Monitor:
                     max_backlog=self.ctx.config.scheduler.max_backlog,
                 )  # fmt: skip
                 self.dead = await stream_length(self.ctx.client, self.ctx.names, N.DEAD)
+                await self.refresh_domains()
                 await trio.sleep(1.0)
+
+    async def refresh_domains(self) -> None:
+        """Read every trained domain's figures (:mod:`streamrl.protocol.health`)."""
+        self.health = await domain_health(self.ctx.client, self.ctx.names,
+                                          self.trained_domains)
+
+    def forgetting(self) -> list[str]:
+        """The eval-only domains flagged as forgetting so far."""
+        return forgetting(self.completed_rounds(), self.eval_only, self.forgetting_margin)
 
     async def _serve_evals(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Record every evaluation result, through the runtime (decode, dead letters, delivery
@@ -239,6 +292,7 @@ class Monitor:
             f"eval {evals} | {sps:.2f} samples/s | queues (lag+pending) {depth} | "
             f"dead {self.dead}"
             + "".join(f" | {flag}" for q in self.queues if (flag := lag_flag(q)))
+            + "".join(f" | forgetting: {d}" for d in self.forgetting())
             + (f" | {self.stall.describe()}" if self.stall else "")
         )
 
@@ -269,6 +323,8 @@ class Monitor:
                 for r in rounds
             ],
             eval_by_domain=eval_series(rounds),
+            domains=domain_rows(self.health, rounds, self.forgetting()),
+            forgetting=self.forgetting(),
             reward_first_steps=statistics.fmean(s.reward_mean for s in steps[:k]) if k else None,
             reward_last_steps=statistics.fmean(s.reward_mean for s in steps[-k:]) if k else None,
             dropped_stale=steps[-1].dropped_stale if steps else 0,

@@ -358,6 +358,8 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
                     with trio.CancelScope(shield=True):
                         await _stop_all(children, signals)
                 nursery.cancel_scope.cancel()
+            with trio.move_on_after(10):  # the figures as the run ended (not a second stale)
+                await monitor.refresh_domains()
             summary = monitor.summary(config.run.name)
             print(_summary_text(summary, interrupted), flush=True)
             if failed:

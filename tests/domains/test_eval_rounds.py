@@ -150,6 +150,6 @@ async def test_every_domain_has_an_eval_series_including_general(
         d: [0, 2] for d in [*TRAINED, "general"]}
     assert sorted(data.reward) == sorted(TRAINED)
     table = "\n".join(forgetting(data))
-    assert "| general | no (eval only) | 1.000 (v0) | 0.000 (v2) | -1.000 |" in table
+    assert "| general | no (eval only) | 1.000 (v0) | 0.000 (v2) | -1.000 **forgetting** |" in table
     assert "| cad | yes | 0.000 (v0) | 1.000 (v2) | +1.000 |" in table
     assert "eval.png" in charts(data, tmp_path)
