@@ -1,0 +1,288 @@
+"""An OpenAI-compatible endpoint in front of an inference engine, one base URL per episode.
+
+An agent written against the official ``openai`` client is pointed at
+``http://HOST:PORT/sessions/<episode>/v1`` and trained unchanged: every call it makes is
+recorded into the episode's session (:mod:`inference.agent_sessions`) as the exact prompt
+and completion token ids, logprobs and weight versions of the engine.
+
+Guarantees:
+- ``POST /sessions/<id>/v1/chat/completions`` takes ``model``, ``messages``, ``tools``,
+  ``tool_choice`` (``auto``, ``none``), ``temperature``, ``top_p``, ``max_tokens`` /
+  ``max_completion_tokens``, ``n`` (1), ``stop``, ``seed``, ``logprobs``, ``stream`` (the
+  whole answer as SSE chunks once generated) and answers OpenAI's shapes:
+  ``choices[0].message`` with ``content`` and ``tool_calls`` (``id``, ``function.name``,
+  ``function.arguments`` as a JSON string), ``finish_reason`` ``tool_calls`` / ``stop`` /
+  ``length``, ``usage``; ``system_fingerprint`` names the weight version of the first token;
+  ``GET /v1/models`` (also under a session) lists the one served model;
+- every refusal is an OpenAI error body ``{"error": {message, type, param, code}}``: 404 for
+  an unknown session or model, 400 for a malformed or unsupported request and for a spent
+  budget (``type`` ``budget_exceeded``; 400 because the official client retries 429s), 503
+  when the engine is gone; nothing an agent sends raises out of a handler;
+- the session API for the executor: ``POST /sessions`` ``{"id", "budget": {max_total_tokens,
+  max_calls, wall_clock_s, max_new_tokens}}`` (201, answers the ``base_url``), ``GET
+  /sessions/<id>`` and ``POST /sessions/<id>/close`` (the record: ``calls`` and ``chains``,
+  see :meth:`Session.chains`), ``DELETE /sessions/<id>``.
+
+Not supported (400): ``n`` > 1, ``tool_choice`` ``required`` or a named function,
+``top_logprobs``, penalties, ``logit_bias``, ``response_format`` other than text, non-text
+content parts. With ``tool_choice`` ``none`` the tools are still shown to the model (the
+prompt stays a prefix of the next call's) but its reply is not parsed for calls.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from functools import partial
+from typing import Any
+
+import msgspec
+import structlog
+import trio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from streamrl.inference.agent_sessions import Budget, Call, Session, Sessions
+from streamrl.inference.openai_chat import InvalidRequest, parse_messages, parse_reply, parse_tools
+from streamrl.protocol.messages import Sampling
+
+log = structlog.get_logger()
+MAX_BODY = 32 << 20
+UNSUPPORTED_ZERO = ("presence_penalty", "frequency_penalty", "top_logprobs")
+
+
+def _error(exc: InvalidRequest) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if len(raw) > MAX_BODY:
+        raise InvalidRequest(f"body over {MAX_BODY} bytes", code="body_too_large", status=413)
+    try:
+        data = json.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise InvalidRequest(f"body is not JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _unsupported(param: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {why}", code="unsupported_parameter", param=param)
+
+
+def _sampling(body: dict[str, Any]) -> tuple[Sampling, list[str]]:
+    if body.get("n", 1) not in (1, None):
+        raise _unsupported("n", "only n = 1")
+    for name in UNSUPPORTED_ZERO:
+        if body.get(name):
+            raise _unsupported(name, "not supported")
+    if body.get("logit_bias"):
+        raise _unsupported("logit_bias", "not supported")
+    fmt = body.get("response_format")
+    if fmt and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise _unsupported("response_format", "only text")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise InvalidRequest("stop must be a string or a list of strings", param="stop")
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    params = {"max_new_tokens": 1 << 17 if limit is None else limit,
+              "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+              "seed": body.get("seed")}
+    try:
+        sampling = msgspec.convert({k: v for k, v in params.items() if v is not None}, Sampling)
+    except msgspec.ValidationError as exc:
+        raise InvalidRequest(f"bad sampling parameters: {exc}", code="invalid_sampling") from None
+    return sampling, stop
+
+
+class Endpoint:
+    """The Starlette handlers over one :class:`Sessions` and one served model name."""
+
+    def __init__(self, sessions: Sessions, model: str) -> None:
+        self.sessions = sessions
+        self.model_name = model
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "streamrl"}
+
+    async def models(self, request: Request) -> Response:
+        sid = request.path_params.get("sid")
+        try:
+            if sid is not None:
+                self.sessions.get(sid)
+        except InvalidRequest as exc:
+            return _error(exc)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model"] != self.model_name:
+            return _error(InvalidRequest(f"no model {request.path_params['model']!r}",
+                                         code="model_not_found", status=404))
+        return JSONResponse(self._model_card())
+
+    async def no_session(self, request: Request) -> Response:
+        return _error(InvalidRequest("use the episode's base URL: /sessions/<episode>/v1",
+                                     code="session_required", status=404))
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            session = self.sessions.get(request.path_params["sid"])
+            body = await _json(request)
+            if body.get("model") != self.model_name:
+                raise InvalidRequest(f"no model {body.get('model')!r}; this endpoint serves "
+                                     f"{self.model_name!r}", code="model_not_found", param="model",
+                                     status=404)
+            messages = parse_messages(body.get("messages"))
+            tools = parse_tools(body.get("tools"))
+            choice = body.get("tool_choice", "auto") or "auto"
+            if choice not in ("auto", "none"):
+                raise _unsupported("tool_choice", "only 'auto' and 'none'")
+            sampling, stop = _sampling(body)
+            names = {t["function"]["name"] for t in tools} if choice == "auto" else set()
+            call = await self.sessions.complete(session, messages, tools, sampling, stop,
+                                                partial(parse_reply, tool_names=names))
+        except InvalidRequest as exc:
+            return _error(exc)
+        except ValueError as exc:  # the engine refused the prompt (e.g. its context length)
+            return _error(InvalidRequest(str(exc), code="context_length_exceeded"))
+        except RuntimeError as exc:  # EngineClosed, ServerUnavailable
+            log.warning("chat completion failed", session=session.id, error=repr(exc))
+            return _error(InvalidRequest(f"engine unavailable: {exc}", code="engine_unavailable",
+                                         status=503, kind="server_error"))
+        answer = self._answer(call, bool(body.get("logprobs")))
+        if body.get("stream"):
+            return Response(_sse(answer, body), media_type="text/event-stream")
+        return JSONResponse(answer)
+
+    def _answer(self, call: Call, logprobs: bool) -> dict[str, Any]:
+        reply = call.reply
+        message: dict[str, Any] = {"role": "assistant",
+                                   "content": reply.content or (None if reply.tool_calls else "")}
+        if reply.tool_calls:
+            message["tool_calls"] = [c.openai() for c in reply.tool_calls]
+        reason = "tool_calls" if reply.tool_calls else call.finish_reason
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None,
+                                  "finish_reason": reason}
+        if logprobs:
+            tok = self.sessions.tokenizer
+            choice["logprobs"] = {"content": [
+                {"token": tok.decode([t]), "logprob": lp, "bytes": list(tok.decode([t]).encode()),
+                 "top_logprobs": []} for t, lp in zip(call.completion_ids, call.logprobs,
+                                                      strict=True)]}
+        n_prompt, n_out = len(call.prompt_ids), len(call.completion_ids)
+        version = call.versions[0] if call.versions else 0
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_name,
+                "system_fingerprint": f"streamrl-v{version}", "choices": [choice],
+                "usage": {"prompt_tokens": n_prompt, "completion_tokens": n_out,
+                          "total_tokens": n_prompt + n_out}}
+
+    # ------------------------------------------------------------------ the session API
+
+    def _record(self, session: Session) -> dict[str, Any]:
+        return {**session.summary(), "calls": [c.to_builtins() for c in session.calls],
+                "chains": [c.to_builtins() for c in session.chains()]}
+
+    async def create(self, request: Request) -> Response:
+        try:
+            body = await _json(request)
+            sid = body.get("id") or uuid.uuid4().hex
+            if not isinstance(sid, str) or "/" in sid:
+                raise InvalidRequest("id must be a string without '/'", param="id")
+            try:
+                budget = msgspec.convert(body.get("budget") or {}, Budget)
+            except msgspec.ValidationError as exc:
+                raise InvalidRequest(f"bad budget: {exc}", param="budget") from None
+            session = self.sessions.create(sid, budget)
+        except InvalidRequest as exc:
+            return _error(exc)
+        base = str(request.base_url).rstrip("/")
+        return JSONResponse({**session.summary(), "base_url": f"{base}/sessions/{sid}/v1"},
+                            status_code=201)
+
+    async def show(self, request: Request) -> Response:
+        try:
+            return JSONResponse(self._record(self.sessions.get(request.path_params["sid"])))
+        except InvalidRequest as exc:
+            return _error(exc)
+
+    async def close(self, request: Request) -> Response:
+        try:
+            return JSONResponse(self._record(self.sessions.close(request.path_params["sid"])))
+        except InvalidRequest as exc:
+            return _error(exc)
+
+    async def drop(self, request: Request) -> Response:
+        try:
+            return JSONResponse(self.sessions.drop(request.path_params["sid"]).summary())
+        except InvalidRequest as exc:
+            return _error(exc)
+
+    async def health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+
+def _sse(answer: dict[str, Any], body: dict[str, Any]) -> str:
+    """The answer as chat.completion.chunk events (one content delta, one per tool call)."""
+    head = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint")}
+    choice, message = answer["choices"][0], answer["choices"][0]["message"]
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": message["content"] or ""}]
+    deltas += [{"tool_calls": [{"index": j, **call}]}
+               for j, call in enumerate(message.get("tool_calls", []))]
+    chunks = [{**head, "object": "chat.completion.chunk",
+               "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
+    chunks.append({**head, "object": "chat.completion.chunk", "choices": [last]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**head, "object": "chat.completion.chunk", "choices": [],
+                       "usage": answer["usage"]})
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+
+def build_app(sessions: Sessions, model: str) -> Starlette:
+    e = Endpoint(sessions, model)
+    routes = [
+        Route("/health", e.health, methods=["GET"]),
+        Route("/v1/models", e.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", e.model, methods=["GET"]),
+        Route("/v1/chat/completions", e.no_session, methods=["POST"]),
+        Route("/sessions", e.create, methods=["POST"]),
+        Route("/sessions/{sid}", e.show, methods=["GET"]),
+        Route("/sessions/{sid}", e.drop, methods=["DELETE"]),
+        Route("/sessions/{sid}/close", e.close, methods=["POST"]),
+        Route("/sessions/{sid}/v1/models", e.models, methods=["GET"]),
+        Route("/sessions/{sid}/v1/models/{model:path}", e.model, methods=["GET"]),
+        Route("/sessions/{sid}/v1/chat/completions", e.chat, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes)
+    app.state.endpoint = e
+    return app
+
+
+async def serve_openai(sessions: Sessions, *, model: str, host: str, port: int,
+                       task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the endpoint on ``host:port`` until cancelled (``started()`` once bound)."""
+    from hypercorn.config import Config as HypercornConfig
+    from hypercorn.trio import serve
+
+    from streamrl.inference.server import _guard_connections
+
+    _guard_connections()
+    config = HypercornConfig()
+    config.bind = [f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 1.0
+    config.keep_alive_timeout = 75.0
+    await trio.lowlevel.checkpoint()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve, build_app(sessions, model), config,  # type: ignore[arg-type]
+                                    shutdown_trigger=trio.sleep_forever))
+        log.info("serving the OpenAI endpoint", host=host, port=port, model=model)
+        task_status.started()
