@@ -34,12 +34,18 @@ Admission guarantees:
   ratios of trained samples from the verifier's per-domain counters); a domain's items in
   epochs without replacement (:class:`actors.scheduling.EpochOrder`), and a domain with
   difficulty levels moves up one when its recent train reward passes its curriculum
-  threshold (:class:`actors.scheduling.Climb`).
+  threshold (:class:`actors.scheduling.Climb`);
+- quarantine: a domain with ``quarantine_after`` of its last ``quarantine_window`` groups
+  dead-lettered (:class:`actors.scheduling.Quarantine`, fed the dead-letter script's
+  per-domain counters) is quarantined in Redis (:mod:`protocol.quarantine`, run-global, so a
+  restarted scheduler keeps it) and gets no new training tasks nor evaluation tasks, its share
+  going to the others, until the operator lifts it (``streamrl domains lift``).
 Once the run's stop flag is set, no more training tasks are admitted.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from typing import Any
 
@@ -51,6 +57,7 @@ from streamrl.actors.scheduling import (
     Climb,
     EpochOrder,
     FairShare,
+    Quarantine,
     Share,
     reward_counters,
     stable_seed,
@@ -58,6 +65,7 @@ from streamrl.actors.scheduling import (
 from streamrl.config.schema import Config
 from streamrl.domains.registry import get_domain
 from streamrl.protocol import names as N
+from streamrl.protocol import quarantine as Q
 from streamrl.protocol.admission import (
     admission_state,
     counted,
@@ -117,6 +125,8 @@ def shares(config: Config) -> list[Share]:
 
 
 CURRICULUM_CHECK_S = 5.0
+HEALTH_CHECK_S = 1.0
+"""How often the scheduler checks its domains' failures and the operator's lifts."""
 
 
 def climbs(config: Config) -> dict[str, Climb]:
@@ -144,11 +154,14 @@ def eval_round_size(config: Config) -> int:
     return sum(len(get_domain(d).load_items("eval")[:n]) for d in eval_domains(config))
 
 
-async def publish_eval_round(ctx: ActorContext, round_no: int, version: int) -> int:
-    """Publish one held-out evaluation round; returns the number of tasks."""
+async def publish_eval_round(
+    ctx: ActorContext, round_no: int, version: int, *, skip: frozenset[str] = frozenset()
+) -> int:
+    """Publish one held-out evaluation round (none of the ``skip`` domains: quarantined);
+    returns the number of tasks."""
     cfg = ctx.config.scheduler
     tasks = []
-    for name in eval_domains(ctx.config):
+    for name in (d for d in eval_domains(ctx.config) if d not in skip):
         sampling = domain_sampling(ctx.config, name, 0.0)
         items = get_domain(name).load_items("eval")[: cfg.eval_items]
         tasks += [
@@ -190,6 +203,9 @@ class Scheduler:
         self.blocked: str | None = None
         """Which bound held the last :meth:`admissible` at zero (``metrics.BLOCKED_REASONS``),
         None when it was not."""
+        self.health = Quarantine(self.cfg.quarantine_after, self.cfg.quarantine_window)
+        self.quarantined: frozenset[str] = frozenset()
+        self.next_health_check = 0.0
 
     def sample(self, version: int) -> Task | None:
         """The next training task (its domain by fair share); None if every domain is at
@@ -230,10 +246,39 @@ class Scheduler:
                 log.info("curriculum level up", domain=name, level=climb.level)
 
     async def observe_domains(self) -> None:
-        """Feed the verifier's per-domain counters (resolved, trained groups) to the share."""
+        """Feed the per-domain counters (resolved, trained groups) to the share, and the
+        failures to the quarantine (:meth:`observe_health`)."""
         c = self.ctx
         resolved, trained = await domain_counts(c.client, c.names, list(self.cfg.domains))
         self.fair.observe(resolved, trained)
+        if self.cfg.quarantine_after:
+            await self.observe_health(resolved)
+
+    async def observe_health(self, resolved: dict[str, int]) -> None:
+        """Quarantine the domains past their failure threshold, and cap the in-flight groups
+        of those on probation (:meth:`actors.scheduling.Quarantine.caps`); every
+        ``HEALTH_CHECK_S`` read the quarantine back, taking in again the domains the operator
+        lifted (they start over: their recent failures forgotten)."""
+        c = self.ctx
+        if trio.current_time() >= self.next_health_check:
+            self.next_health_check = trio.current_time() + HEALTH_CHECK_S
+            held = await Q.quarantined(c.client, c.names)
+            for name in self.quarantined - held.keys():
+                self.health.reset(name)
+                log.info("domain quarantine lifted", domain=name)
+            self.quarantined = frozenset(d for d in held if d in self.items)
+        failed = await Q.failed_counts(c.client, c.names, list(self.cfg.domains))
+        for name in self.health.observe(resolved, failed):
+            if name in self.quarantined:
+                continue
+            bad, groups = self.health.recent(name)
+            why = Q.Why(failed=bad, groups=groups, at=time.time(),
+                        causes=await Q.failure_causes(c.client, c.names, name))
+            await Q.quarantine(c.client, c.names, name, why)
+            self.quarantined |= {name}
+            log.warning("domain quarantined", domain=name, why=why.describe())
+        self.fair.exclude(self.quarantined)
+        self.fair.limit(self.health.caps())
 
     async def admissible(self, version: int) -> tuple[int, int]:
         """``(how many training groups may be admitted now, how many were admitted so far)``."""
@@ -314,7 +359,8 @@ class Scheduler:
             next_eval = await self._eval_if_due(version, None)
             task_status.started()
             while True:
-                if self.cfg.adaptive or any(s.max_inflight for s in self.fair.shares):
+                if (self.cfg.adaptive or self.cfg.quarantine_after
+                        or any(s.max_inflight for s in self.fair.shares)):
                     await self.observe_domains()
                 if self.climbs:
                     await self.observe_curriculum()
@@ -349,7 +395,7 @@ class Scheduler:
     async def _start_round(self, version: int) -> None:
         c = self.ctx
         round_no = await increment(c.client, c.names.eval_round) - 1
-        await publish_eval_round(c, round_no, version)
+        await publish_eval_round(c, round_no, version, skip=self.quarantined)
         metrics.record_eval_round(c.names.run)
 
 

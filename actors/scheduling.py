@@ -22,12 +22,15 @@ Guarantees (of :class:`FairShare`, a pure in-memory policy; the scheduler feeds 
   domain that never trains (the model cannot do it yet) gets at most ``1 / min_pass``
   times its weight's share of the tasks instead of all of them;
 - ``pick`` and feedback are O(log n) in the number of domains (a heap per priority level,
-  stale entries dropped lazily).
+  stale entries dropped lazily);
+- a quarantined domain (:meth:`FairShare.exclude`) is skipped as if at its cap: its share
+  goes to the others, and once let back in it re-enters at the current virtual time.
 
 Also here, as pure policies the scheduler applies: which item of a domain comes next
 (:class:`EpochOrder`: epochs without replacement, seeded) and when a domain with difficulty
 levels moves up (:func:`next_level`, :class:`Climb`: its recent train reward passed the
-configured threshold).
+configured threshold), and when a domain fails too often to be given more work
+(:class:`Quarantine`: ``after`` of its last ``window`` groups dead-lettered).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from __future__ import annotations
 import hashlib
 import heapq
 import random
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,21 @@ class FairShare:
         for heap in self._heaps.values():
             heapq.heapify(heap)
         self._levels = sorted(self._heaps, reverse=True)
+        self.excluded: frozenset[str] = frozenset()
+        self.caps: dict[str, int] = {}
+
+    def exclude(self, names: set[str] | frozenset[str]) -> None:
+        """Give ``names`` no tasks (quarantined) until excluded no more; the others share
+        their capacity."""
+        self.excluded = frozenset(names)
+
+    def limit(self, caps: dict[str, int]) -> None:
+        """In-flight caps on top of the shares' own (on probation: :meth:`Quarantine.caps`)."""
+        self.caps = caps
+
+    def _capped(self, st: _State) -> bool:
+        caps = [c for c in (st.share.max_inflight, self.caps.get(st.share.name, 0)) if c]
+        return bool(caps) and st.inflight >= min(caps)
 
     def _service(self, st: _State) -> float:
         if self.adaptive:
@@ -133,7 +152,7 @@ class FairShare:
                 st = self._states[entry[3]]
                 if entry[2] != st.stamp:
                     continue  # superseded by a newer entry
-                if st.share.max_inflight and st.inflight >= st.share.max_inflight:
+                if self._capped(st) or st.share.name in self.excluded:
                     st.held = True
                     held.append(entry)
                     continue
@@ -256,3 +275,73 @@ def reward_counters(domain: str) -> tuple[str, str]:
     of their mean rewards in thousandths (integers, added by the verifier's hand-off with
     ``runtime.serve.Count``; under ``resolved:`` so the scheduler's grant reads them)."""
     return f"resolved:{domain}:scored", f"resolved:{domain}:reward_milli"
+
+
+# -- quarantine --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Recent:
+    """One domain's outcomes of its last groups (True: failed) and the counts seen last."""
+
+    outcomes: deque[bool]
+    resolved: int | None = None
+    failed: int = 0
+
+
+@dataclass
+class Quarantine:
+    """Which domains failed too often to get more work: ``after`` or more of their last
+    ``window`` resolved groups dead-lettered (0: never). Fed cumulative counts (the
+    per-domain ``resolved:<d>`` and ``failed:<d>`` counters); the first counts seen of a
+    domain are its baseline (what failed before this scheduler started does not count: a
+    lifted domain is not quarantined again by its old failures). Between two observations
+    the order is unknown: the new failures are taken as the newest groups (the verdict comes
+    no later than it would in order)."""
+
+    after: int
+    window: int
+    _recent: dict[str, _Recent] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.after > self.window:
+            raise ValueError(f"quarantine after {self.after} failures of the last "
+                             f"{self.window} groups can never happen")
+
+    def observe(self, resolved: dict[str, int], failed: dict[str, int]) -> list[str]:
+        """Feed cumulative counts; the domains now past the threshold."""
+        due = []
+        for name, total in resolved.items():
+            r = self._recent.setdefault(name, _Recent(deque(maxlen=self.window)))
+            fails = failed.get(name, 0)
+            if r.resolved is None:  # baseline
+                r.resolved, r.failed = total, fails
+                continue
+            new_failed = max(0, fails - r.failed)
+            # a letter after the verifier (the learner's) fails a group resolved already
+            new_ok = max(0, total - r.resolved - new_failed)
+            r.outcomes.extend([False] * min(new_ok, self.window))
+            r.outcomes.extend([True] * min(new_failed, self.window))
+            r.resolved, r.failed = max(r.resolved, total), max(r.failed, fails)
+            if self.after and sum(r.outcomes) >= self.after:
+                due.append(name)
+        return due
+
+    def recent(self, name: str) -> tuple[int, int]:
+        """(failed, groups) among ``name``'s last ``window`` groups."""
+        r = self._recent.get(name)
+        return (sum(r.outcomes), len(r.outcomes)) if r else (0, 0)
+
+    def caps(self) -> dict[str, int]:
+        """In-flight caps of the domains on probation (a failure among their last ``window``
+        groups): ``window - failures``, so a domain that fails every group is quarantined
+        within ``window`` of its groups admitted after its first failure was seen."""
+        if not self.after:
+            return {}
+        return {name: max(1, self.window - n) for name, r in self._recent.items()
+                if (n := sum(r.outcomes))}
+
+    def reset(self, name: str) -> None:
+        """Forget ``name``'s recent outcomes (lifted: it starts over from its counts now)."""
+        if (r := self._recent.get(name)) is not None:
+            r.outcomes.clear()

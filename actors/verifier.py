@@ -4,11 +4,12 @@ The domain's verifier scores every completion in [0, 1]; it never raises for wha
 wrote (a verifier bug is a handler failure: retried, then dead-lettered). Training groups go
 to the learner, held-out evaluation groups to the ``evals`` stream.
 
-Dynamic sampling (``verifier.dynamic_sampling``): a training group whose rewards are all
-equal carries no GRPO signal (every advantage is zero); it is acknowledged without output
-and counted (``count:zero_variance``), and every training group is counted per domain as
-resolved, and as trained if forwarded (``count:resolved:<domain>``, ``count:trained:<domain>``;
-the scheduler's adaptive share reads them). The counters are results of the handler
+Every training group is counted per domain as resolved, and as trained if forwarded
+(``count:resolved:<domain>``, ``count:trained:<domain>``; the scheduler's adaptive share and
+in-flight caps read them, with or without dynamic sampling). Dynamic sampling
+(``verifier.dynamic_sampling``): a training group whose rewards are all equal carries no GRPO
+signal (every advantage is zero); it is acknowledged without output and counted
+(``count:zero_variance``), resolved but not trained. The counters are results of the handler
 (:class:`runtime.serve.Count`), added by the runtime's hand-off in the same script as its
 outputs and under the same dedup key: a replayed hand-off (redelivery, reclaim, a repeated
 script call) counts a group once, so the staleness bound the scheduler computes from
@@ -70,7 +71,7 @@ class Verifier:
         score_timeout_s: float = 30.0,
     ) -> None:
         self.scorers = scorers  # None: score in a thread of this process (tests of handle only)
-        self.dynamic_sampling = dynamic_sampling  # False: no skipping, no counters
+        self.dynamic_sampling = dynamic_sampling  # False: no skipping
         self.score_timeout_s = score_timeout_s
 
     async def handle(self, executed: Executed) -> list[Result]:
@@ -88,11 +89,12 @@ class Verifier:
             )
         log.info("verified", split=task.split, domain=task.domain, rewards=rewards)
         counts: list[Result] = []
-        if self.dynamic_sampling and task.split != "eval":
-            if max(rewards) - min(rewards) < 1e-9:
+        if task.split != "eval":
+            resolved = Count(N.resolved_counter(task.domain))
+            if self.dynamic_sampling and max(rewards) - min(rewards) < 1e-9:
                 log.info("skipped zero-variance group", domain=task.domain, reward=rewards[0])
-                return [Count("zero_variance"), Count(f"resolved:{task.domain}")]
-            counts = [Count(f"resolved:{task.domain}"), Count(f"trained:{task.domain}")]
+                return [Count("zero_variance"), resolved]
+            counts = [resolved, Count(N.trained_counter(task.domain))]
         stream = N.EVALS if task.split == "eval" else N.TRAJECTORIES
         return [
             Output(

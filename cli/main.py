@@ -3,7 +3,7 @@
     streamrl up --config configs/demo.toml [--max-minutes M] [--summary-json PATH]
     streamrl run {scheduler,generator,executor,verifier,learner} --config FILE
     streamrl status --config FILE [--json] [--watch]
-    streamrl dlq|replay|report ... (see cli/ops.py)
+    streamrl dlq|replay|report|domains ... (see cli/ops.py)
     streamrl acl apply --config FILE
     streamrl serve-model --model tiny|smollm2|DIR --port P [--host 127.0.0.1]
 

@@ -1,9 +1,10 @@
-"""The operator subcommands of ``streamrl``: ``dlq``, ``replay``, ``report``.
+"""The operator subcommands of ``streamrl``: ``dlq``, ``replay``, ``report``, ``domains``.
 
     streamrl dlq list|show|requeue|purge [IDS...] [--stream S] [--error REGEX] [--all]
                  [--json] [--yes] [--out FILE] --config FILE
     streamrl replay list|show|rescore|retrain|export [selection] --config FILE
     streamrl report --out DIR --config FILE
+    streamrl domains list|lift [NAMES...] [--json] --config FILE
 
 They connect as the run's ``admin`` role where ``auth.enabled`` and its password
 (``$STREAMRL_PASSWORD_ADMIN``) are set, else with ``run.redis_url`` as given (the operator's
@@ -22,7 +23,7 @@ import trio
 
 from streamrl.config.schema import Config
 
-OPS_COMMANDS = ("dlq", "replay", "report")
+OPS_COMMANDS = ("dlq", "replay", "report", "domains")
 
 
 def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -65,6 +66,12 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
     report.add_argument("--archive", help="archive directory (default: <work_dir>/archive)")
     common(report)
 
+    domains = sub.add_parser("domains", help="list quarantined domains, lift a quarantine")
+    domains.add_argument("action", choices=["list", "lift"])
+    domains.add_argument("names", nargs="*", help="lift: the domains to admit again")
+    domains.add_argument("--json", action="store_true")
+    common(domains)
+
 
 def run_ops_command(args: argparse.Namespace, config: Config) -> int:
     from streamrl.cli.status import RedisUnreachable, ops_client
@@ -102,6 +109,15 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
             from streamrl.cli.report import run_report
 
             return trio.run(run_report, client, names, config, args)
+        if args.command == "domains":
+            from streamrl.cli.domains import run_domains
+
+            if args.action == "lift" and not args.names:
+                print("streamrl domains lift: name the domains to lift", file=sys.stderr)
+                return 2
+            return trio.run(
+                lambda: run_domains(client, names, args.action, args.names, as_json=args.json)
+            )
     except BrokerError as exc:  # unreachable, refused, not Redis: say so, briefly
         print(
             f"streamrl {args.command}: cannot reach Redis at "

@@ -38,6 +38,7 @@ from streamrl.config.schema import Config
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import WeightsPublished
 from streamrl.protocol.pipeline import PIPELINE, Stall, assess_stall, lag_flag
+from streamrl.protocol.quarantine import quarantined
 from streamrl.queues.client import Reconnect, RedisClient, RedisURL
 from streamrl.queues.codec import MessageError, decode
 from streamrl.queues.operations import BrokerError, latest_entries, pending_detail
@@ -114,6 +115,8 @@ class Snapshot:
     """Work-path shards of the run (``queues.shards``); the figures are their sums."""
     stall: Stall | None = None
     """Set when nothing was acknowledged for ``ops.stall_after_s`` while work is queued."""
+    quarantined: dict[str, str] = field(default_factory=dict)
+    """Quarantined domains (no new admissions) and why (protocol/quarantine.py)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -199,9 +202,10 @@ async def snapshot(
     stall = await assess_stall(
         client, names, states, stall_after_s=stall_after_s, max_backlog=max_backlog
     )
+    held = {d: why.describe() for d, why in (await quarantined(client, names)).items()}
     return Snapshot(
         names.run, time.time(), version, rate, total_dead, groups, shards=names.shards,
-        stall=stall,
+        stall=stall, quarantined=held,
     )
 
 
@@ -260,6 +264,8 @@ def render(s: Snapshot) -> str:
     lines += [f"! {g.lag_flag}" for g in s.groups if g.lag_flag]
     if s.stall is not None:
         lines.insert(1, s.stall.describe())
+    lines += [f"quarantined {d}: {why} (lift: streamrl domains lift {d})"
+              for d, why in s.quarantined.items()]
     return "\n".join(lines)
 
 

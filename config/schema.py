@@ -169,11 +169,26 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     scheduler restarts: the count of admitted groups lives in Redis."""
     adaptive: bool = False
     """Re-weight domains toward their target ratios of trained samples, from the verifier's
-    per-domain counters (actors/scheduling.py; needs verifier.dynamic_sampling, which
-    writes them)."""
+    per-domain counters (actors/scheduling.py; with or without verifier.dynamic_sampling:
+    without it a group is lost to dead letters and stale drops only)."""
     min_pass: Annotated[float, Meta(gt=0, le=1)] = 0.1
     """Adaptive share: each task counts as at least this much of a trained group, so a
     domain that never trains gets at most 1/min_pass times its weight's share of tasks."""
+    quarantine_after: NonNegInt = 10
+    """Quarantine a domain once this many of its last ``quarantine_window`` training groups
+    were dead-lettered (any stage, any cause): no new admissions, nor evaluation tasks, until
+    ``streamrl domains lift <name>``; its share goes to the others (0: never)."""
+    quarantine_window: PosInt = 20
+    """The groups of a domain ``quarantine_after`` counts its failures among (its latest
+    resolved ones, since the scheduler started or the domain was lifted)."""
+
+    def __post_init__(self) -> None:
+        if self.quarantine_after > self.quarantine_window:
+            raise ValueError(
+                f"scheduler.quarantine_after ({self.quarantine_after}) > quarantine_window "
+                f"({self.quarantine_window}): a domain could never be quarantined; use 0 to "
+                "turn quarantine off"
+            )
 
 
 class FieldMap(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -512,6 +527,24 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
         for name, table in self.domain.items():
             if (error := table.declaration_error()) is not None:
                 raise ValueError(f"[domain.{name}]: {error}")
+        if error := self.scheduling_error():
+            raise ValueError(error)
+
+    def scheduling_error(self) -> str | None:
+        """Scheduling settings that cannot mean what they say, if any."""
+        trained = self.scheduler.domains
+        if twice := sorted({d for d in trained if trained.count(d) > 1}):
+            return f"scheduler.domains lists {twice} more than once"
+        default = DomainConfig()
+        for name, table in self.domain.items():
+            if name in trained:
+                continue
+            unused = [f for f in ("weight", "priority", "max_inflight", "curriculum")
+                      if getattr(table, f) != getattr(default, f)]
+            if unused:
+                return (f"[domain.{name}]: {', '.join(unused)} schedule training tasks, but "
+                        f"{name!r} is evaluation-only (not in scheduler.domains)")
+        return None
 
     def domain_config(self, name: str) -> DomainConfig:
         return self.domain.get(name) or DomainConfig()

@@ -222,11 +222,9 @@ class StepMetrics(Message, frozen=True, kw_only=True):
     wait_seconds: float
 
 
-def training_group(message: msgspec.Struct) -> str | None:
-    """The group id (episode id) if ``message`` carries a training group (a ``Task`` of split
-    "train", or a rollout, executed result or trajectory of one), else None. Its dead letter
-    frees the group's admission slot if that group was admitted and is not settled yet
-    (``queues/deadletter.lua``, :attr:`protocol.names.Names.admitted_groups`)."""
+def training_task(message: msgspec.Struct) -> Task | None:
+    """The task of the training group ``message`` carries (a ``Task`` of split "train", or a
+    rollout, executed result or trajectory of one), else None."""
     task: Task | None = None
     if isinstance(message, Task):
         task = message
@@ -236,4 +234,13 @@ def training_group(message: msgspec.Struct) -> str | None:
         task = message.rollout.task
     if task is None or task.split != "train" or task.eval_round >= 0:
         return None
-    return task.episode_id
+    return task
+
+
+def training_group(message: msgspec.Struct) -> str | None:
+    """The group id (episode id) if ``message`` carries a training group
+    (:func:`training_task`), else None. Its dead letter frees the group's admission slot if
+    that group was admitted and is not settled yet (``queues/deadletter.lua``,
+    :attr:`protocol.names.Names.admitted_groups`)."""
+    task = training_task(message)
+    return None if task is None else task.episode_id

@@ -32,15 +32,20 @@ __all__ = [
     "DEAD",
     "EVALS",
     "EXECUTED",
+    "FAILURE_CAUSES",
     "GROUP_OF_STREAM",
     "METRICS",
     "ROLLOUTS",
     "RUN_GLOBAL_STREAMS",
     "TASKS",
     "TRAJECTORIES",
+    "UNRESOLVED_STREAMS",
     "WEIGHTS",
     "WORK_STREAMS",
     "Names",
+    "failed_counter",
+    "resolved_counter",
+    "trained_counter",
 ]
 
 # Consumer group per consuming role.
@@ -56,6 +61,35 @@ WORK_STREAMS = (TASKS, ROLLOUTS, EXECUTED, TRAJECTORIES, EVALS)
 
 RUN_GLOBAL_STREAMS = (WEIGHTS, METRICS)
 """Streams of the whole run, never sharded: every shard's actors follow the same policy."""
+
+UNRESOLVED_STREAMS = (TASKS, ROLLOUTS, EXECUTED)
+"""Streams whose training groups the verifier has not resolved yet: a dead letter from one
+of them resolves its group (:func:`resolved_counter`), one from ``trajectories`` does not."""
+
+
+# Per-domain counters of the work path (``Names.counter``: per shard, summed by readers).
+def resolved_counter(domain: str) -> str:
+    """Training groups of ``domain`` that left the pipeline before the learner: verified
+    (the verifier's hand-off), or dead-lettered upstream of it (the letter's script)."""
+    return f"resolved:{domain}"
+
+
+def trained_counter(domain: str) -> str:
+    """Training groups of ``domain`` the verifier forwarded to the learner."""
+    return f"trained:{domain}"
+
+
+FAILURE_CAUSES = ("timeout", "crash", "error", "rejected", "output", "delivery_limit", "payload")
+"""Why a stage dead-lettered a group: its time limit or a scorer's deadline, a scorer process
+that died, any other handler failure (after the retries), refused by the handler (Reject),
+an output over the size limit, past the delivery limit, no usable payload."""
+
+
+def failed_counter(domain: str, stage: str = "", cause: str = "") -> str:
+    """Training groups of ``domain`` dead-lettered (any stage, any cause), or with ``stage``
+    and ``cause`` (:data:`FAILURE_CAUSES`) those dead-lettered by that stage for that cause:
+    added by the letter's script (``queues/deadletter.lua``), once per group."""
+    return f"failed:{domain}:{stage}:{cause}" if stage else f"failed:{domain}"
 
 
 class Names(Layout):
@@ -97,6 +131,13 @@ class Names(Layout):
     def stop(self) -> str:
         """Set when the run is being wound down: the scheduler admits no new training work."""
         return f"{self.prefix}stop"
+
+    @property
+    def quarantine(self) -> str:
+        """Hash of the quarantined domains (run-global): domain -> why (JSON), written by the
+        scheduler when a domain passes its failure threshold, a field deleted by the operator
+        (``streamrl domains lift``); a quarantined domain gets no new training admissions."""
+        return f"{self.prefix}quarantine"
 
     @property
     def dead_groups(self) -> str:

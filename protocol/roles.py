@@ -30,6 +30,7 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.operations import (
     Consume,
     CountReservations,
+    DeleteFields,
     Follow,
     Increment,
     Key,
@@ -40,10 +41,12 @@ from streamrl.queues.operations import (
     ReadBlobs,
     ReadCounters,
     ReadFlag,
+    ReadHash,
     ReadPaused,
     ReadRange,
     ReadTally,
     RequeueDead,
+    SetFields,
     SetFlag,
     TrimEvents,
     counter,
@@ -64,18 +67,25 @@ OPERATOR_ROLES = ("admin",)
 apply`` creates their user only where their password is set."""
 
 
+FAILED = counter("failed:", prefix=True)
+RESOLVED = counter("resolved:", prefix=True)
+
+
 def consume(
     stream: str, outputs: tuple[str, ...] = (), counters: tuple[Key, ...] = ()
 ) -> Consume:
     """The role of ``stream``'s group consumes it, hands off into ``outputs`` (adding
-    ``counters``) and observes the backlog of the work streams among them (backpressure)."""
+    ``counters``) and observes the backlog of the work streams among them (backpressure).
+    On the training path its dead letters add the domain's failure counters, and upstream of
+    the verifier its resolved groups (runtime.serve.dead_letter)."""
     stage = N.GROUP_OF_STREAM[stream]
     watch = tuple(s for s in outputs if s in N.WORK_STREAMS)
-    return Consume(stream, stage, outputs, counters, watch)
+    health: tuple[Key, ...] = (FAILED, RESOLVED) if stream in N.UNRESOLVED_STREAMS else ()
+    health += (FAILED,) if stream == N.TRAJECTORIES else ()
+    return Consume(stream, stage, outputs, tuple(dict.fromkeys((*counters, *health))), watch)
 
 
-SHARES = (counter("zero_variance"), counter("resolved:", prefix=True),
-          counter("trained:", prefix=True))
+SHARES = (counter("zero_variance"), RESOLVED, counter("trained:", prefix=True))
 """The verifier's counters: zero-variance skips, per-domain resolved and trained groups."""
 
 ADMITTED = Key(lambda n: n.admitted)
@@ -85,6 +95,7 @@ DOMAIN_HEALTH = (ReadTally(ADMITTED_BY_DOMAIN), ReadCounters(SHARES))
 EVAL_ROUND = Key(lambda n: n.eval_round)
 STOP = Key(lambda n: n.stop)
 DEAD_GROUPS = Key(lambda n: n.dead_groups)
+QUARANTINE = Key(lambda n: n.quarantine)
 UPSTREAM = (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
 
 ROLE_OPS: dict[str, tuple[Op, ...]] = {
@@ -96,8 +107,13 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         Produce((N.TASKS,)),  # evaluation rounds
         Increment(EVAL_ROUND),
         ReadFlag(STOP),
-        # the staleness bound's D (replaced drops, skips, dead groups) and the domain shares
-        ReadCounters((counter("dropped_stale"), DEAD_GROUPS, *SHARES)),
+        # the staleness bound's D (replaced drops, skips, dead groups), the domain shares
+        # and their failed groups (quarantine)
+        ReadCounters((counter("dropped_stale"), DEAD_GROUPS, *SHARES, FAILED)),
+        # quarantine: a domain past its failure threshold, and the operator's lifts
+        # (protocol/quarantine.py)
+        ReadHash(QUARANTINE),
+        SetFields(QUARANTINE),
     ),
     "generator": (consume(N.TASKS, (N.ROLLOUTS,)), Follow((N.WEIGHTS,))),
     # multi-turn episodes: the next turn goes back to tasks (actors/episodes.py)
@@ -148,6 +164,9 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         ReadBlobs(N.WORK_STREAMS),
         # dlq requeue (a training group's letter takes its admission slot back), purge
         RequeueDead(N.WORK_STREAMS),
+        # status, domains list: the quarantined domains and why; domains lift
+        ReadHash(QUARANTINE),
+        DeleteFields(QUARANTINE),
         *DOMAIN_HEALTH,  # status: the per-domain lines
     ),
 }

@@ -258,6 +258,36 @@ class SetFlag(Op):
 
 
 @dataclass(frozen=True)
+class ReadHash(Op):
+    """:func:`read_hash` of ``key``."""
+
+    key: Key
+
+    def grants(self, layout: Layout) -> list[Grant]:
+        return [Grant(("hgetall",), read=(self.key.pattern(layout),))]
+
+
+@dataclass(frozen=True)
+class SetFields(Op):
+    """:func:`set_fields` of hash ``key``."""
+
+    key: Key
+
+    def grants(self, layout: Layout) -> list[Grant]:
+        return [Grant(("hset",), write=(self.key.pattern(layout),))]
+
+
+@dataclass(frozen=True)
+class DeleteFields(Op):
+    """:func:`delete_fields` of hash ``key``."""
+
+    key: Key
+
+    def grants(self, layout: Layout) -> list[Grant]:
+        return [Grant(("hdel",), write=(self.key.pattern(layout),))]
+
+
+@dataclass(frozen=True)
 class ReadPaused(Op):
     """queues.stats.paused_stages: which stages are paused on backpressure."""
 
@@ -369,6 +399,23 @@ async def set_flag(client: RedisClient, key: str) -> None:
 async def clear_flag(client: RedisClient, key: str) -> bool:
     """Clear flag ``key``; whether it was set. No role has this: the admin URL's own user."""
     return bool(await client.call(client.sync.delete, key))
+
+
+async def read_hash(client: RedisClient, key: str) -> dict[str, str]:
+    """Every field of hash ``key`` (empty where missing). Op: :class:`ReadHash`."""
+    raw: Any = await client.call(client.sync.hgetall, key)
+    return {_str(k): _str(v) for k, v in (raw or {}).items()}
+
+
+async def set_fields(client: RedisClient, key: str, fields: dict[str, str]) -> None:
+    """Set ``fields`` of hash ``key``. Op: :class:`SetFields`."""
+    if fields:
+        await client.call(client.sync.hset, key, mapping=fields)
+
+
+async def delete_fields(client: RedisClient, key: str, fields: list[str]) -> int:
+    """Delete ``fields`` of hash ``key``; how many were there. Op: :class:`DeleteFields`."""
+    return int(await client.call(client.sync.hdel, key, *fields)) if fields else 0
 
 
 async def count_reservations(client: RedisClient, layout: Layout) -> int:

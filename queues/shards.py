@@ -197,11 +197,19 @@ class ShardedConsumer:
         return [(local.localize(k), n) for k, n in counters or ()]
 
     async def dead_letter(
-        self, delivery: Delivery, error: str, *, ticket: str | None = None
+        self,
+        delivery: Delivery,
+        error: str,
+        *,
+        ticket: str | None = None,
+        counters: list[tuple[str, int]] | None = None,
     ) -> None:
-        _, consumer, eid = self._split(delivery.entry_id)
+        """The letter, in the entry's shard (the counters moved there)."""
+        shard, consumer, eid = self._split(delivery.entry_id)
         local = dataclasses.replace(delivery, entry_id=eid)
-        await consumer.dead_letter(local, error, ticket=ticket)
+        await consumer.dead_letter(
+            local, error, ticket=ticket, counters=self._localize_counters(shard, counters)
+        )
 
     async def ack(self, entry_ids: list[str]) -> None:
         for shard, eids in self._by_shard(entry_ids).items():

@@ -450,13 +450,19 @@ class StreamConsumer:
             await self.client.call(self.client.sync.xack, self.stream, self.group, *entry_ids)
 
     async def dead_letter(
-        self, delivery: Delivery, error: str, *, ticket: str | None = None
+        self,
+        delivery: Delivery,
+        error: str,
+        *,
+        ticket: str | None = None,
+        counters: list[tuple[str, int]] | None = None,
     ) -> None:
         """Move an entry to the dead-letter stream with its error; acknowledge it. ``ticket``:
         the ticket the entry carries; if it is still open
         (:attr:`queues.keys.Layout.open_tickets`), the letter releases it, once: out of the
         open set and counted in :attr:`queues.keys.Layout.released_tickets` (what the pipeline
-        does with a released ticket: :mod:`streamrl.protocol.names`)."""
+        does with a released ticket: :mod:`streamrl.protocol.names`), and ``counters``
+        [(key, increment)] (in the stream's slot) are added in the same step, so once."""
         letter = DeadLetter(
             stream=self.stream_name,
             group=self.group,
@@ -469,8 +475,9 @@ class StreamConsumer:
         written = await self.client.call(
             self._deadletter,
             keys=[self.stream, self.dead_stream, self.names.released_tickets,
-                  self.names.open_tickets],
-            args=[self.group, delivery.entry_id, encode(letter), error[:4000], ticket or ""],
+                  self.names.open_tickets, *(k for k, _ in counters or ())],
+            args=[self.group, delivery.entry_id, encode(letter), error[:4000], ticket or "",
+                  *(n for _, n in counters or ())],
         )
         if written:
             log.error("dead-lettered", stream=self.stream_name, key=self.stream,

@@ -31,7 +31,7 @@ import structlog
 import trio
 
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import Message, training_group
+from streamrl.protocol.messages import Message, training_task
 from streamrl.queues.codec import MessageError, decode, encode
 from streamrl.queues.payloads import REF_PREFIX, PayloadTooLarge
 from streamrl.queues.shards import Consumer
@@ -39,6 +39,7 @@ from streamrl.queues.stats import Paused, group_state, mark_paused
 from streamrl.queues.streams import Delivery, Handoff
 from streamrl.runtime import metrics
 from streamrl.runtime.policies import Policies, Reject, Retry, Unavailable
+from streamrl.runtime.workers import WorkerFailed, WorkerTimedOut
 
 log = structlog.get_logger()
 
@@ -218,7 +219,9 @@ class ActorRuntime:
             try:
                 await self.consumer.complete(handoff)
             except PayloadTooLarge as exc:
-                return await self._dead_letter(delivery, f"output refused: {exc}", message)
+                return await self._dead_letter(
+                    delivery, f"output refused: {exc}", message, cause="output"
+                )
             self._handled += 1
             metrics.record_handled(
                 self.consumer.names.run, stage, trio.current_time() - started,
@@ -235,7 +238,7 @@ class ActorRuntime:
                 with trio.fail_after(self.policies.time_limit_s):
                     return await self.actor.handle(message)
             except Reject as exc:
-                await self._dead_letter(delivery, f"rejected: {exc}", message)
+                await self._dead_letter(delivery, f"rejected: {exc}", message, cause="rejected")
                 return None
             except Exception as exc:  # the retry policy turns failures into data
                 retry += 1
@@ -248,7 +251,8 @@ class ActorRuntime:
                         self._released += 1
                         return None
                     await self._dead_letter(
-                        delivery, f"failed {retry} times, last: {error}", message
+                        delivery, f"failed {retry} times, last: {error}", message,
+                        cause=failure_cause(exc),
                     )
                     return None
                 delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None
@@ -259,23 +263,44 @@ class ActorRuntime:
                 await trio.sleep(delay)
 
     async def _dead_letter(
-        self, delivery: Delivery, reason: str, message: Message | None = None
+        self, delivery: Delivery, reason: str, message: Message | None = None, *,
+        cause: str = "error",
     ) -> None:
-        await dead_letter(self.consumer, self.actor.stage, delivery, reason, message)
+        await dead_letter(self.consumer, self.actor.stage, delivery, reason, message, cause=cause)
         self._dead += 1
 
 
+def failure_cause(exc: BaseException) -> str:
+    """What a handler failure that exhausted its retries was, for the per-domain failure
+    counters (:func:`protocol.names.failed_counter`): ``timeout`` (the time limit, a scorer's
+    deadline), ``crash`` (a scorer process died), else ``error``."""
+    if isinstance(exc, (trio.TooSlowError, WorkerTimedOut)):
+        return "timeout"
+    return "crash" if isinstance(exc, WorkerFailed) else "error"
+
+
 async def dead_letter(
-    consumer: Consumer, stage: str, delivery: Delivery, reason: str, message: Message | None = None
+    consumer: Consumer, stage: str, delivery: Delivery, reason: str,
+    message: Message | None = None, *, cause: str = "error",
 ) -> None:
     """Dead-letter ``delivery`` (the consumer logs it with the reason); a decoded ``message`` of
     an admitted training group frees the group's admission slot with the letter
     (:func:`protocol.messages.training_group`), on the training path only: a training group
     found in ``evals`` (forged or misrouted) frees nothing there, its own entry is still on its
-    way to the learner. The one way every consumer dead-letters."""
+    way to the learner. The same step counts the failure for the group's domain (all causes,
+    and by stage and ``cause``: :func:`protocol.names.failed_counter`) and, upstream of the
+    verifier, the group as resolved (:data:`protocol.names.UNRESOLVED_STREAMS`): once per
+    group, as the ticket. The one way every consumer dead-letters."""
     on_path = message is not None and consumer.stream_name != N.EVALS
-    group = training_group(message) if on_path and message is not None else None
-    await consumer.dead_letter(delivery, reason, ticket=group)
+    task = training_task(message) if on_path and message is not None else None
+    counters: list[tuple[str, int]] = []
+    if task is not None:
+        names = [N.failed_counter(task.domain), N.failed_counter(task.domain, stage, cause)]
+        if consumer.stream_name in N.UNRESOLVED_STREAMS:
+            names.append(N.resolved_counter(task.domain))
+        counters = [(consumer.names.counter(name), 1) for name in names]
+    ticket = None if task is None else task.episode_id
+    await consumer.dead_letter(delivery, reason, ticket=ticket, counters=counters)
     metrics.record_dead(consumer.names.run, stage, reason)
 
 
@@ -289,7 +314,8 @@ async def decode_or_dead_letter(
     training group's admission slot (:func:`_peek`). The one decode path of every consumer."""
     if delivery.payload is None:
         reason = delivery.error or "entry has no payload"
-        await dead_letter(consumer, stage, delivery, reason, _peek(delivery, kind))
+        cause = "delivery_limit" if delivery.past_limit else "payload"
+        await dead_letter(consumer, stage, delivery, reason, _peek(delivery, kind), cause=cause)
         return None
     try:
         return decode(delivery.payload, kind)

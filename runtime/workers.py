@@ -47,6 +47,10 @@ class WorkerFailed(Retry):
     """The worker missed its deadline or died: it was killed and replaced."""
 
 
+class WorkerTimedOut(WorkerFailed):
+    """The worker missed its deadline (killed, replaced)."""
+
+
 class WorkerError(Exception):
     """The job raised in the worker; the message holds the worker's traceback."""
 
@@ -169,7 +173,7 @@ class WorkerPool:
                 if not ok:
                     raise WorkerError(value)
                 return value
-            raise WorkerFailed(f"worker missed its {deadline_s}s deadline (killed, replaced)")
+            raise WorkerTimedOut(f"worker missed its {deadline_s}s deadline (killed, replaced)")
         except (EOFError, OSError) as exc:
             raise WorkerFailed(f"worker died (exit code {worker.process.exitcode}): "
                                f"{exc!r} (replaced)") from None

@@ -1,6 +1,7 @@
-"""Planted domains for the scorer-isolation tests: ``planted-ok`` scores 1, ``planted-hang``
-never returns, ``planted-crash`` kills its process. Importing this module registers them
-(in the test process, and in each scorer worker through :func:`setup`)."""
+"""Planted domains for the scorer-isolation and quarantine tests: ``planted-ok`` scores 1,
+``planted-hang`` never returns, ``planted-raise`` raises, ``planted-crash`` kills its process.
+Importing this module registers them (in the test process, and in each scorer worker through
+:func:`setup`)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,14 @@ class PlantedHang(_Planted):
     def score(self, item: Any, completion_text: str, result: Any) -> float:
         time.sleep(3600)  # a C-level wait: no trio time limit reaches into a thread doing this
         return 1.0
+
+
+@register("planted-raise")
+class PlantedRaise(_Planted):
+    name = "planted-raise"
+
+    def score(self, item: Any, completion_text: str, result: Any) -> float:
+        raise RuntimeError("planted scorer bug")
 
 
 @register("planted-crash")

@@ -91,7 +91,7 @@ async def play_round(ctx: ActorContext, client: RedisClient, names: N.Names, rou
         train = msgspec.structs.replace(task, split="train", eval_round=-1)
         [executed] = await executor.handle(scripted(train, version))
         assert isinstance(executed.message, Executed)
-        [verified] = await verifier.handle(executed.message)
+        verified, *_ = await verifier.handle(executed.message)  # output, counters
         assert verified.stream == N.TRAJECTORIES
         await Producer(client, names).publish(N.TRAJECTORIES, [encode(verified.message)])
 

@@ -166,7 +166,7 @@ async def _operate(client: RedisClient, run_names: N.Names, cfg: Config) -> None
     trajectories: list[Trajectory] = []
     for layout in layouts:
         group = executed("7", ["7", "8"])
-        [verified] = await Verifier().handle(group)
+        verified, *_ = await Verifier().handle(group)  # the output, then its counters
         assert isinstance(verified.message, Trajectory)
         trajectories.append(verified.message)
         await Producer(client, layout, LIMITS).publish(N.TRAJECTORIES, [encode(verified.message)])

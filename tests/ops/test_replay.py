@@ -50,7 +50,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 async def _verified(*groups: object) -> list[Trajectory]:
     out = []
     for g in groups:
-        [o] = await Verifier().handle(g)  # type: ignore[arg-type]
+        o, *_ = await Verifier().handle(g)  # type: ignore[arg-type]  # output, counters
         out.append(o.message)
     return out
 

@@ -38,7 +38,7 @@ async def test_report_writes_charts_and_summary(
         executed("2", ["2", "3"], policy_version=1, split="eval"),
     ]
     for g in groups:
-        [out] = await Verifier().handle(g)
+        out, *_ = await Verifier().handle(g)  # the output, then its counters
         await producer.publish(out.stream, [encode(out.message)])
     await producer.publish(N.ROLLOUTS, [encode(g.rollout) for g in groups])
 

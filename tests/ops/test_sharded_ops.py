@@ -160,7 +160,7 @@ async def test_archiver_and_replay_cover_every_shard(
     # Given one verified group in the trajectories of every shard
     groups = {k: executed(str(k), [str(k), "x"]) for k in range(SHARDS)}
     for k, layout in enumerate(names.layouts()):
-        [out] = await Verifier().handle(groups[k])
+        out, *_ = await Verifier().handle(groups[k])  # the output, then its counters
         await Producer(client, layout).publish(N.TRAJECTORIES, [encode(out.message)])
     cfg = config(tmp_path, redis_url, names.run, f"queues.shards={SHARDS}")
     ctx = ActorContext(cfg, client, names)
