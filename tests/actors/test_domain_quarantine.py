@@ -23,13 +23,14 @@ from streamrl.cli.status import render, snapshot
 from streamrl.config.schema import Config, ConfigError, load_config
 from streamrl.protocol import names as N
 from streamrl.protocol.admission import counted
-from streamrl.protocol.messages import Executed, Rollout, Sample, Task, new_id, now
+from streamrl.protocol.messages import Executed, Rollout, Sample, Sampling, Task, new_id, now
 from streamrl.protocol.quarantine import quarantined
 from streamrl.queues.client import RedisClient
-from streamrl.queues.codec import decode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.operations import read_range
+from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
 from streamrl.runtime.context import ActorContext
-from streamrl.runtime.serve import Output, RuntimeSettings, serve_actor
+from streamrl.runtime.serve import Output, RuntimeSettings, dead_letter, serve_actor
 from streamrl.testing.wait import wait_until
 from tests.actors import planted_scorers
 
@@ -264,3 +265,27 @@ async def test_max_inflight_without_dynamic_sampling_does_not_stall_a_one_domain
         await wait_until(lambda: _count(client, names, OK, 12), 30)
         nursery.cancel_scope.cancel()
     assert await counted(client, names, N.resolved_counter(OK)) >= 10
+
+
+async def test_a_replayed_dead_letter_counts_its_group_once(
+    client: RedisClient, names: N.Names, roles: dict[str, RedisClient]
+) -> None:
+    # Given an admitted training group's task, delivered to the generator
+    train = Task(id=new_id(), created_at=now(), policy_version=0, domain=RAISE, item_id="0",
+                 split="train", prompt="p", spec={"id": "0", "prompt": "p"}, group_size=1,
+                 sampling=Sampling(), eval_round=-1)
+    producer = Producer(roles["scheduler"], names)
+    assert await producer.publish_counted(N.TASKS, [encode(train)], names.admitted, 0,
+                                          members=[train.episode_id]) == 1
+    async with open_stream_consumer(roles["generator"], names, N.TASKS, stage="generator",
+                                    settings=ConsumerSettings(block_ms=50)) as consumer:
+        [delivery] = await consumer.read(1)
+        # When it is dead-lettered twice (a call replayed after a lost reply, or two
+        # consumers holding the entry)
+        for _ in range(2):
+            await dead_letter(consumer, "generator", delivery, "rejected: x", train,
+                              cause="rejected")
+    # Then its domain counts one failed, one resolved group
+    assert await counted(client, names, N.failed_counter(RAISE)) == 1
+    assert await counted(client, names, N.failed_counter(RAISE, "generator", "rejected")) == 1
+    assert await counted(client, names, N.resolved_counter(RAISE)) == 1
