@@ -556,9 +556,12 @@ def _guard_connections() -> None:
 
 async def serve_model(
     model_dir: str | Path, *, host: str, port: int, max_batch: int = 32, threads: int = 1,
-    weight_version: str = "default", task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    weight_version: str = "default", openai_port: int = 0, openai_model: str = "streamrl-policy",
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Load the model, start the batcher and the HTTP server; run until cancelled."""
+    """Load the model, start the batcher and the HTTP server; run until cancelled. With
+    ``openai_port`` the same engine also answers the OpenAI-compatible endpoint there
+    (:mod:`inference.openai_api`: one base URL per episode, ``docs/agents.md``)."""
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve
 
@@ -579,20 +582,27 @@ async def serve_model(
         await nursery.start(engine.serve_batches)
         await nursery.start(partial(serve, build_app(state), config,  # type: ignore[arg-type]
                                     shutdown_trigger=trio.sleep_forever))
+        if openai_port:
+            from streamrl.inference.agent_sessions import Sessions
+            from streamrl.inference.openai_api import serve_openai
+
+            await nursery.start(partial(serve_openai, Sessions.for_engine(engine),
+                                        model=openai_model, host=host, port=openai_port))
         log.info("serving", host=host, port=port, model=str(model_dir),
                  weight_version=weight_version)
         task_status.started()
 
 
 def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: int,
-                     weight_version: str) -> int:
+                     weight_version: str, openai_port: int = 0) -> int:
     """The ``streamrl serve-model`` command (blocks until interrupted)."""
     from streamrl.learner.model import resolve_model
 
     model_dir = resolve_model("smollm2-135m" if model == "smollm2" else model)
     try:
         trio.run(partial(serve_model, model_dir, host=host, port=port, max_batch=max_batch,
-                         threads=threads, weight_version=weight_version))
+                         threads=threads, weight_version=weight_version,
+                         openai_port=openai_port))
     except KeyboardInterrupt:
         return 130
     return 0

@@ -337,3 +337,31 @@ def _no_proxy(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy"):
         monkeypatch.delenv(var, raising=False)
     yield
+
+
+async def test_serve_model_answers_the_openai_endpoint_on_the_same_engine() -> None:
+    # Given `streamrl serve-model --openai-port` (in process): one engine, two protocols
+    from streamrl.inference.server import serve_model
+
+    tiny = resolve_model("tiny")
+    port, openai_port = free_port(), free_port()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(partial(serve_model, tiny, host="127.0.0.1", port=port,
+                                    openai_port=openai_port))
+        async with httpx.AsyncClient(timeout=60) as http:
+            created = await http.post(f"http://127.0.0.1:{openai_port}/sessions",
+                                      json={"id": "ep"})
+            base_url = created.json()["base_url"]
+            client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+            ask = partial(client.chat.completions.create, model=MODEL, messages=MESSAGES,
+                          max_tokens=3, temperature=0)
+            # When the agent asks, the weights are updated over SGLang's API, it asks again
+            await trio.to_thread.run_sync(ask)
+            r = await http.post(f"http://127.0.0.1:{port}/update_weights_from_disk",
+                                json={"model_path": str(tiny), "weight_version": "1"})
+            assert r.json()["success"], r.text
+            await trio.to_thread.run_sync(ask)
+            record = (await http.get(f"http://127.0.0.1:{openai_port}/sessions/ep")).json()
+        nursery.cancel_scope.cancel()
+    # Then each call records the engine version that produced it
+    assert [set(c["versions"]) for c in record["calls"]] == [{0}, {1}]
