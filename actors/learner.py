@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -268,7 +269,7 @@ class Learner:
         :meth:`_run_drained`): groups dropped upstream (zero variance, dead letters, stale)
         would otherwise leave a part-filled last batch waiting forever."""
 
-        async def accept(held: Held[Trajectory], batch: Batch) -> bool:
+        async def accept(held: Held[Trajectory], batch: Sequence[Held[Trajectory]]) -> bool:
             return await self._accept(held, {h.message.episode_id for h in batch}, version)
 
         batch = await self.batches.collect(n, accept=accept, enough=self._run_drained)
