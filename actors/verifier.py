@@ -35,6 +35,7 @@ import structlog
 import trio
 
 from streamrl.actors.executor import from_outcome
+from streamrl.actors.scheduling import reward_counters
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Executed, Trajectory, new_id, now
 from streamrl.runtime.context import ActorContext, domain_item
@@ -91,10 +92,11 @@ class Verifier:
         counts: list[Result] = []
         if task.split != "eval":
             resolved = Count(N.resolved_counter(task.domain))
+            scored = reward_counts(task.domain, rewards)
             if self.dynamic_sampling and max(rewards) - min(rewards) < 1e-9:
                 log.info("skipped zero-variance group", domain=task.domain, reward=rewards[0])
-                return [Count("zero_variance"), resolved]
-            counts = [resolved, Count(N.trained_counter(task.domain))]
+                return [Count("zero_variance"), resolved, *scored]
+            counts = [resolved, Count(N.trained_counter(task.domain)), *scored]
         stream = N.EVALS if task.split == "eval" else N.TRAJECTORIES
         return [
             Output(
@@ -111,6 +113,14 @@ class Verifier:
             ),
             *counts,
         ]
+
+
+def reward_counts(domain: str, rewards: list[float]) -> list[Result]:
+    """A scored training group's counts: one more group of ``domain`` scored, and its mean
+    reward in thousandths (:func:`actors.scheduling.reward_counters`: the curriculum's and
+    the summary's train reward per domain)."""
+    groups, reward_milli = reward_counters(domain)
+    return [Count(groups), Count(reward_milli, round(1000 * sum(rewards) / len(rewards)))]
 
 
 async def serve(

@@ -111,7 +111,10 @@ async def test_dynamic_sampling_skips_and_counts_zero_variance_groups() -> None:
     out = await handle(verifier, executed(["Answer: 4", "Answer: 5"]))
     assert [o.stream for o in out] == [N.TRAJECTORIES]
     assert isinstance(out[0].message, Trajectory) and out[0].message.rewards == [1.0, 0.0]
-    assert counts == {"zero_variance": 2, "resolved:math": 3, "trained:math": 1}
+    # (every scored group, skipped or not, counts with its mean reward: the curriculum's and
+    # the summary's train reward; 1.0 + 0.0 + 0.5 = 1.5 in thousandths)
+    assert counts == {"zero_variance": 2, "resolved:math": 3, "trained:math": 1,
+                      "resolved:math:scored": 3, "resolved:math:reward_milli": 1500}
     # Evaluation groups are never skipped nor counted
     out = await handle(verifier, executed(["Answer: 4"], split="eval"))
     assert [o.stream for o in out] == [N.EVALS] and counts["resolved:math"] == 3

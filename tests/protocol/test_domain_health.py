@@ -7,15 +7,21 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from streamrl.actors.scheduler import Scheduler
+from streamrl.actors.executor import to_outcome
+from streamrl.actors.scheduler import Scheduler, make_task
+from streamrl.actors.verifier import Verifier
+from streamrl.domains.math import MathItem
 from streamrl.protocol import names as N
 from streamrl.protocol.health import domain_health
-from streamrl.protocol.messages import Task
+from streamrl.protocol.messages import Executed, Rollout, Sample, Sampling, Task, new_id, now
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode
 from streamrl.queues.streams import ensure_group
 from streamrl.runtime.context import ActorContext
+from streamrl.runtime.serve import Count
 from tests.helpers import run_config
+
+ITEM = MathItem(id="m", prompt="What is 2+2?", answer="4", kind="t")
 
 
 async def test_admission_counts_each_domain_once_with_its_groups(
@@ -38,3 +44,21 @@ async def test_admission_counts_each_domain_once_with_its_groups(
         assert {d: h.admitted for d, h in health.items()} == published
         assert {d: h.backlog for d, h in health.items()} == published
     assert published == {"arith": 2, "math": 6}
+
+
+async def test_the_verifier_counts_each_scored_group_and_its_reward() -> None:
+    # Given a training group of the math domain, 3 of 4 answers right (no dynamic sampling)
+    task = make_task("math", ITEM, split="train", group_size=4, sampling=Sampling(), version=0)
+    texts = ["Answer: 4", "Answer: 4", "Answer: 5", "Answer: 4"]
+    samples = [Sample(tokens=b"\0\0\0\0", logprobs=b"\0\0\0\0", text=t,
+                      finish_reason="stop", weight_version=0) for t in texts]
+    rollout = Rollout(id=new_id(), created_at=now(), policy_version=0, task=task,
+                      prompt_ids=b"\0\0\0\0", samples=samples)
+    executed = Executed(id=new_id(), created_at=now(), policy_version=0, rollout=rollout,
+                        outcomes=[to_outcome(None) for _ in texts])
+    # When the verifier scores it
+    counts = {r.name: r.n for r in await Verifier(False).handle(executed) if isinstance(r, Count)}
+    # Then it is counted as scored with its mean reward in thousandths (the curriculum's and
+    # the summary's train reward), besides resolved and trained
+    assert counts == {"resolved:math": 1, "trained:math": 1, "resolved:math:scored": 1,
+                      "resolved:math:reward_milli": 750}
