@@ -40,6 +40,7 @@ from streamrl.inference.openai_chat import (
     Message,
     ToolCall,
     encode,
+    native_tools,
     render,
     template_messages,
 )
@@ -182,6 +183,7 @@ class Sessions:
         self.stop_ids = stop_ids
         self.max_context = max_context
         self.max_sessions = max_sessions
+        self.native = native_tools(tokenizer)  # the template renders tools= itself
         self._sessions: dict[str, Session] = {}
 
     @classmethod
@@ -229,7 +231,7 @@ class Sessions:
                ) -> tuple[list[int], int, int]:
         """``(prompt ids, parent call or -1, new_from)`` for a request."""
         key = _tools_key(tools)
-        native = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
+        native = self.native
         for call in sorted(session.calls, key=lambda c: (-len(c.messages), -c.index)):
             n = len(call.messages)
             if (call.tools_key != key or len(messages) <= n or tuple(messages[:n]) != call.messages
@@ -239,7 +241,8 @@ class Sessions:
             if added is not None:
                 base = call.prompt_ids + call.completion_ids
                 return base + added, call.index, len(base)
-        text = render(self.tokenizer, template_messages(messages, tools, native), tools, True)
+        text = render(self.tokenizer, template_messages(messages, tools, native), tools, True,
+                      native)
         return encode(self.tokenizer, text), -1, 0
 
     def _added(self, call: Call, new: list[Message], tools: list[dict[str, Any]], native: bool
@@ -249,8 +252,9 @@ class Sessions:
         template does not render the conversation as a prefix of its continuation."""
         convo = template_messages(list(call.messages), tools, native)
         convo.append({"role": "assistant", "content": _MARK})
-        before = render(self.tokenizer, convo, tools, False)
-        after = render(self.tokenizer, convo + template_messages(new, [], native), tools, True)
+        before = render(self.tokenizer, convo, tools, False, native)
+        after = render(self.tokenizer, convo + template_messages(new, [], native), tools, True,
+                       native)
         if not after.startswith(before) or before.count(_MARK) != 1:
             return None
         closing = before[before.index(_MARK) + len(_MARK):]

@@ -46,6 +46,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from streamrl.inference.agent_sessions import Budget, Call, Session, Sessions
+from streamrl.inference.chat import tool_format
+from streamrl.inference.http import guard_connections
 from streamrl.inference.openai_chat import InvalidRequest, parse_messages, parse_reply, parse_tools
 from streamrl.protocol.messages import Sampling
 
@@ -107,6 +109,7 @@ class Endpoint:
     def __init__(self, sessions: Sessions, model: str) -> None:
         self.sessions = sessions
         self.model_name = model
+        self.fmt = tool_format(sessions.tokenizer)  # how the model writes its calls
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "streamrl"}
@@ -144,9 +147,8 @@ class Endpoint:
             if choice not in ("auto", "none"):
                 raise _unsupported("tool_choice", "only 'auto' and 'none'")
             sampling, stop = _sampling(body)
-            names = {t["function"]["name"] for t in tools} if choice == "auto" else set()
-            call = await self.sessions.complete(session, messages, tools, sampling, stop,
-                                                partial(parse_reply, tool_names=names))
+            parse = partial(parse_reply, tools=tools if choice == "auto" else [], fmt=self.fmt)
+            call = await self.sessions.complete(session, messages, tools, sampling, stop, parse)
         except InvalidRequest as exc:
             return _error(exc)
         except ValueError as exc:  # the engine refused the prompt (e.g. its context length)
@@ -271,9 +273,7 @@ async def serve_openai(sessions: Sessions, *, model: str, host: str, port: int,
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve
 
-    from streamrl.inference.server import _guard_connections
-
-    _guard_connections()
+    guard_connections()
     config = HypercornConfig()
     config.bind = [f"{host}:{port}"]
     config.accesslog = None

@@ -9,33 +9,36 @@ Guarantees:
   the arguments JSON (spacing, key order) do not count, so an agent that sends back the
   reply it got, through any client, matches it;
 - :func:`render` uses the tokenizer's own chat template, with ``tools=`` where the template
-  knows tools; else the tools go into the system prompt in the hermes style (the
-  ``<tools>`` block, calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``),
+  renders tools (:func:`inference.chat.supports_tools`); else the tools go into the system
+  prompt in the hermes style (:func:`inference.chat.tools_system_prompt`: the ``<tools>``
+  block, calls as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``),
   and earlier calls are rendered that way too; tool results are ``tool`` messages (as one
   ``<tool_response>`` user turn each where the template refuses the role);
-- :func:`parse_reply` is strict: a reply's calls are taken only if every
-  ``<tool_call>...</tool_call>`` block is a JSON object naming a declared tool with an
-  object of arguments; otherwise the whole text is the reply's content and there is no call
-  (the agent sees what the model wrote).
+- :func:`parse_reply` is strict (:func:`inference.chat.parse_tool_calls`, in the template's
+  format): a reply's calls are taken only if every one is strict JSON naming a declared tool
+  with arguments that validate against its schema; otherwise the whole text is the reply's
+  content and there is no call (the agent sees what the model wrote). The reply is parsed
+  from its text with special tokens skipped, so a format whose markers are special tokens
+  (mistral's ``[TOOL_CALLS]``) is not recognised.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
-ROLES = ("system", "user", "assistant", "tool")
-CALL_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-HERMES_TOOLS = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-    "{tools}\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+from streamrl.inference.chat import (
+    Tool,
+    ToolFormat,
+    parse_tool_calls,
+    supports_tools,
+    tools_system_prompt,
 )
+
+ROLES = ("system", "user", "assistant", "tool")
+
 
 
 class InvalidRequest(ValueError):
@@ -157,9 +160,12 @@ def parse_tools(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(params, dict):
             raise InvalidRequest(f"tools[{i}]: parameters must be a JSON schema object",
                                  code="invalid_tools", param="tools")
-        tools.append({"type": "function", "function": {
-            "name": fn["name"], "description": str(fn.get("description") or ""),
-            "parameters": params}})
+        try:
+            tool = Tool.from_spec({"function": {**fn, "parameters": params}})
+        except (ValueError, TypeError, KeyError) as exc:
+            raise InvalidRequest(f"tools[{i}]: {exc}", code="invalid_tools", param="tools"
+                                 ) from None
+        tools.append(tool.spec())
     return tools
 
 
@@ -168,7 +174,7 @@ def parse_tools(raw: Any) -> list[dict[str, Any]]:
 
 def native_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template renders ``tools=`` itself."""
-    return "tools" in str(getattr(tokenizer, "chat_template", "") or "")
+    return supports_tools(tokenizer)
 
 
 def _call_text(call: ToolCall) -> str:
@@ -197,19 +203,19 @@ def template_messages(messages: list[Message], tools: list[dict[str, Any]], nati
         else:
             out.append({"role": m.role, "content": m.content})
     if tools and not native:
-        block = HERMES_TOOLS.format(tools="\n".join(json.dumps(t, ensure_ascii=False)
-                                                    for t in tools))
+        declared = [Tool.from_spec(t) for t in tools]
         if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{block}"}
+            out[0] = {"role": "system",
+                      "content": tools_system_prompt(declared, out[0]["content"])}
         else:
-            out.insert(0, {"role": "system", "content": block})
+            out.insert(0, {"role": "system", "content": tools_system_prompt(declared)})
     return out
 
 
 def render(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
-           generation_prompt: bool) -> str:
+           generation_prompt: bool, native: bool) -> str:
     """The chat template's text of already converted ``messages`` (:func:`template_messages`)."""
-    kwargs: dict[str, Any] = {"tools": tools} if tools and native_tools(tokenizer) else {}
+    kwargs: dict[str, Any] = {"tools": tools} if tools and native else {}
     from jinja2 import TemplateError
 
     def apply(convo: list[dict[str, Any]]) -> str:
@@ -241,26 +247,15 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 # ---------------------------------------------------------------------------- parsing
 
 
-def parse_reply(text: str, tool_names: set[str]) -> tuple[str, tuple[ToolCall, ...]]:
-    """``(content, calls)`` of a model reply (see the module docstring: strict)."""
-    calls = []
-    for block in CALL_BLOCK.finditer(text):
-        try:
-            obj = json.loads(block.group(1))
-        except ValueError:
-            return text, ()
-        if not isinstance(obj, dict):
-            return text, ()
-        name, args = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except ValueError:
-                return text, ()
-        if not isinstance(name, str) or name not in tool_names or not isinstance(args, dict):
-            return text, ()
-        calls.append(ToolCall(name, json.dumps(args, sort_keys=True, ensure_ascii=False),
-                              new_call_id()))
-    if not calls:
+def parse_reply(text: str, tools: list[dict[str, Any]], fmt: ToolFormat = "hermes"
+                ) -> tuple[str, tuple[ToolCall, ...]]:
+    """``(content, calls)`` of a model reply, through :func:`inference.chat.parse_tool_calls`
+    (arguments checked against the tool's schema). Strict: if any call is refused, the whole
+    text is the content and there is no call."""
+    declared = [Tool.from_spec(t) for t in tools]
+    parsed = parse_tool_calls(text, declared, fmt)
+    if not parsed.calls or any(c.error for c in parsed.calls):
         return text, ()
-    return CALL_BLOCK.sub("", text).strip(), tuple(calls)
+    return parsed.content, tuple(
+        ToolCall(c.name, json.dumps(c.arguments, sort_keys=True, ensure_ascii=False),
+                 new_call_id()) for c in parsed.calls)

@@ -52,6 +52,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from streamrl.inference.engine import Completion
+from streamrl.inference.http import guard_connections
 from streamrl.inference.transformers_engine import EngineClosed, TransformersEngine
 from streamrl.protocol.messages import Sampling
 
@@ -528,32 +529,6 @@ def build_app(state: ServerState) -> Starlette:
     return app
 
 
-def _guard_connections() -> None:
-    """Keep one client connection from killing the server.
-
-    hypercorn (0.17) runs every connection in the server's nursery and lets any exception a
-    connection raises end the whole server. Its HTTP/2 code raises ``KeyError`` for a frame
-    on a stream it already closed (a client that sends the rest of a body after the
-    response, or a router that resets an aborted request): one such client, e.g. the
-    sglang-router, took a serve-model process down. Each connection's failure is logged
-    and confined to that connection. (``tests/inference/test_server_resilience.py``)
-    """
-    from hypercorn.trio.tcp_server import TCPServer
-
-    if getattr(TCPServer.run, "_streamrl_guarded", False):
-        return
-    run = TCPServer.run
-
-    async def guarded(self: TCPServer) -> None:
-        try:
-            await run(self)
-        except Exception as exc:  # an ExceptionGroup from its task group, a KeyError, ...
-            log.warning("connection failed", error=repr(exc)[:500])
-
-    guarded._streamrl_guarded = True  # type: ignore[attr-defined]
-    TCPServer.run = guarded  # type: ignore[method-assign]
-
-
 async def serve_model(
     model_dir: str | Path, *, host: str, port: int, max_batch: int = 32, threads: int = 1,
     weight_version: str = "default", openai_port: int = 0, openai_model: str = "streamrl-policy",
@@ -565,7 +540,7 @@ async def serve_model(
     from hypercorn.config import Config as HypercornConfig
     from hypercorn.trio import serve
 
-    _guard_connections()
+    guard_connections()
     engine = await trio.to_thread.run_sync(partial(
         TransformersEngine, model_dir, max_batch=max_batch, threads=threads or None,
         batch_wait_s=BATCH_WAIT_S))

@@ -55,7 +55,7 @@ async def _training_sequence(tokenizer: Any, im_end: int) -> tuple[list[int], li
     session = sessions.create("train")
     messages, tools = parse_messages(MESSAGES), parse_tools(TOOLS)
     first = await sessions.complete(session, messages, tools, Sampling(), [],
-                                    partial(parse_reply, tool_names={"read_file"}))
+                                    partial(parse_reply, tools=parse_tools(TOOLS)))
     calls = [c.openai() for c in first.reply.tool_calls]
     second = parse_messages([*MESSAGES, {"role": "assistant", "tool_calls": calls},
                              {"role": "tool", "tool_call_id": calls[0]["id"], "content": RESULT}])
@@ -323,13 +323,14 @@ async def test_bad_requests_get_4xx_and_the_server_lives_on(served: Served) -> N
 
 
 def test_replies_are_parsed_strictly() -> None:
-    names = {"read_file"}
-    assert parse_reply(CALL_TEXT, names)[1][0].name == "read_file"
+    tools = parse_tools(TOOLS)
+    assert parse_reply(CALL_TEXT, tools)[1][0].name == "read_file"
     for text in ['<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
                  '<tool_call>{"name": "read_file", "arguments": [1]}</tool_call>',
                  "<tool_call>{not json}</tool_call>", '<tool_call>{"name": "read_file"',
+                 '<tool_call>{"name": "read_file", "arguments": {"path": 7}}</tool_call>',
                  CALL_TEXT + "<tool_call>[]</tool_call>"]:
-        assert parse_reply(text, names) == (text, ())
+        assert parse_reply(text, tools) == (text, ())
 
 
 @pytest.fixture(autouse=True)
