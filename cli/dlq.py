@@ -38,7 +38,7 @@ from streamrl.queues.codec import DeadLetter, MessageError, decode
 from streamrl.queues.operations import delete_entries, get_blob, read_range
 from streamrl.queues.payloads import REF_PREFIX, PayloadLimits
 from streamrl.queues.shards import qualify, split_qualified
-from streamrl.queues.streams import requeue_dead_letter
+from streamrl.queues.streams import counted_keys, requeue_dead_letter
 
 MESSAGE_OF_STREAM: dict[str, type[msgspec.Struct]] = {
     N.TASKS: Task,
@@ -55,6 +55,9 @@ class DeadEntry:
     letter: DeadLetter | None
     """None: the dead entry itself could not be decoded (see ``error``)."""
     error: str
+    counted: tuple[str, ...] = ()
+    """The counter keys the letter added with its released ticket (``deadletter.lua``'s
+    field ``counted``): a requeue takes them back."""
 
     @property
     def age_s(self) -> float:
@@ -118,7 +121,7 @@ async def list_dead(
             error = letter.error if letter else ""
         except MessageError as exc:
             letter, error = None, f"(undecodable dead letter: {exc})"
-        entry = DeadEntry(dead_id, letter, error)
+        entry = DeadEntry(dead_id, letter, error, tuple(counted_keys(fields)))
         if selection is None or selection.matches(entry):
             out.append(entry)
     return out
@@ -172,7 +175,9 @@ async def requeue(
     limits: PayloadLimits | None = None,
 ) -> list[tuple[str, str | None]]:
     """Requeue each entry to its original stream; [(dead id, new entry id or None if it was
-    gone already)]. A payload over the claim-check size goes through the claim check."""
+    gone already)]. A training group's letter takes back, in the same script, its released
+    ticket and the counters it added (the domain's failed and resolved groups). A payload
+    over the claim-check size goes through the claim check."""
     limits = limits or PayloadLimits()
     done: list[tuple[str, str | None]] = []
     for entry in entries:
@@ -188,6 +193,7 @@ async def requeue(
             limits,
             layout.dead_groups,
             layout.admitted_groups,
+            [k for k in entry.counted if k.startswith(layout.counter(""))],  # its shard's
         )
         done.append((entry.dead_id, new_id))
     return done

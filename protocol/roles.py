@@ -162,8 +162,9 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         ReadRange(N.RUN_GLOBAL_STREAMS),
         # replay, report: trajectories behind a claim check; dlq show --out: a letter's blob
         ReadBlobs(N.WORK_STREAMS),
-        # dlq requeue (a training group's letter takes its admission slot back), purge
-        RequeueDead(N.WORK_STREAMS),
+        # dlq requeue (a training group's letter takes its admission slot back, and its
+        # domain's failed and resolved counts), purge
+        RequeueDead(N.WORK_STREAMS, (FAILED, RESOLVED)),
         # status, domains list: the quarantined domains and why; domains lift
         ReadHash(QUARANTINE),
         DeleteFields(QUARANTINE),

@@ -316,23 +316,29 @@ class TrimEvents(Op):
 @dataclass(frozen=True)
 class RequeueDead(Op):
     """queues.streams.requeue_dead_letter into ``streams`` (requeue.lua: XRANGE and XDEL of
-    the letter, XADD of its payload, claim-check blob first; a released ticket taken back)
-    and :func:`delete_entries` of dead letters (purge)."""
+    the letter, XADD of its payload, claim-check blob first; a released ticket taken back,
+    and what the letter added to ``counters``) and :func:`delete_entries` of dead letters
+    (purge)."""
 
     streams: tuple[str, ...]
+    counters: tuple[Key, ...] = ()
 
     def grants(self, layout: Layout) -> list[Grant]:
         work = _streams(layout, self.streams)
         dead = stream_pattern(layout, DEAD)
         released, tickets = glob(layout.released_tickets), glob(layout.open_tickets)
-        return [
-            Grant(SCRIPTS, rw=(dead, released, tickets, *work)),
+        counters = tuple(k.pattern(layout) for k in self.counters)
+        grants = [
+            Grant(SCRIPTS, rw=(dead, released, tickets, *work, *counters)),
             Grant(("decr",), rw=(released,)),
             Grant(("sadd",), write=(tickets,)),
             Grant(("xdel",), write=(dead,)),
             Grant(("xadd",), write=work),
             Grant(("set",), write=_blobs(layout, self.streams)),
         ]
+        if counters:  # requeue.lua takes back what the letter added (its field "counted")
+            grants.append(Grant(("decrby",), rw=counters))
+        return grants
 
 
 def grants_of(ops: Iterable[Op], layouts: Iterable[Layout]) -> list[Grant]:

@@ -24,11 +24,12 @@ This module moves bytes; decoding and the retry policy live with the caller.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -747,14 +748,17 @@ async def requeue_dead_letter(
     limits: PayloadLimits,
     released_tickets: str,
     open_tickets: str,
+    counters: Sequence[str] = (),
 ) -> str | None:
     """Put a dead letter's payload back on ``stream`` as a new entry and delete the letter
     from ``dead_stream``, atomically (``requeue.lua``; all keys in one slot). A letter that
     released a ticket takes the release back: one less in ``released_tickets``, the ticket
     open again in ``open_tickets`` (the shard's :attr:`queues.keys.Layout.released_tickets`,
-    :attr:`queues.keys.Layout.open_tickets`). A payload over the claim-check size is stored
-    out of band first. Returns the new entry id, or None when the letter was gone already
-    (requeued or purged): repeatable."""
+    :attr:`queues.keys.Layout.open_tickets`), and of each of ``counters`` (the keys in the
+    letter's field ``counted``, :func:`counted_keys`) what the letter added to it, in the
+    same script. A payload over the claim-check size is stored out of band first. Returns
+    the new entry id, or None when the letter was gone already (requeued or purged):
+    repeatable."""
     script = client.sync.register_script(_REQUEUE)
     prepared, blobs = prepare_many([(stream, payload)], limits)
 
@@ -763,10 +767,20 @@ async def requeue_dead_letter(
             pipe = client.sync.pipeline(transaction=False)
             store_blobs(pipe, blobs, limits)
             pipe.execute()
-        keys = [dead_stream, stream, released_tickets, open_tickets]
+        keys = [dead_stream, stream, released_tickets, open_tickets, *counters]
         return script(keys=keys, args=[dead_id, prepared[0][1]])
 
     new_id = await client.call(run)
     if not new_id:
         return None
     return new_id.decode() if isinstance(new_id, bytes) else str(new_id)
+
+
+def counted_keys(fields: Mapping[bytes, bytes]) -> list[str]:
+    """The counter keys a dead entry's letter added with its released ticket (its field
+    ``counted``, written by ``deadletter.lua``); none for a letter without it or unreadable."""
+    try:
+        pairs = json.loads(fields.get(b"counted", b"[]"))
+        return [str(key) for key, _ in pairs]
+    except (ValueError, TypeError):
+        return []

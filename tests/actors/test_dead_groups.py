@@ -14,10 +14,17 @@ from streamrl.actors.scheduler import Scheduler
 from streamrl.cli.dlq import list_dead, requeue
 from streamrl.config.schema import load_config
 from streamrl.protocol import names as N
+from streamrl.protocol.health import domain_health
 from streamrl.protocol.messages import Sampling, Task, new_id, now
+from streamrl.protocol.quarantine import counts
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import encode
-from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from streamrl.queues.streams import (
+    ConsumerSettings,
+    Producer,
+    ensure_group,
+    open_stream_consumer,
+)
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.policies import Policies, Reject
 from streamrl.runtime.serve import ActorRuntime, Output, RuntimeSettings
@@ -106,3 +113,42 @@ async def test_dead_lettered_training_groups_free_their_admission_slot(
     await _dead_letter_all(client, roles["generator"], names, [], expect=1)
     assert int(await client.call(client.sync.get, names.dead_groups)) == 1
     assert (await scheduler.admissible(0))[0] == 1
+
+
+async def test_requeue_takes_back_the_domain_counts_its_letter_added(
+    client: RedisClient, names: N.Names, roles: dict[str, RedisClient], redis_url: str,
+    tmp_path: Path,
+) -> None:
+    # Given one admitted training group of arith, in flight (admitted - resolved = 1)
+    config = load_config(None, [
+        f"run.name={names.run}", f"run.redis_url={redis_url}", f"run.work_dir={tmp_path}",
+        "scheduler.domains=['arith']", "scheduler.max_backlog=10",
+    ])
+    scheduler = Scheduler(ActorContext(config, roles["scheduler"], names))
+    await ensure_group(client, names.stream(N.TASKS), "generator")
+    assert await scheduler.admit(1, 0, 0) == 1
+    before = (await domain_health(client, names, ["arith"]))["arith"]
+    assert (before.admitted, before.resolved, before.backlog) == (1, 0, 1)
+
+    # When the generator dead-letters it (rejected): counted failed and resolved, once
+    await _dead_letter_all(client, roles["generator"], names, [], expect=1)
+    failed = [N.failed_counter("arith"), N.failed_counter("arith", "generator", "rejected")]
+    dead = (await domain_health(client, names, ["arith"]))["arith"]
+    assert (dead.resolved, dead.backlog) == (1, 0)
+    assert await counts(client, names, failed) == [1, 1]
+
+    # And the operator (as the admin role) requeues the letter, twice
+    letters = await list_dead(client, names)
+    assert (await requeue(roles["admin"], names, letters))[0][1] is not None
+    assert (await requeue(roles["admin"], names, letters))[0][1] is None
+
+    # Then the group is in flight again as before the letter: resolved and failed taken back
+    after = (await domain_health(client, names, ["arith"]))["arith"]
+    assert (after.admitted, after.resolved, after.backlog) == (1, 0, 1)
+    assert await counts(client, names, failed) == [0, 0]
+    assert int(await client.call(client.sync.get, names.dead_groups)) == 0
+
+    # And dead-lettered again, it counts again (once per letter)
+    await _dead_letter_all(client, roles["generator"], names, [], expect=1)
+    assert (await domain_health(client, names, ["arith"]))["arith"].backlog == 0
+    assert await counts(client, names, failed) == [1, 1]
