@@ -85,7 +85,9 @@ class Summary(msgspec.Struct, kw_only=True):
     """domain -> one point per completed round: round, policy_version, reward, items (the
     per-domain series over time; eval-only domains such as ``general`` included)."""
     domains: dict[str, dict[str, Any]] = {}
-    """domain -> admitted, trained (groups forwarded to the learner), train_reward (mean of
+    """domain -> admitted, trained (groups forwarded to the learner), dead_letters (its
+    dead-lettered training groups: count, by_stage, by_cause ``<stage>:<cause>``),
+    quarantined (bool) and quarantine_reason (why, None when not), train_reward (mean of
     its scored training groups, None before any), eval (held-out reward per completed round,
     None for a round without it), forgetting (an eval-only domain's last round more than
     ``scheduler.forgetting_margin`` below its first): :mod:`streamrl.protocol.health`."""
@@ -112,9 +114,17 @@ def domain_rows(
     rows = {}
     for d in names:
         h = health.get(d)
+        held = h.quarantined if h else None
         rows[d] = {
             "admitted": h.admitted if h else 0,
             "trained": h.trained if h else 0,
+            "dead_letters": {
+                "count": h.failed if h else 0,
+                "by_stage": h.failed_by_stage if h else {},
+                "by_cause": dict(h.causes) if h else {},
+            },
+            "quarantined": held is not None,
+            "quarantine_reason": held.describe() if held is not None else None,
             "train_reward": h.train_reward if h else None,
             "eval": [statistics.fmean(r.by_domain[d]) if r.by_domain.get(d) else None
                      for r in rounds],

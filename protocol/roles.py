@@ -90,12 +90,16 @@ SHARES = (counter("zero_variance"), RESOLVED, counter("trained:", prefix=True))
 
 ADMITTED = Key(lambda n: n.admitted)
 ADMITTED_BY_DOMAIN = Key(lambda n: n.admitted_by_domain)
-DOMAIN_HEALTH = (ReadTally(ADMITTED_BY_DOMAIN), ReadCounters(SHARES))
-"""The per-domain figures of the summary and ``streamrl status`` (protocol/health.py)."""
 EVAL_ROUND = Key(lambda n: n.eval_round)
 STOP = Key(lambda n: n.stop)
 DEAD_GROUPS = Key(lambda n: n.dead_groups)
 QUARANTINE = Key(lambda n: n.quarantine)
+DOMAIN_HEALTH = (
+    ReadTally(ADMITTED_BY_DOMAIN), ReadCounters((*SHARES, FAILED)), ReadHash(QUARANTINE)
+)
+"""The per-domain figures of the summary and ``streamrl status`` (protocol/health.py): the
+admitted tally, the verifier's counters, the failed groups (by stage and cause) and the
+quarantined domains."""
 UPSTREAM = (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
 
 ROLE_OPS: dict[str, tuple[Op, ...]] = {
@@ -141,7 +145,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         SetFlag(STOP),
         Increment(EVAL_ROUND),
         Produce((N.TASKS,)),
-        *DOMAIN_HEALTH,  # the summary's per-domain figures
+        *DOMAIN_HEALTH,  # the summary's per-domain figures, dead letters and quarantine
     ),
     "archiver": (
         # its own group on both; acknowledges after the Parquet file is durable
@@ -165,10 +169,9 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         # dlq requeue (a training group's letter takes its admission slot back, and its
         # domain's failed and resolved counts), purge
         RequeueDead(N.WORK_STREAMS, (FAILED, RESOLVED)),
-        # status, domains list: the quarantined domains and why; domains lift
-        ReadHash(QUARANTINE),
+        # status: the per-domain lines (failures, quarantined and why); domains list, lift
+        *DOMAIN_HEALTH,
         DeleteFields(QUARANTINE),
-        *DOMAIN_HEALTH,  # status: the per-domain lines
     ),
 }
 """What each role does in Redis: the one table its ACL grants are derived from."""

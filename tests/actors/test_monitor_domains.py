@@ -10,6 +10,7 @@ from pathlib import Path
 from streamrl.actors.monitor import Monitor
 from streamrl.actors.scheduler import Scheduler
 from streamrl.protocol import names as N
+from streamrl.protocol.quarantine import Why, quarantine
 from streamrl.queues.client import RedisClient
 from streamrl.queues.streams import ensure_group
 from streamrl.runtime.context import ActorContext
@@ -45,3 +46,31 @@ async def test_summary_has_every_domain_and_flags_forgetting(
     assert s.domains["general"]["eval"] == [0.9, 0.7, 0.5]
     assert s.domains["general"]["forgetting"] and s.forgetting == ["general"]
     assert "forgetting: general" in monitor.progress_line()
+
+
+async def test_summary_has_each_domains_dead_letters_and_quarantine(
+    client: RedisClient, roles: dict[str, RedisClient], names: N.Names, redis_url: str,
+    tmp_path: Path,
+) -> None:
+    config = run_config(tmp_path, redis_url, names.run, "scheduler.domains=['arith','math']")
+    # Given 3 of math's training groups dead-lettered (2 by the verifier's scorer, 1 past the
+    # generator's delivery limit), as the dead-letter script counts them, and math quarantined
+    for key, n in ((N.failed_counter("math"), 3),
+                   (N.failed_counter("math", "verifier", "error"), 2),
+                   (N.failed_counter("math", "generator", "delivery_limit"), 1)):
+        await client.call(client.sync.incrby, names.counter(key), n)
+    why = Why(failed=3, groups=4, causes={"verifier:error": 2, "generator:delivery_limit": 1})
+    await quarantine(roles["scheduler"], names, "math", why)
+    # When the monitor (as its ACL user) reads the figures and summarises
+    monitor = Monitor(ActorContext(config, roles["monitor"], names), tmp_path, eval_items=2)
+    await monitor.refresh_domains()
+    s = monitor.summary(names.run)
+    # Then math has its dead letters by stage and cause, and is quarantined with the reason
+    math, arith = s.domains["math"], s.domains["arith"]
+    assert math["dead_letters"] == {
+        "count": 3, "by_stage": {"verifier": 2, "generator": 1},
+        "by_cause": {"verifier:error": 2, "generator:delivery_limit": 1},
+    }
+    assert math["quarantined"] is True and math["quarantine_reason"] == why.describe()
+    assert arith["dead_letters"] == {"count": 0, "by_stage": {}, "by_cause": {}}
+    assert arith["quarantined"] is False and arith["quarantine_reason"] is None
