@@ -47,7 +47,7 @@ import trio
 
 from streamrl.actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed
 from streamrl.config.schema import Config, DomainConfig, DomainSandboxConfig
-from streamrl.domains.base import NO_SANDBOX, is_multi_turn
+from streamrl.domains.base import NO_SANDBOX, is_multi_turn, tool_calls
 from streamrl.domains.registry import get_domain
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Episode, ExecOutcome, Executed, Rollout, new_id, now
@@ -286,6 +286,14 @@ class Executor:
         configured = self.domain_config.get(domain.name, DomainConfig()).max_turns
         return configured or domain.episode.max_turns
 
+    def budget_end(self, domain: Any, item: Any, ep: Episode, sample: Any) -> str:
+        """Why a live member must end after this turn ("" if it goes on): the domain's
+        episode policy, with this executor's ``max_turns`` (domains/base.py)."""
+        policy = dc_replace(domain.episode, max_turns=self.max_turns(domain))
+        calls = tool_calls(domain, item, [t.text for t in sample.turns]) if (
+            policy.max_tool_calls) else 0
+        return policy.ended_by(ep.turn, calls, now() - ep.started_at if ep.started_at else 0.0)
+
     async def handle(self, rollout: Rollout) -> list[Output]:
         task = rollout.task
         domain, item = domain_item(task)
@@ -336,6 +344,8 @@ class Executor:
         task, ep = rollout.task, rollout.task.episode
         if ep is None:
             raise Reject("a multi-turn domain's rollout without episode state")
+        if not ep.started_at:  # turn 1: the task is the scheduler's, created as it started
+            ep = replace(ep, started_at=task.created_at)
         g = len(rollout.samples)
         st = TurnState(list(rollout.samples), list(ep.ended) or [""] * g,
                        list(ep.outcomes) or [None] * g, list(ep.snapshots) or [b""] * g)
@@ -390,10 +400,10 @@ class Executor:
                     held.turn = ep.turn
                     observation = domain.render_observation(item, result)
                     st.samples[i] = observed(st.samples[i], observation, result)
-                    if domain.is_done(item, text):
+                    if domain.is_done(item, text, result):
                         st.ended[i] = "done"
-                    elif ep.turn >= self.max_turns(domain):
-                        st.ended[i] = "max_turns"
+                    else:  # max_turns, max_tool_calls, the episode's wall clock
+                        st.ended[i] = self.budget_end(domain, item, ep, st.samples[i])
                 if st.ended[i]:
                     check = domain.final_request(item)
                     st.outcomes[i] = to_outcome(await held.session.run(check) if check else None)

@@ -53,8 +53,10 @@ def score_group(executed_msgpack: bytes) -> list[float]:
     """Every sample's reward (runs in a scorer worker process: :mod:`runtime.workers`)."""
     executed = msgspec.msgpack.decode(executed_msgpack, type=Executed)
     domain, item = domain_item(executed.rollout.task)
+    by_turns = getattr(domain, "score_episode", None)  # a reward that depends on the turns
     return [
-        float(domain.score(item, sample.text, from_outcome(outcome)))
+        float(by_turns(item, sample.turns, from_outcome(outcome)) if by_turns and sample.turns
+              else domain.score(item, sample.text, from_outcome(outcome)))
         for sample, outcome in zip(executed.rollout.samples, executed.outcomes, strict=True)
     ]
 

@@ -265,6 +265,37 @@ class CurriculumConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields
     """Highest level (0: the data set's own last one)."""
 
 
+FEEDBACK_TURNS = 4
+"""Model turns of a ``code`` episode with feedback when ``max_turns`` is not set."""
+
+
+class FeedbackConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[domain.<name>.feedback]``: ``code`` with feedback (the built-in ``code`` domain, and
+    declared domains of the ``python_tests`` and ``stdio`` kinds; domains/feedback.py): the
+    program runs on the visible tests, their results go back to the model, it tries again,
+    up to ``max_turns``; a final check (every test, the hidden ones too) gives the reward."""
+
+    enabled: bool = False
+    """Make the domain multi-turn with test feedback."""
+    visible_fraction: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    """The first ceil(fraction x n) of an item's n tests (at least one) are the visible ones,
+    run and reported every turn; the final check runs all n."""
+    visible_column: str = ""
+    """Declared domain: a column holding the visible tests (same format as the tests, e.g.
+    MBPP's ``test_list``); the item's tests are then the hidden final check alone."""
+    observation_chars: Annotated[int, Meta(ge=200)] = 1500
+    """Most characters of test results fed back per turn (the rest cut, with a marker)."""
+    message_chars: Annotated[int, Meta(ge=20)] = 300
+    """Most characters of one test's message (assertion, expected vs got, traceback tail)."""
+    final: Literal["pass_fraction", "all_pass"] = "pass_fraction"
+    """The reward's base: the fraction of the final check's tests passed, or 1 only if all."""
+    early_bonus: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    """Bonus for passing early: reward = (1 - early_bonus) x base + early_bonus x (turns left
+    after the passing one / (max_turns - 1)) when every test passed."""
+    turn_penalty: Fraction = 0.0
+    """Subtracted per model turn after the first (the reward is kept in [0, 1])."""
+
+
 class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[domain.<name>]``: how one domain of scheduler.domains is scheduled and run; with
     ``kind``, a domain declared as data (domains/declared.py)."""
@@ -304,11 +335,49 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     max_new_tokens: NonNegInt = 0
     """Generation budget per turn (0: scheduler.max_new_tokens)."""
     max_turns: NonNegInt = 0
-    """Model turns per episode for a multi-turn domain (0: the domain's own)."""
+    """Model turns per episode for a multi-turn domain (0: the domain's own; feedback: 4)."""
+    max_total_tokens: NonNegInt = 0
+    """Multi-turn: tokens of an episode's context (prompt, turns, observations) a member may
+    reach; no room for another turn ends it (0: the domain's own, terminal 2,048)."""
+    max_tool_calls: NonNegInt = 0
+    """Multi-turn: sandbox calls a member may make (a turn that ran a command or the tests
+    is one); the member ends when it made this many (0: no limit beyond max_turns)."""
+    episode_timeout_s: Annotated[float, Meta(ge=0)] = 0.0
+    """Multi-turn: wall-clock limit of an episode, from its first task; checked after each
+    turn (0: none)."""
+    feedback: FeedbackConfig = msgspec.field(default_factory=FeedbackConfig)
+    """``code`` with test feedback, and its reward options."""
     timeout_s: float = 0.0
     """Sandbox wall-clock limit per run (0: the domain's own)."""
     memory_mb: NonNegInt = 0
     """Sandbox memory limit (0: the domain's own)."""
+
+    def shapes_episode(self) -> bool:
+        """This table changes the domain's episode (turns, budgets, feedback)."""
+        return bool(self.max_turns or self.max_total_tokens or self.max_tool_calls
+                    or self.episode_timeout_s or self.feedback.enabled)
+
+    def budget_error(self) -> str | None:
+        """What is inconsistent among this table's episode budgets, if anything."""
+        fb = self.feedback
+        if self.max_total_tokens and self.max_new_tokens >= self.max_total_tokens:
+            return (f"max_new_tokens ({self.max_new_tokens}) must be below max_total_tokens "
+                    f"({self.max_total_tokens}): one turn would spend the episode's budget")
+        if self.episode_timeout_s and self.timeout_s > self.episode_timeout_s:
+            return (f"timeout_s ({self.timeout_s}, one sandbox run) is longer than "
+                    f"episode_timeout_s ({self.episode_timeout_s}, the whole episode)")
+        if not fb.enabled and fb != FeedbackConfig():
+            return "feedback options need feedback.enabled = true"
+        if fb.enabled:
+            turns = self.max_turns or FEEDBACK_TURNS
+            if turns == 1 or self.max_tool_calls == 1:
+                return ("feedback.enabled with max_turns or max_tool_calls = 1: no attempt is "
+                        "left after the feedback")
+            if fb.turn_penalty * (turns - 1) >= 1 - fb.early_bonus:
+                return (f"feedback.turn_penalty x (max_turns - 1) = "
+                        f"{fb.turn_penalty * (turns - 1):g} >= 1 - early_bonus: a pass on the "
+                        f"last turn would earn nothing")
+        return None
 
     def declaration_error(self) -> str | None:
         """What is inconsistent in this table's declaration, if anything."""
@@ -525,7 +594,7 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
                              f"eval_domains: "
                              f"{sorted(unknown)}")
         for name, table in self.domain.items():
-            if (error := table.declaration_error()) is not None:
+            if (error := table.declaration_error() or table.budget_error()) is not None:
                 raise ValueError(f"[domain.{name}]: {error}")
         if error := self.scheduling_error():
             raise ValueError(error)

@@ -38,15 +38,33 @@ T = TypeVar("T")
 class EpisodePolicy:
     """How many model turns an episode may take. Single-turn: one completion, one verdict.
     Multi-turn: the model acts, the sandbox's observation is appended, until the domain says
-    done, ``max_turns`` model turns, or ``max_total_tokens`` tokens in the context."""
+    done, ``max_turns`` model turns, ``max_total_tokens`` tokens in the context (the
+    generator), ``max_tool_calls`` runs in the sandbox, or ``timeout_s`` seconds since the
+    episode's first task was created (the executor, after each turn: :meth:`ended_by`).
+    ``[domain.<name>]`` sets each of them in TOML (domains/declared.py ``with_budgets``)."""
 
     multi_turn: bool = False
     max_turns: int = 1
     max_total_tokens: int = 0  # 0: no budget beyond the model's context
+    max_tool_calls: int = 0  # 0: no limit beyond max_turns
+    timeout_s: float = 0.0  # wall clock of the whole episode; 0: none
 
     def __post_init__(self) -> None:
         if self.max_turns < 1 or (not self.multi_turn and self.max_turns != 1):
             raise ValueError("max_turns must be >= 1, and exactly 1 for a single-turn domain")
+        if self.max_total_tokens < 0 or self.max_tool_calls < 0 or self.timeout_s < 0:
+            raise ValueError("max_total_tokens, max_tool_calls and timeout_s must be >= 0")
+
+    def ended_by(self, turn: int, tool_calls: int, elapsed_s: float) -> str:
+        """Why a member that has taken ``turn`` model turns and made ``tool_calls`` calls,
+        ``elapsed_s`` seconds into its episode, must end now ("" if it may go on)."""
+        if turn >= self.max_turns:
+            return "max_turns"
+        if self.max_tool_calls and tool_calls >= self.max_tool_calls:
+            return "tool_calls"
+        if self.timeout_s and elapsed_s >= self.timeout_s:
+            return "wall_clock"
+        return ""
 
 
 SINGLE_TURN = EpisodePolicy()
@@ -96,25 +114,39 @@ class MultiTurnDomain(Domain, Protocol):
       member's session (the request's limits are ignored: the session's apply);
     - ``render_observation(item, result)``: the text fed back to the model (``result`` is
       None when nothing ran); bounded in size whatever the command printed;
-    - ``is_done(item, turn_text)``: the model declared the episode over.
+    - ``is_done(item, turn_text, result)``: the episode is over (the model said so, or the
+      result says the task is solved: ``code`` with feedback ends once the visible tests pass);
+    - optionally ``tool_calls(item, turn_text)``: the sandbox calls this turn made (default:
+      1 if ``exec_request`` ran something), counted against ``episode.max_tool_calls``.
 
     When a member ends (done, ``max_turns``, token budget) ``final_request(item)`` runs in
     its session, after everything the model did (the hidden check: staged only now, never
     visible to the model's commands), and ``score(item, last_turn_text, final_result)`` is
-    its reward. ``session_files(item)`` are staged in a fresh session before turn 1.
+    its reward; a domain whose reward depends on the turns (a per-turn penalty) defines
+    ``score_episode(item, turns, final_result)`` instead, and the verifier calls that with
+    every :class:`~streamrl.protocol.messages.Turn` of the member.
+    ``session_files(item)`` are staged in a fresh session before turn 1.
     """
 
     def session_files(self, item: Any) -> dict[str, bytes]: ...
 
     def render_observation(self, item: Any, result: ExecResult | None) -> str: ...
 
-    def is_done(self, item: Any, turn_text: str) -> bool: ...
+    def is_done(self, item: Any, turn_text: str, result: ExecResult | None = None) -> bool: ...
 
     def final_request(self, item: Any) -> ExecRequest | None: ...
 
 
 def is_multi_turn(domain: Any) -> bool:
     return bool(getattr(getattr(domain, "episode", None), "multi_turn", False))
+
+
+def tool_calls(domain: Any, item: Any, texts: list[str]) -> int:
+    """The sandbox calls the turns ``texts`` of one member made (``episode.max_tool_calls``)."""
+    count = getattr(domain, "tool_calls", None)
+    if count is not None:
+        return sum(int(count(item, t)) for t in texts)
+    return sum(1 for t in texts if domain.exec_request(item, t) is not None)
 
 
 _TURN_MARK = "\x00streamrl-turn\x00"

@@ -32,6 +32,7 @@ import os
 import pkgutil
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -277,8 +278,50 @@ class PluginOverData:
 
 
 def build_domain(name: str, cfg: DomainConfig) -> Domain:
-    """The declared domain ``name`` (``cfg.kind`` set); :class:`DeclarationError` if its kind
-    is unknown or its options are refused."""
+    """The domain ``name`` as its table makes it: declared (``cfg.kind`` set) or the
+    installed one of that name, with test feedback (``feedback.enabled``: domains/feedback.py)
+    and the episode budgets of the table (:func:`with_budgets`); :class:`DeclarationError`
+    if its kind is unknown or its options are refused."""
+    domain = _declared(name, cfg) if cfg.kind else _installed(name)
+    if cfg.feedback.enabled:
+        from streamrl.domains.feedback import feedback_domain
+
+        try:
+            domain = feedback_domain(domain, cfg)  # type: ignore[assignment]
+        except ValueError as exc:
+            raise DeclarationError(f"domain {name!r}: {exc}") from None
+    return with_budgets(name, domain, cfg)
+
+
+def with_budgets(name: str, domain: Domain, cfg: DomainConfig) -> Domain:
+    """``domain`` with the episode budgets ``cfg`` sets (``max_turns``, ``max_total_tokens``,
+    ``max_tool_calls``, ``episode_timeout_s``; 0 keeps the domain's own); refused for a
+    single-turn domain, where they would mean nothing."""
+    asked = {field: value for field, value in (
+        ("max_turns", cfg.max_turns), ("max_total_tokens", cfg.max_total_tokens),
+        ("max_tool_calls", cfg.max_tool_calls), ("episode_timeout_s", cfg.episode_timeout_s),
+    ) if value}
+    if not asked:
+        return domain
+    if not domain.episode.multi_turn:
+        raise DeclarationError(
+            f"domain {name!r} is single-turn: {', '.join(asked)} apply to multi-turn domains "
+            f"only (feedback.enabled = true makes a code domain multi-turn)")
+    if "episode_timeout_s" in asked:
+        asked["timeout_s"] = asked.pop("episode_timeout_s")
+    domain.episode = replace(domain.episode, **asked)
+    return domain
+
+
+def _installed(name: str) -> Domain:
+    plugin = registry.entry_points().get(name)
+    if plugin is None:
+        raise DeclarationError(f"domain {name!r}: no installed domain of that name to "
+                               f"configure (set kind to declare one)")
+    return plugin.load()()  # type: ignore[no-any-return]
+
+
+def _declared(name: str, cfg: DomainConfig) -> Domain:
     if cfg.kind == "reasoning_gym":
         from streamrl.domains.gym import ReasoningGymDomain  # optional dependency
 
@@ -308,10 +351,11 @@ tables, base64. A process that looks up a name nothing registered declares it fr
 
 
 def declare_domains(domains: Mapping[str, DomainConfig]) -> list[str]:
-    """Register a factory for every declared domain (a table with a ``kind``) and export the
+    """Register a factory for every declared domain (a table with a ``kind``) and every
+    installed one whose table shapes its episode (feedback, turns, budgets), and export the
     declarations to the processes this one starts (:data:`ENV`); returns their names.
     Idempotent for the same tables (each process of a run calls it once)."""
-    declared = {name: cfg for name, cfg in domains.items() if cfg.kind}
+    declared = {name: cfg for name, cfg in domains.items() if cfg.kind or cfg.shapes_episode()}
     for name, cfg in declared.items():
         registry.declare(name, _factory(name, cfg))
     if declared:

@@ -180,6 +180,7 @@ class Episode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     ended: list[str] = []  # per member: why it ended ("done", "max_turns", "budget", ...)
     outcomes: list[ExecOutcome | None] = []  # per member: the final check, once it ended
     snapshots: list[bytes] = []  # per member: its sandbox work dir after the last turn
+    started_at: float = 0.0  # the first task's created_at (episode wall clock); 0: not yet
 
 
 class Executed(Message, frozen=True, kw_only=True):

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
+from streamrl.domains.kinds import TestResult
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -85,7 +86,9 @@ class Code(SplitFiles):
     def render_prompt(self, item: CodeItem, tokenizer: Any) -> list[int]:
         return chat_prompt_ids(tokenizer, item.prompt)
 
-    def exec_request(self, item: CodeItem, completion_text: str) -> ExecRequest | None:
+    def exec_request(self, item: CodeItem, completion_text: str,
+                     report: bool = False) -> ExecRequest | None:
+        """The harness run (``report``: each test's result with its message, for feedback)."""
         source = extract_program(completion_text)
         if not source:
             return None
@@ -96,6 +99,7 @@ class Code(SplitFiles):
             "tests": [{"args": c.args, "expected": c.expected} for c in item.tests],
             "timeout_s": self.per_test_timeout_s,
             "max_result_bytes": MAX_RESULT_BYTES,
+            "report": report,
         }
         budget = self.per_test_timeout_s * len(item.tests) + 5.0
         limits = Limits(**{**LIMITS.__dict__, "timeout_s": max(LIMITS.timeout_s, budget),
@@ -104,18 +108,34 @@ class Code(SplitFiles):
                            stdin=json.dumps(spec).encode(), limits=limits)
 
     def score(self, item: CodeItem, completion_text: str, result: ExecResult | None) -> float:
-        if result is None or result.timed_out or result.exit_code != 0 or not item.tests:
-            return 0.0
-        lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
-        if len(lines) != 1 or result.stdout_dropped:
-            return 0.0
-        head, _, body = lines[0].partition(" ")
-        if not hmac.compare_digest(head, nonce(item, completion_text)):
-            return 0.0
-        try:
-            passed = json.loads(body)
-        except ValueError:
-            return 0.0
-        if type(passed) is not list or len(passed) != len(item.tests):
+        passed = _report(item, completion_text, result)
+        if passed is None or not item.tests:
             return 0.0
         return sum(1 for p in passed if p is True) / len(item.tests)
+
+    def test_results(self, item: CodeItem, completion_text: str,
+                     result: ExecResult | None) -> list[TestResult]:
+        """Each test's result from a ``report`` run, or [] if there is no trustworthy one."""
+        found = _report(item, completion_text, result)
+        try:
+            return msgspec.convert(found or [], list[TestResult])
+        except msgspec.ValidationError:
+            return []
+
+
+def _report(item: CodeItem, completion_text: str, result: ExecResult | None) -> list[Any] | None:
+    """The harness's list (one entry per test) if the run printed exactly its one line under
+    the right nonce with exit code 0, else None."""
+    if result is None or result.timed_out or result.exit_code != 0:
+        return None
+    lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
+    if len(lines) != 1 or result.stdout_dropped:
+        return None
+    head, _, body = lines[0].partition(" ")
+    if not hmac.compare_digest(head, nonce(item, completion_text)):
+        return None
+    try:
+        found = json.loads(body)
+    except ValueError:
+        return None
+    return found if type(found) is list and len(found) == len(item.tests) else None

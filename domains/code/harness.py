@@ -1,7 +1,10 @@
 """The code domain's test harness: runs INSIDE the sandbox, as ``python3 -I harness.py``.
 
 Its input (stdin, read whole before anything else runs): ``{"nonce", "entry", "source",
-"tests": [{"args": [...], "expected": ...}], "timeout_s", "max_result_bytes"}``.
+"tests": [{"args": [...], "expected": ...}], "timeout_s", "max_result_bytes"}``, and
+optionally ``"report": true`` (``code`` with feedback): then each test's
+``{name, status, message}`` (pass; fail with the value returned vs the expected one; error
+with the exception) instead of a boolean.
 
 Why the submission cannot forge a pass:
 - the submission never runs in this process: each test is a fresh child
@@ -55,7 +58,7 @@ try:
     value = plain(namespace[spec["entry"]](*spec["args"]))
     out = json.dumps({"ok": True, "value": value}, allow_nan=False)
 except BaseException as exc:
-    out = json.dumps({"ok": False, "error": type(exc).__name__})
+    out = json.dumps({"ok": False, "error": (type(exc).__name__ + ": " + str(exc))[:300]})
 channel.write(out)
 channel.flush()
 """
@@ -90,7 +93,13 @@ def read_capped(stream, deadline, cap):
     return None  # over the cap
 
 
+def short(value, limit=200):
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def run_test(spec, test):
+    """``(status, message)``: ``pass``, ``fail`` (returned another value) or ``error``."""
     proc = subprocess.Popen(
         [sys.executable, "-I", "-c", RUNNER],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -103,7 +112,7 @@ def run_test(spec, test):
             proc.stdin.write(payload)
             proc.stdin.close()
         except OSError:
-            return False
+            return "error", "the solution's process died before the test"
         raw = read_capped(proc.stdout, time.monotonic() + spec["timeout_s"],
                           spec["max_result_bytes"])
     finally:
@@ -111,21 +120,30 @@ def run_test(spec, test):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     if not raw:
-        return False
+        return "error", "no result: timed out, crashed or flooded its result"
     try:
         result = json.loads(raw)
     except ValueError:
-        return False
+        return "error", "no result: its reply is not JSON"
     if type(result) is not dict or result.get("ok") is not True or "value" not in result:
-        return False
-    return strict_equal(result["value"], test["expected"])
+        error = result.get("error") if type(result) is dict else None
+        return "error", str(error or "no result")
+    if strict_equal(result["value"], test["expected"]):
+        return "pass", ""
+    return "fail", f"returned {short(result['value'])}, expected {short(test['expected'])}"
 
 
 def main():
     spec = json.loads(sys.stdin.buffer.read())
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
-    results = [run_test(spec, t) for t in spec["tests"]]
+    outcomes = [run_test(spec, t) for t in spec["tests"]]
+    if spec.get("report"):
+        results = [{"name": spec["entry"] + "(" + short(t["args"], 80)[1:-1] + ")",
+                    "status": status, "message": message}
+                   for t, (status, message) in zip(spec["tests"], outcomes, strict=True)]
+    else:
+        results = [status == "pass" for status, _ in outcomes]
     sys.stdout.write(spec["nonce"] + " " + json.dumps(results) + "\n")
     sys.stdout.flush()
 

@@ -125,7 +125,8 @@ class Terminal(SplitFiles):
                 parts.append(f"{name}:\n{_tail(text, MAX_OBSERVATION // 2, dropped)}")
         return "\n".join(parts)
 
-    def is_done(self, item: TerminalItem, turn_text: str) -> bool:
+    def is_done(self, item: TerminalItem, turn_text: str,
+                result: ExecResult | None = None) -> bool:
         return bool(_DONE.search(turn_text))
 
     def final_request(self, item: TerminalItem) -> ExecRequest:
