@@ -2,7 +2,7 @@
 
     streamrl up --config configs/demo.toml [--max-minutes M] [--summary-json PATH]
     streamrl run {scheduler,generator,executor,verifier,learner} --config FILE
-    streamrl status --config FILE [--json] [--watch]
+    streamrl status --config FILE [--json] [--watch] [--top N | --all]
     streamrl dlq|replay|report|domains ... (see cli/ops.py)
     streamrl acl apply --config FILE
     streamrl serve-model --model tiny|smollm2|DIR --port P [--host 127.0.0.1]
@@ -153,6 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--watch", action="store_true", help="refresh every --interval s")
     status.add_argument("--samples", type=int, default=2, help="samples to judge the bottleneck")
     status.add_argument("--interval", type=float, default=1.0, help="seconds between samples")
+    status.add_argument("--top", type=int, default=10, metavar="N",
+                        help="domains shown: the N with the largest backlog, then failures")
+    status.add_argument("--all", action="store_true", help="show every domain")
     add_ops_parsers(sub, common)
     show = sub.add_parser("config", help="print the merged config as JSON")
     common(show)
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         return trio.run(
             functools.partial(
                 print_status, config, args.json, watch=args.watch, samples=args.samples,
-                interval_s=args.interval,
+                interval_s=args.interval, top=None if args.all else max(0, args.top),
             )
         )
     if args.command in OPS_COMMANDS:

@@ -6,6 +6,11 @@ acknowledged), the age of the oldest pending entry, the highest delivery count a
 entries, every consumer with its pending count and idle time, and the dead letters that came
 from it; for the run: the learner's policy version and step rate, dead letters in all.
 
+Per domain (protocol/health.py, as the admin role): the top ``--top`` (10) by backlog, then
+failures, or every one with ``--all``: admitted, resolved, trained, backlog, failed training
+groups (by stage and cause), train reward, quarantined (and why), forgetting (an eval-only
+domain, from the monitor's ``<run dir>/evals.jsonl`` where status runs beside it).
+
 Bottleneck: over several samples (``--samples``, or the history of ``--watch``), the stage
 whose input backlog (lag + pending) grows. Backpressure makes every stage upstream of a slow
 one back up too, so the bottleneck is the *most downstream* stage whose backlog grows.
@@ -29,6 +34,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -36,9 +42,9 @@ import trio
 
 from streamrl.config.schema import Config
 from streamrl.protocol import names as N
+from streamrl.protocol.health import DomainHealth, domain_health
 from streamrl.protocol.messages import WeightsPublished
 from streamrl.protocol.pipeline import PIPELINE, Stall, assess_stall, lag_flag
-from streamrl.protocol.quarantine import quarantined
 from streamrl.queues.client import Reconnect, RedisClient, RedisURL
 from streamrl.queues.codec import MessageError, decode
 from streamrl.queues.operations import BrokerError, latest_entries, pending_detail
@@ -117,9 +123,49 @@ class Snapshot:
     """Set when nothing was acknowledged for ``ops.stall_after_s`` while work is queued."""
     quarantined: dict[str, str] = field(default_factory=dict)
     """Quarantined domains (no new admissions) and why (protocol/quarantine.py)."""
+    domains: list[DomainStatus] = field(default_factory=list)
+    """The domains shown: the top ones by backlog, then failures (all with ``--all``)."""
+    domains_total: int = 0
+    """How many domains the run has (configured, admitted or quarantined)."""
+    forgetting: list[str] = field(default_factory=list)
+    """Eval-only domains whose held-out reward fell past ``scheduler.forgetting_margin``."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class DomainStatus:
+    """One domain's line (protocol/health.py)."""
+
+    name: str
+    admitted: int
+    resolved: int
+    trained: int
+    backlog: int
+    """Admitted and not resolved yet."""
+    failed: int
+    """Dead-lettered training groups."""
+    failed_by: dict[str, int]
+    """``<stage>:<cause>`` -> dead-lettered training groups."""
+    train_reward: float | None
+    quarantined: str | None
+    """Why the domain is quarantined; None: it is not."""
+    forgetting: bool
+
+
+@dataclass(frozen=True)
+class DomainView:
+    """Which domains ``status`` lists: ``known`` (the config's) and every one the run
+    admitted or quarantined; the ``top`` of them by backlog, then failures (None: all);
+    forgetting judged on the monitor's ``eval_log`` (``<run dir>/evals.jsonl``) for the
+    ``eval_only`` domains."""
+
+    known: tuple[str, ...] = ()
+    top: int | None = 10
+    eval_log: Path | None = None
+    eval_only: tuple[str, ...] = ()
+    forgetting_margin: float = 0.05
 
 
 async def _group_detail(
@@ -182,8 +228,10 @@ async def _learner(client: RedisClient, names: N.Names) -> tuple[int, float | No
 
 
 async def snapshot(
-    client: RedisClient, names: N.Names, *, stall_after_s: float = 120.0, max_backlog: int = 0
+    client: RedisClient, names: N.Names, *, stall_after_s: float = 120.0, max_backlog: int = 0,
+    view: DomainView | None = None,
 ) -> Snapshot:
+    view = view or DomainView()
     total_dead, dead = await _dead_by_stream(client, names)
     groups, states = [], []
     for stream in N.WORK_STREAMS:
@@ -202,11 +250,56 @@ async def snapshot(
     stall = await assess_stall(
         client, names, states, stall_after_s=stall_after_s, max_backlog=max_backlog
     )
-    held = {d: why.describe() for d, why in (await quarantined(client, names)).items()}
+    health = await domain_health(client, names, list(view.known), seen=True)
+    held = {d: h.quarantined.describe() for d, h in health.items() if h.quarantined}
+    flagged = eval_forgetting(view)
+    rows = [_domain_status(d, h, d in flagged) for d, h in health.items()]
     return Snapshot(
         names.run, time.time(), version, rate, total_dead, groups, shards=names.shards,
-        stall=stall, quarantined=held,
+        stall=stall, quarantined=held, domains=top_domains(rows, view.top),
+        domains_total=len(rows), forgetting=flagged,
     )
+
+
+def _domain_status(name: str, h: DomainHealth, forgetting: bool) -> DomainStatus:
+    why = h.quarantined.describe() if h.quarantined else None
+    return DomainStatus(name, h.admitted, h.resolved, h.trained, h.backlog, h.failed,
+                        dict(h.causes), h.train_reward, why, forgetting)
+
+
+def top_domains(rows: list[DomainStatus], top: int | None) -> list[DomainStatus]:
+    """The ``top`` of ``rows`` by backlog, then failures, then name (None: all of them)."""
+    ranked = sorted(rows, key=lambda r: (-r.backlog, -r.failed, r.name))
+    return ranked if top is None else ranked[:top]
+
+
+def eval_forgetting(view: DomainView) -> list[str]:
+    """The eval-only domains flagged as forgetting in the monitor's log of held-out results
+    (actors/monitor.py ``forgetting``); none without the log (status on another host). The
+    latest round counts once it has as many results as the one before it (else it is still
+    being evaluated)."""
+    from streamrl.actors.monitor import EvalRound, forgetting
+
+    if view.eval_log is None or not view.eval_only or not view.eval_log.exists():
+        return []
+    rounds: dict[int, EvalRound] = {}
+    seen: set[tuple[int, str, str]] = set()
+    for line in view.eval_log.read_text().splitlines():
+        try:
+            row = json.loads(line)
+            key = (int(row["round"]), str(row["domain"]), str(row["item_id"]))
+            reward = float(row["reward"])
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a crash
+        if key not in seen:
+            seen.add(key)
+            r = rounds.setdefault(key[0], EvalRound(key[0], 0))
+            r.rewards.append(reward)
+            r.by_domain.setdefault(key[1], []).append(reward)
+    ordered = [r for _, r in sorted(rounds.items())]
+    if len(ordered) > 1 and len(ordered[-1].rewards) < len(ordered[-2].rewards):
+        ordered = ordered[:-1]
+    return forgetting(ordered, list(view.eval_only), view.forgetting_margin)
 
 
 def bottleneck(samples: Sequence[Snapshot]) -> tuple[str | None, dict[str, int]]:
@@ -264,9 +357,46 @@ def render(s: Snapshot) -> str:
     lines += [f"! {g.lag_flag}" for g in s.groups if g.lag_flag]
     if s.stall is not None:
         lines.insert(1, s.stall.describe())
+    lines += render_domains(s)
     lines += [f"quarantined {d}: {why} (lift: streamrl domains lift {d})"
               for d, why in s.quarantined.items()]
+    lines += [f"forgetting {d}: held-out reward fell past scheduler.forgetting_margin"
+              for d in s.forgetting]
     return "\n".join(lines)
+
+
+def render_domains(s: Snapshot) -> list[str]:
+    """One line per shown domain: admitted, resolved, trained, backlog, failed (by stage
+    and cause), train reward, quarantined, forgetting."""
+    if not s.domains:
+        return []
+    shown = len(s.domains)
+    head = (f"domains: top {shown} of {s.domains_total} by backlog, then failures (--all: every"
+            " one)" if shown < s.domains_total else f"domains: {shown}")
+    width = max(8, *(len(d.name) + 2 for d in s.domains))
+    lines = [head, f"{'domain':<{width}}{'admitted':>9}{'resolved':>9}{'trained':>8}"
+                   f"{'backlog':>8}{'failed':>7}{'reward':>8}  failures, state"]
+    for d in s.domains:
+        reward = f"{d.train_reward:.3f}" if d.train_reward is not None else "-"
+        notes = [f"{k.replace(':', ' ')} {n}" for k, n in
+                 sorted(d.failed_by.items(), key=lambda kv: (-kv[1], kv[0]))]
+        notes += [f"QUARANTINED: {d.quarantined}"] if d.quarantined else []
+        notes += ["FORGETTING"] if d.forgetting else []
+        lines.append(f"{d.name:<{width}}{d.admitted:>9}{d.resolved:>9}{d.trained:>8}"
+                     f"{d.backlog:>8}{d.failed:>7}{reward:>8}  {', '.join(notes) or '-'}")
+    return lines
+
+
+def domain_view(config: Config, top: int | None) -> DomainView:
+    """The domains of ``config`` (trained and eval-only) and its monitor's log of held-out
+    results."""
+    sched = config.scheduler
+    return DomainView(
+        known=tuple(dict.fromkeys([*sched.domains, *sched.eval_domains])), top=top,
+        eval_log=config.run.path / "evals.jsonl",
+        eval_only=tuple(d for d in sched.eval_domains if d not in sched.domains),
+        forgetting_margin=sched.forgetting_margin,
+    )
 
 
 async def print_status(
@@ -276,7 +406,9 @@ async def print_status(
     watch: bool = False,
     samples: int = 2,
     interval_s: float = 1.0,
+    top: int | None = 10,
 ) -> int:
+    """``streamrl status``: ``top`` domains by backlog, then failures (None: ``--all``)."""
     names = N.Names(config.run.name, shards=config.queues.shards)
     try:
         client = ops_client(config)
@@ -287,6 +419,7 @@ async def print_status(
         stall: dict[str, Any] = {
             "stall_after_s": config.ops.stall_after_s,
             "max_backlog": config.scheduler.max_backlog,
+            "view": domain_view(config, top),
         }
         if not watch:
             snap = await sample(client, names, max(1, samples), interval_s, **stall)

@@ -90,6 +90,7 @@ async def domain_health(
         values = totals[i * per:(i + 1) * per]
         k = len(KINDS)
         causes = {f"{s}:{c}": n for (s, c), n in zip(CAUSES, values[k:], strict=True) if n}
-        out[d] = DomainHealth(admitted.get(d, 0), *values[:k], causes=causes,
-                              quarantined=held.get(d))
+        resolved, trained, scored, reward_milli, failed = values[:k]
+        out[d] = DomainHealth(admitted.get(d, 0), resolved, trained, scored, reward_milli,
+                              failed, causes, held.get(d))
     return out

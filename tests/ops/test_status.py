@@ -29,7 +29,8 @@ GROUP_SCHEMA = {
 TOP_SCHEMA = {
     "run": str, "at": float, "policy_version": int, "steps_per_min": (float, type(None)),
     "dead_letters": int, "groups": list, "bottleneck": (str, type(None)), "growth": dict,
-    "shards": int, "stall": (dict, type(None)),
+    "shards": int, "stall": (dict, type(None)), "quarantined": dict, "domains": list,
+    "domains_total": int, "forgetting": list,
 }
 
 
