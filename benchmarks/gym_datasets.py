@@ -101,7 +101,15 @@ def survey(names: list[str], items: int, timeout_s: float) -> dict[str, dict[str
     return results
 
 
-def gym_config(names: list[str], curriculum: dict[str, int]) -> str:
+def train_size(seconds: float, items: int) -> int:
+    """Train items per level for a data set that took ``seconds`` for ``2 * items`` items:
+    about a quarter second of generation per process (8 to 128), so 100+ domains load in
+    well under a minute (some generators take 0.4 s an item)."""
+    per_item = max(seconds, 0.01) / (2 * items)
+    return max(8, min(128, int(0.25 / per_item)))
+
+
+def gym_config(names: list[str], curriculum: dict[str, int], sizes: dict[str, int]) -> str:
     """configs/gym.toml: one reasoning_gym domain per data set that works."""
     head = f'''# {len(names)} reasoning-gym data sets as domains at once (benchmarks/gym_datasets.py
 # --write-config configs/gym.toml writes this file from the data sets that pass its checks).
@@ -163,7 +171,8 @@ progress_interval_s = 15
     tables = []
     for n in names:
         table = (f'\n[domain.{n}]\nkind = "reasoning_gym"\ndataset = "{n}"\n'
-                 f'split = {{ train_size = 200, eval_size = 8 }}\n')
+                 f'split = {{ train_size = {sizes[n]}, eval_size = 4 }}\n'
+                 f'max_prompt_chars = 3000   # prompt + 96 new tokens within 2048 positions\n')
         if curriculum.get(n, 1) > 1:
             table += "curriculum = { threshold = 0.7, min_groups = 8 }\n"
         tables.append(table)
@@ -177,6 +186,9 @@ def main() -> None:
     ap.add_argument("--timeout-s", type=float, default=60.0)
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--write-config", default="")
+    ap.add_argument("--plain", nargs="*", default=["sokoban"],
+                    help="data sets written without their curriculum (sokoban: its level 0 "
+                         "takes seconds an item to generate, its default config milliseconds)")
     args = ap.parse_args()
     from streamrl.domains.gym import datasets
 
@@ -189,9 +201,10 @@ def main() -> None:
               "curriculum_fail": {n: r["curriculum"]["reason"] for n, r in results.items()
                                   if isinstance(r.get("curriculum"), dict)}}
     if args.write_config:
-        levels = {n: int(results[n]["levels"]) if results[n].get("curriculum") is True else 1
-                  for n in ok}
-        Path(args.write_config).write_text(gym_config(ok, levels))
+        levels = {n: int(results[n]["levels"]) if results[n].get("curriculum") is True
+                  and n not in args.plain else 1 for n in ok}
+        sizes = {n: train_size(float(results[n].get("seconds", 1.0)), args.items) for n in ok}
+        Path(args.write_config).write_text(gym_config(ok, levels, sizes))
     print(json.dumps(report if args.json else {**report, "results": results}, indent=1))
 
 

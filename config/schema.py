@@ -325,6 +325,9 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     come from ``split``)."""
     curriculum: CurriculumConfig = msgspec.field(default_factory=CurriculumConfig)
     """kind 'reasoning_gym': the difficulty curriculum."""
+    max_prompt_chars: NonNegInt = 0
+    """Declared domain: items whose prompt is longer are left out at load (0: none), e.g. so
+    that prompt + max_new_tokens fit the model's context."""
 
     weight: PosFloat = 1.0
     """Share of the trained samples (relative to the other domains' weights)."""

@@ -149,9 +149,14 @@ def split_rows(name: str, cfg: DomainConfig) -> dict[str, list[Row]]:
     return out
 
 
-def held_out_apart(splits: dict[str, list[Any]]) -> dict[str, list[Any]]:
+def held_out_apart(splits: dict[str, list[Any]], max_prompt_chars: int = 0
+                   ) -> dict[str, list[Any]]:
     """``splits`` without the train items whose prompt is also a held-out one's (a data set
-    with the same question twice, under two ids, must not train on its eval)."""
+    with the same question twice, under two ids, must not train on its eval), and without
+    the items whose prompt is longer than ``max_prompt_chars`` (0: any length)."""
+    if max_prompt_chars:
+        splits = {k: [it for it in v if len(it.prompt) <= max_prompt_chars]
+                  for k, v in splits.items()}
     held = {item.prompt for item in splits["eval"]}
     return {"train": [it for it in splits["train"] if it.prompt not in held],
             "eval": splits["eval"]}
@@ -212,7 +217,8 @@ class DeclaredDomain:
             raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
         if not self._cache:
             self._cache = held_out_apart({k: self._records(rows) for k, rows in
-                                          split_rows(self.name, self.cfg).items()})
+                                          split_rows(self.name, self.cfg).items()},
+                                         self.cfg.max_prompt_chars)
         return list(self._cache[split])
 
     def _records(self, rows: list[Row]) -> list[Record]:
@@ -258,7 +264,8 @@ class PluginOverData:
             raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
         if not self._cache:
             self._cache = held_out_apart({k: [self._item(*r) for r in rows] for k, rows in
-                                          split_rows(self.name, self.cfg).items()})
+                                          split_rows(self.name, self.cfg).items()},
+                                         self.cfg.max_prompt_chars)
         return list(self._cache[split])
 
     def _item(self, where: str, i: int, row: dict[str, Any]) -> Any:
@@ -394,10 +401,13 @@ def _factory(name: str, cfg: DomainConfig) -> Callable[[], Domain]:
 
 
 def check_declared(domains: Mapping[str, DomainConfig]) -> None:
-    """Build every declared domain and load both splits (``up`` at start): a bad declaration
-    raises :class:`DeclarationError` before any actor runs."""
+    """Build every declared domain and load both splits (a generated one: its ``check()``)
+    (``up`` at start): a bad declaration raises :class:`DeclarationError` before any actor
+    runs."""
     for name in declare_domains(domains):
         domain = registry.get_domain(name)
-        for split in ("train", "eval"):
-            if not domain.load_items(split) and split == "train":
-                raise DeclarationError(f"domain {name!r}: no train items")
+        check = getattr(domain, "check", None)
+        if check is not None:  # a generated domain: a sample, not every item (slow ones)
+            check()
+        elif not domain.load_items("train") or domain.load_items("eval") is None:
+            raise DeclarationError(f"domain {name!r}: no train items")

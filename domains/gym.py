@@ -155,16 +155,34 @@ class ReasoningGymDomain:
                     raise DeclarationError(f"domain {self.name!r}: reasoning_gym "
                                            f"{self.dataset!r} item {i} ({split}): "
                                            f"{type(exc).__name__}: {exc}") from None
-                if record.prompt not in held_out:
+                too_long = 0 < self.cfg.max_prompt_chars < len(record.prompt)
+                if record.prompt not in held_out and not too_long:
                     out.append(record)
             self._items[level] = out
         return self._items[level]
 
     def level_items(self, level: int) -> list[Record]:
-        """Train items at curriculum ``level`` (0 <= level < :meth:`levels`)."""
+        """Train items at curriculum ``level`` (0 <= level < :meth:`levels`); a level whose
+        every prompt is too long (``max_prompt_chars``) keeps the level below's."""
         if not 0 <= level < self.levels():
             raise ValueError(f"domain {self.name!r}: level {level} outside 0..{self.levels() - 1}")
-        return list(self._records(level))
+        return list(self._records(level) or self.level_items(level - 1) if level else
+                    self._records(0))
+
+    def check(self) -> None:
+        """Refuse a declaration that cannot work, cheaply (``up`` at start): the held-out
+        items and the first train items generate; a level past level 0 only configures."""
+        if not self._records(EVAL):
+            raise DeclarationError(f"domain {self.name!r}: no held-out items")
+        generator = self._generator(0)
+        for i in range(min(2, len(generator))):
+            try:
+                generator[i]
+            except Exception as exc:
+                raise DeclarationError(f"domain {self.name!r}: reasoning_gym "
+                                       f"{self.dataset!r} item {i}: {type(exc).__name__}: "
+                                       f"{exc}") from None
+        self.levels()
 
     # -- the domain contract ------------------------------------------------------------
     def load_items(self, split: str) -> list[Record]:

@@ -141,3 +141,14 @@ async def test_the_scheduler_moves_a_domain_up_when_its_reward_passes(
     domain: Any = scheduler_domain("rg-chain")
     assert {t.prompt for t in level1} <= {r.prompt for r in domain.level_items(1)}
     assert level0 <= {r.prompt for r in domain.level_items(0)}
+
+
+def test_up_refuses_a_config_reasoning_gym_refuses_at_start() -> None:
+    from streamrl.domains.declared import check_declared
+
+    good = msgspec.convert({"kind": "reasoning_gym", "dataset": "chain_sum"}, DomainConfig)
+    check_declared({"rg-good": good})  # a sample of items, not all 1000
+    bad = msgspec.convert({"kind": "reasoning_gym", "dataset": "chain_sum",
+                           "dataset_config": {"min_terms": 5, "max_terms": 2}}, DomainConfig)
+    with pytest.raises(DeclarationError, match=r"domain 'rg-bad': reasoning_gym 'chain_sum'"):
+        check_declared({"rg-bad": bad})
