@@ -199,7 +199,7 @@ class DeclaredDomain:
     """A :class:`~streamrl.domains.base.Domain` over :class:`Record` items: a data set and a
     verifier kind."""
 
-    item_type = Record
+    item_type: type = Record
     episode = SINGLE_TURN
 
     def __init__(self, name: str, cfg: DomainConfig, verifier: Verifier) -> None:
@@ -304,7 +304,7 @@ def with_budgets(name: str, domain: Domain, cfg: DomainConfig) -> Domain:
     """``domain`` with the episode budgets ``cfg`` sets (``max_turns``, ``max_total_tokens``,
     ``max_tool_calls``, ``episode_timeout_s``; 0 keeps the domain's own); refused for a
     single-turn domain, where they would mean nothing."""
-    asked = {field: value for field, value in (
+    asked: dict[str, Any] = {field: value for field, value in (
         ("max_turns", cfg.max_turns), ("max_total_tokens", cfg.max_total_tokens),
         ("max_tool_calls", cfg.max_tool_calls), ("episode_timeout_s", cfg.episode_timeout_s),
     ) if value}

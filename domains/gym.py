@@ -57,7 +57,7 @@ def datasets() -> list[str]:
 
 
 class ReasoningGymDomain:
-    item_type = Record
+    item_type: type = Record
     episode = SINGLE_TURN
     sandbox = NO_SANDBOX
 
