@@ -181,6 +181,10 @@ class Episode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     outcomes: list[ExecOutcome | None] = []  # per member: the final check, once it ended
     snapshots: list[bytes] = []  # per member: its sandbox work dir after the last turn
     started_at: float = 0.0  # the first task's created_at (episode wall clock); 0: not yet
+    context: list[str] = []
+    """The stored parts of every member's context, oldest first (fields of the hash
+    ``Names.context(id)``, protocol/contexts.py): the message's own samples (``samples``
+    here, ``Rollout.samples`` in a rollout) continue them. []: the samples are whole."""
 
 
 class Executed(Message, frozen=True, kw_only=True):

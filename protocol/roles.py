@@ -44,6 +44,7 @@ from streamrl.queues.operations import (
     ReadHash,
     ReadPaused,
     ReadRange,
+    ReadStored,
     ReadTally,
     RequeueDead,
     SetFields,
@@ -101,6 +102,8 @@ DOMAIN_HEALTH = (
 admitted tally, the verifier's counters, the failed groups (by stage and cause) and the
 quarantined domains."""
 UPSTREAM = (N.TASKS, N.ROLLOUTS, N.EXECUTED, N.TRAJECTORIES)
+CONTEXTS = (Key(lambda n: n.context(""), prefix=True),)
+"""The stored contexts of multi-turn episodes (``ctx:<episode>``, per shard)."""
 
 ROLE_OPS: dict[str, tuple[Op, ...]] = {
     "scheduler": (
@@ -119,10 +122,20 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         ReadHash(QUARANTINE),
         SetFields(QUARANTINE),
     ),
-    "generator": (consume(N.TASKS, (N.ROLLOUTS,)), Follow((N.WEIGHTS,))),
-    # multi-turn episodes: the next turn goes back to tasks (actors/episodes.py)
-    "executor": (consume(N.ROLLOUTS, (N.EXECUTED, N.TASKS)),),
-    "verifier": (consume(N.EXECUTED, (N.TRAJECTORIES, N.EVALS), SHARES),),
+    # multi-turn episodes: a turn's context by reference (runtime/contexts.py): read here
+    "generator": (consume(N.TASKS, (N.ROLLOUTS,)), Follow((N.WEIGHTS,)), ReadStored(CONTEXTS)),
+    # multi-turn episodes: the next turn goes back to tasks (actors/episodes.py), its context
+    # part stored by the hand-off, the episode's hash deleted by the one that ends it
+    "executor": (
+        dataclasses.replace(consume(N.ROLLOUTS, (N.EXECUTED, N.TASKS)), stores=CONTEXTS),
+        ReadStored(CONTEXTS),
+    ),
+    # the episode's whole context joined once for the trajectory, its hash deleted
+    "verifier": (
+        dataclasses.replace(consume(N.EXECUTED, (N.TRAJECTORIES, N.EVALS), SHARES),
+                            stores=CONTEXTS),
+        ReadStored(CONTEXTS),
+    ),
     "learner": (
         # dropped_stale, duplicates_skipped: added by the hand-off that settles the group
         consume(

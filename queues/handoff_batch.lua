@@ -3,16 +3,18 @@
 -- happen together (as in handoff.lua), with one round trip and one XACK for the batch.
 --
 -- KEYS[1]    input stream
--- KEYS[2..]  for each hand-off with k > 0 outputs or c > 0 counters, in order: its dedup key,
---            then its k output streams (may repeat), then its c counter keys
+-- KEYS[2..]  for each hand-off with k > 0 outputs, c > 0 counters, s > 0 stores or d > 0
+--            deletes, in order: its dedup key, then its k output streams (may repeat), its c
+--            counter keys, its s hash keys, its d keys to delete
 -- ARGV[1]    consumer group of the input stream
 -- ARGV[2]    dedup key TTL in seconds
--- ARGV[3..]  for each hand-off, in order: entry id, k, c, its k payloads (field "d"), then
---            its c increments (INCRBY, one per counter key)
+-- ARGV[3..]  for each hand-off, in order: entry id, k, c, s, d, its k payloads (field "d"),
+--            its c increments (INCRBY, one per counter key), then for each hash key: field,
+--            value, TTL in seconds (HSET, EXPIRE)
 --
--- A hand-off with no outputs and no counters is only acknowledged (no dedup key). One whose
--- dedup key exists (its outputs were published by an earlier delivery) publishes nothing,
--- counts nothing and is acknowledged: a counter moves with the first publication of the
+-- A hand-off with none of those is only acknowledged (no dedup key). One whose dedup key
+-- exists (its outputs were published by an earlier delivery) publishes, counts, stores and
+-- deletes nothing and is acknowledged: a counter moves with the first publication of the
 -- hand-off that causes it, so a replayed hand-off (redelivery, reclaim, a call repeated
 -- after a lost reply) never counts twice.
 -- Returns {published: hand-offs whose outputs were added, acked: entries acknowledged}.
@@ -53,10 +55,18 @@ while a_at <= n_args do
   local id = ARGV[a_at]
   local k = tonumber(ARGV[a_at + 1])
   local c = tonumber(ARGV[a_at + 2])
-  a_at = a_at + 3
-  if k + c > 0 then
+  local s = tonumber(ARGV[a_at + 3])
+  local d = tonumber(ARGV[a_at + 4])
+  a_at = a_at + 5
+  if k + c + s + d > 0 then
     local dedup = KEYS[k_at]
     if redis.call('SET', dedup, '1', 'NX', 'EX', ttl) then
+      for j = 1, s do  -- stored first: an entry published below may reference them
+        local at = a_at + k + c + 3 * (j - 1)
+        local stored = redis.pcall('HSET', KEYS[k_at + k + c + j], ARGV[at], ARGV[at + 1])
+        if failed(stored, dedup) then return stored end
+        redis.call('EXPIRE', KEYS[k_at + k + c + j], ARGV[at + 2])
+      end
       for j = 1, k do
         local added = redis.pcall('XADD', KEYS[k_at + j], '*', 'd', ARGV[a_at + j - 1])
         if failed(added, dedup) then return added end
@@ -65,10 +75,13 @@ while a_at <= n_args do
         local counted = redis.pcall('INCRBY', KEYS[k_at + k + j], ARGV[a_at + k + j - 1])
         if failed(counted, dedup) then return counted end
       end
+      for j = 1, d do
+        redis.call('DEL', KEYS[k_at + k + c + s + j])
+      end
       published = published + 1
     end
-    k_at = k_at + 1 + k + c
-    a_at = a_at + k + c
+    k_at = k_at + 1 + k + c + s + d
+    a_at = a_at + k + c + 3 * s
   end
   ids[#ids + 1] = id
 end

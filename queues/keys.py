@@ -143,9 +143,15 @@ class Layout:
         if rest.startswith("s:"):
             stream = rest[2:].split(":", 1)[0]
             return key if stream in self.GLOBAL_STREAMS else self.shard_prefix + rest
-        if rest.startswith(("dedup:", "count:")):
+        if rest.startswith(("dedup:", "count:", "ctx:")):
             return self.shard_prefix + rest
         return key
+
+    def context(self, owner: str) -> str:
+        """Hash of the stored parts of ``owner``'s context (a multi-turn episode's: one field
+        per stored turn), in this shard's slot: the hand-offs that write and delete it and
+        the entries that reference it share the slot (:attr:`queues.streams.Handoff.stores`)."""
+        return f"{self.shard_prefix}ctx:{owner}"
 
     def counter(self, name: str) -> str:
         """A counter of the work path, in this shard's slot, so that the hand-off that causes

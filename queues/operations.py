@@ -90,9 +90,12 @@ class Consume(Op):
     outputs: tuple[str, ...] = ()
     counters: tuple[Key, ...] = ()
     watch: tuple[str, ...] = ()
+    stores: tuple[Key, ...] = ()
+    """Hashes its hand-offs store fields in and delete (``Handoff.stores``/``deletes``)."""
 
     def grants(self, layout: Layout) -> list[Grant]:
         source, blobs = stream_pattern(layout, self.stream), blob_pattern(layout, self.stream)
+        stores = tuple(k.pattern(layout) for k in self.stores)
         dead = stream_pattern(layout, DEAD)
         released, tickets = glob(layout.released_tickets), glob(layout.open_tickets)
         outs, out_blobs = _streams(layout, self.outputs), _blobs(layout, self.outputs)
@@ -104,7 +107,7 @@ class Consume(Op):
             Grant(
                 SCRIPTS,
                 rw=(source, blobs, dead, released, tickets, *outs, *dedup, *out_blobs,
-                    *counters),
+                    *counters, *stores),
             ),
             Grant(("xadd",), write=(dead, *outs)),
             Grant(("incr",), rw=(released,)),  # deadletter.lua: a ticket's slot freed ...
@@ -115,6 +118,8 @@ class Consume(Op):
             grants.append(Grant(("set",), write=(*dedup, *out_blobs)))
         if counters:  # the hand-off scripts add the counters they cause (Handoff.counters)
             grants.append(Grant(("incrby",), rw=counters))
+        if stores:  # handoff_batch.lua: HSET + EXPIRE of a stored part, DEL at the end
+            grants.append(Grant(("hset", "expire", "del"), rw=stores))
         if self.watch:
             grants.append(Grant(OBSERVE, read=_streams(layout, self.watch)))
             grants.append(Grant(("set",), write=(glob(layout.paused(self.stage)),)))
@@ -205,6 +210,16 @@ class ReadBlobs(Op):
 
     def grants(self, layout: Layout) -> list[Grant]:
         return [Grant(("get",), read=_blobs(layout, self.streams))]
+
+
+@dataclass(frozen=True)
+class ReadStored(Op):
+    """queues.streams.StreamConsumer.read_stored: fields of the hashes ``keys`` (HMGET)."""
+
+    keys: tuple[Key, ...]
+
+    def grants(self, layout: Layout) -> list[Grant]:
+        return [Grant(("hmget",), read=tuple(k.pattern(layout) for k in self.keys))]
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,16 @@ class ShardedConsumer:
         shard, consumer, eid = self._split(handoff.entry_id)
         dedup, outs = self._localize(shard, handoff.dedup_id, handoff.outputs)
         counters = self._localize_counters(shard, handoff.counters)
-        await consumer.complete(Handoff(eid, dedup, outs, counters))
+        local = self.names.in_shard(shard)
+        stores = [(local.localize(k), f, v) for k, f, v in handoff.stores]
+        deletes = [local.localize(k) for k in handoff.deletes]
+        await consumer.complete(Handoff(eid, dedup, outs, counters, stores, deletes))
+
+    async def read_stored(self, entry_id: str, key: str, fields: list[str]) -> list[bytes | None]:
+        """:meth:`StreamConsumer.read_stored` in the entry's shard (``key`` moved there)."""
+        shard, consumer, _ = self._split(entry_id)
+        return await consumer.read_stored(entry_id, self.names.in_shard(shard).localize(key),
+                                          fields)
 
     def _localize_counters(
         self, shard: int, counters: list[tuple[str, int]] | None

@@ -45,6 +45,7 @@ from streamrl.queues.payloads import (
     REF_PREFIX,
     Blob,
     PayloadLimits,
+    PayloadTooLarge,
     prepare_many,
     resolve,
     store_blobs,
@@ -92,6 +93,14 @@ class Handoff:
     """[(counter key, increment)] added in the same script as the outputs, under the same
     dedup key: only by the delivery that publishes them, so a replayed hand-off counts once.
     The keys must be in the slot of the input stream (:meth:`queues.keys.Layout.counter`)."""
+    stores: list[tuple[str, str, bytes]] = field(default_factory=list)
+    """[(hash key, field, value)] set (HSET, the key's expiry renewed to ``blob_ttl_s``) in
+    the same script as the outputs, under the same dedup key: a replayed hand-off stores
+    nothing (no orphan field). Keys in the slot of the input stream
+    (:meth:`queues.keys.Layout.context`)."""
+    deletes: list[str] = field(default_factory=list)
+    """Keys deleted (DEL) in the same script as the outputs, under the same dedup key (the
+    stored context of an episode that ends with this hand-off); same slot."""
 
 
 @dataclass(frozen=True)
@@ -348,6 +357,11 @@ class StreamConsumer:
         prepared: list[Handoff] = []
         blobs: list[Blob] = []
         for h in handoffs:
+            for key, _, value in h.stores:
+                if len(value) > self.settings.limits.max_bytes:
+                    raise PayloadTooLarge(
+                        f"stored part of {len(value)} bytes for {key} is over the limit of "
+                        f"{self.settings.limits.max_bytes} bytes (queues.max_message_bytes)")
             if h.outputs:
                 outputs, more = prepare_many(h.outputs, self.settings.limits)
                 if more:
@@ -393,9 +407,10 @@ class StreamConsumer:
         client retries it after a lost connection): a replay publishes nothing twice."""
         keys: list[str] = [self.stream]
         args: list[Any] = [self.group, self.settings.dedup_ttl_s]
+        ttl = self.settings.limits.blob_ttl_s
         for h in batch:
-            args += (h.entry_id, len(h.outputs), len(h.counters))
-            if h.outputs or h.counters:
+            args += (h.entry_id, len(h.outputs), len(h.counters), len(h.stores), len(h.deletes))
+            if h.outputs or h.counters or h.stores or h.deletes:
                 keys.append(h.dedup_id)
                 for stream, payload in h.outputs:
                     keys.append(stream)
@@ -403,6 +418,10 @@ class StreamConsumer:
                 for counter, increment in h.counters:
                     keys.append(counter)
                     args.append(increment)
+                for key, name, value in h.stores:
+                    keys.append(key)
+                    args += (name, value, ttl)
+                keys += h.deletes
         return self._handoff_batch(keys=keys, args=args)  # type: ignore[no-any-return]
 
     async def _store_blobs(self, blobs: list[Blob]) -> None:
@@ -443,6 +462,14 @@ class StreamConsumer:
         args += [len(counted), *(n for _, n in counted), "1" if only_settling else "0"]
         args += [p for _, p in outputs]
         await self.client.call(self._handoff, keys=keys, args=args)
+
+    async def read_stored(self, entry_id: str, key: str, fields: list[str]) -> list[bytes | None]:
+        """The values of ``fields`` of hash ``key`` (HMGET; None where a field is gone), as
+        :attr:`Handoff.stores` wrote them for the entries of this stream (``entry_id``: the
+        entry that references them; ``key`` named by :attr:`names`)."""
+        if not fields:
+            return []
+        return list(await self.client.call(self.client.sync.hmget, key, fields))
 
     async def ack(self, entry_ids: list[str]) -> None:
         """Acknowledge entries without publishing anything (idempotent). For a hand-off whose

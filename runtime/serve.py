@@ -31,13 +31,14 @@ import structlog
 import trio
 
 from streamrl.protocol import names as N
+from streamrl.protocol.contexts import ContextError
 from streamrl.protocol.messages import Message, training_task
 from streamrl.queues.codec import MessageError, decode, encode
 from streamrl.queues.payloads import REF_PREFIX, PayloadTooLarge
 from streamrl.queues.shards import Consumer
 from streamrl.queues.stats import Paused, group_state, mark_paused
 from streamrl.queues.streams import Delivery, Handoff
-from streamrl.runtime import metrics
+from streamrl.runtime import contexts, metrics
 from streamrl.runtime.policies import Policies, Reject, Retry, Unavailable
 from streamrl.runtime.workers import WorkerFailed, WorkerTimedOut
 
@@ -205,16 +206,25 @@ class ActorRuntime:
             self._dead += 1
             return None
         with structlog.contextvars.bound_contextvars(episode_id=message.episode_id):
+            try:  # an episode's context by reference: the handler sees it whole
+                message, stored = await contexts.resolve(
+                    self.consumer, delivery.entry_id, message)
+            except ContextError as exc:
+                return await self._dead_letter(delivery, str(exc), message, cause="payload")
             results = await self._handle_with_retries(delivery, message)
             if results is None:
                 return None
             stage, names = self.actor.stage, self.consumer.names
             outputs = [r for r in results if isinstance(r, Output)]
+            wire = contexts.externalize(names, stored, [o.message for o in outputs])
             handoff = Handoff(
                 delivery.entry_id,
                 names.dedup(stage, message.id),
-                [(names.stream(o.stream), encode(o.message)) for o in outputs],
+                [(names.stream(o.stream), encode(m))
+                 for o, m in zip(outputs, wire.messages, strict=True)],
                 [(names.counter(r.name), r.n) for r in results if isinstance(r, Count)],
+                wire.stores,
+                wire.deletes,
             )
             try:
                 await self.consumer.complete(handoff)
