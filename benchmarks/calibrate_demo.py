@@ -39,7 +39,7 @@ from streamrl.domains.registry import get_domain
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
 from streamrl.learner.model import resolve_model
 from streamrl.protocol.messages import Sampling
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox import ProcessSandbox, opened
 
 
 async def score_all(domain: Any, box: ProcessSandbox, pairs: list[tuple[Any, str]]
@@ -134,7 +134,8 @@ async def main() -> None:
                               "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
     box = ProcessSandbox()
     t0 = time.perf_counter()
-    async with open_transformers_engine(resolve_model(args.model), max_batch=32) as engine:
+    async with opened(box), open_transformers_engine(resolve_model(args.model),
+                                                     max_batch=32) as engine:
         report["load_s"] = round(time.perf_counter() - t0, 1)
         prompts = [domain.render_prompt(it, engine.tokenizer) for it in items]
         report["prompt_tokens_mean"] = round(statistics.fmean(len(p) for p in prompts), 1)
@@ -181,7 +182,6 @@ async def main() -> None:
         if speed:
             report["speed_t1"] = speed
         report["load_average"] = os.getloadavg()
-    await box.aclose()
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -20,7 +20,7 @@ import trio
 from streamrl.domains.kinds import Record
 from streamrl.domains.kinds.humaneval import load_humaneval
 from streamrl.domains.kinds.pytests import PythonTests
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox import ProcessSandbox, opened
 
 
 async def run(limit: int, concurrency: int) -> dict[str, object]:
@@ -47,12 +47,9 @@ async def run(limit: int, concurrency: int) -> dict[str, object]:
                                    if bad else f"no report (exit {result.exit_code})")
 
     started = time.monotonic()
-    try:
-        async with trio.open_nursery() as nursery:
-            for item in items:
-                nursery.start_soon(one, item)
-    finally:
-        await box.aclose()
+    async with opened(box), trio.open_nursery() as nursery:  # the warm pool, closed after
+        for item in items:
+            nursery.start_soon(one, item)
     passed = sum(1 for r in rewards.values() if r == 1.0)
     return {"problems": len(items), "passed": passed, "pass_rate": passed / len(items),
             "mean_reward": sum(rewards.values()) / len(items), "failed": failed,

@@ -130,15 +130,13 @@ async def run(url: str, args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = load_tokenizer(resolve_model("tiny"))
     sandboxes = Sandboxes("process")
     runs: dict[str, list[dict[str, float]]] = {"snapshots": [], "no_snapshots": []}
-    try:
+    async with sandboxes.opened():  # the backends' warm pools, closed on exit
         await one_run(url, argparse.Namespace(**{**vars(args), "episodes": 1}), True,
                       tokenizer, sandboxes)  # warm-up: the sandbox pool, imports
         for _ in range(args.blocks):
             for mode in runs:
                 runs[mode].append(await one_run(url, args, mode == "snapshots", tokenizer,
                                                 sandboxes))
-    finally:
-        await sandboxes.aclose()
     out: dict[str, Any] = {}
     for mode, results in runs.items():
         out[mode] = {k: round(statistics.median(r[k] for r in results), 3) for k in results[0]}

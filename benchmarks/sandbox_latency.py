@@ -39,7 +39,7 @@ from typing import Any
 
 import trio
 
-from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox
+from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox, opened
 from streamrl.sandbox.process import RUNNER_SOURCE, _child_setup
 
 ARGV = ["/usr/bin/python3", "-c", "print(1)"]
@@ -59,7 +59,7 @@ async def open_subjects(concurrency: int) -> AsyncIterator[dict[str, list[Call]]
     box, per_command = ProcessSandbox(), ProcessSandbox(resident=False)
     assert box.resident, "no resident bubblewrap sandbox here: nothing to measure"
     async with AsyncExitStack() as stack:
-        stack.push_async_callback(box.aclose)
+        await stack.enter_async_context(opened(box))  # its warm pool, closed on exit
         sessions = [await stack.enter_async_context(box.session(Limits())) for _ in
                     range(concurrency)]  # fmt: skip
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sandbox_latency import CONCURRENCY, Call, bare, measure
 
 from streamrl.runtime.logs import configure_logging
-from streamrl.sandbox import ExecRequest, ProcessSandbox
+from streamrl.sandbox import ExecRequest, ProcessSandbox, opened
 from streamrl.sandbox.docker import DEFAULT_IMAGE, open_docker_sandbox
 
 ARGV = ["python3", "-c", "print(1)"]
@@ -64,7 +64,7 @@ async def docker_report(runs: int, cold_runs: int, image: str = DEFAULT_IMAGE) -
     report: dict[str, Any] = {"argv": ARGV, "image": image, "pool_size": POOL, "concurrency": {}}
     labels = itertools.count()
     try:
-        async with open_docker_sandbox(image, pool_size=POOL) as docker:
+        async with opened(process), open_docker_sandbox(image, pool_size=POOL) as docker:
             await docker.run(ExecRequest(ARGV))
             with trio.fail_after(120):  # the whole pool started before measuring
                 while docker.statistics().ready < POOL:

@@ -2,9 +2,11 @@
 
 ``open_sandbox("process")`` gives the local process backend, ``open_sandbox("docker", image=...,
 pool_size=...)`` the Docker backend (imported on first use: aiodocker stays out of processes
-that do not need it). A backend with a ``serve`` task (Docker) is served by its owner, in the
-owner's nursery: ``async with opened(open_sandbox(...)) as box`` does that and closes it on
-exit (the executor's ``Sandboxes`` hold their own nursery). Each names its ``isolation``
+that do not need it). Both have a ``serve`` task (the process backend's warm pool of resident
+bwrap sandboxes, Docker's engine connection and containers), served by their owner, in the
+owner's nursery: ``async with opened(open_sandbox(...)) as box`` (or
+``open_process_sandbox(...)``) does that and closes it on exit (the executor's ``Sandboxes``
+hold their own nursery). Each names its ``isolation``
 level (:data:`ISOLATION_LEVELS`, weakest first) and :data:`NOT_ISOLATED` says what each level
 does not isolate.
 """
@@ -27,7 +29,7 @@ from streamrl.sandbox.base import (
     Sandbox,
     SandboxUnavailable,
 )
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 
 BACKENDS = ("process", "docker")
 S = TypeVar("S", bound=Sandbox)
@@ -70,6 +72,7 @@ __all__ = [
     "ProcessSandbox",
     "Sandbox",
     "SandboxUnavailable",
+    "open_process_sandbox",
     "open_sandbox",
     "opened",
 ]

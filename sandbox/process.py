@@ -23,7 +23,17 @@ Guarantees (on top of :mod:`sandbox.base`):
 - nothing the code starts outlives its command: on the deadline, on a normal exit, and on
   cancellation every process of the command is SIGKILLed (the runner kills every process of
   its sandbox; a cancelled or stuck call kills the whole sandbox, with ``--die-with-parent``);
-  sandboxes themselves die with the pool's ``trio.run``, with ``aclose`` and with the executor;
+  sandboxes themselves die when the sandbox's ``serve`` ends and with the executor process;
+- structured: the warm pool of resident sandboxes runs in ``serve``, in its owner's nursery
+  (``async with open_process_sandbox(...) as box``, or ``await nursery.start(box.serve)`` as
+  the executor's :class:`actors.executor.Sandboxes` does). A resident sandbox lost mid-call
+  (its runner exited or its pipes broke) raises :class:`SandboxUnavailable` chained to the
+  loss, so the caller's message is retried with a fresh one; a failure of the pool itself
+  cuts the calls in flight short, and they and every later call raise ``SandboxUnavailable``
+  chained to it (the sandbox is then ``stopped``: its owner opens a fresh one). Without
+  resident sandboxes (``resident=False``: one bubblewrap sandbox per command, and the
+  ``unshare``/``none`` modes) nothing runs in the background and the object is usable
+  unserved (a one-shot mode for scripts);
 - stdout/stderr are capped at ``limits.output_bytes`` each but drained to the end; the rest is
   counted in ``stdout_dropped`` / ``stderr_dropped``. A background child holding a pipe open
   cannot stall the call past ``limits.timeout_s``.
@@ -58,8 +68,11 @@ session can fill the disk its host work dir is on); only ``bwrap`` forbids neste
 namespaces, in ``unshare``/``none`` the code can create its own (harmless to the host's
 mounts, but more kernel attack surface); the code shares the uid of its runner, so it can
 change the runner's rlimits, priority or affinity for the rest of its own session (the
-runner refuses reuse by another episode then); without root (developer machines) the uid is
-not switched and RLIMIT_NPROC also counts processes of the invoking user outside the sandbox.
+runner refuses reuse by another episode then), or crash it (a CPU limit lowered under its
+feet): that run raises ``SandboxUnavailable`` like a runner killed from outside, so its
+message is retried and, after its delivery limit, dead-lettered; without root (developer
+machines) the uid is not switched and RLIMIT_NPROC also counts processes of the invoking user
+outside the sandbox.
 
 Result conventions:
 - ``exit_code``: the child's exit status; a child killed by signal N reports ``128 + N``
@@ -94,7 +107,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 import trio
@@ -127,8 +140,11 @@ _libc = ctypes.CDLL(None, use_errno=True)
 class ProcessSandbox:
     """Runs each :class:`ExecRequest` in a bubblewrap sandbox (see the module docstring).
 
-    ``run`` is concurrency-safe. Resident sandboxes belong to the ``trio.run`` that started
-    them: a sandbox object used by several runs in turn gets a fresh pool in each.
+    ``run`` is concurrency-safe. With resident sandboxes (``.resident``) it is served by its
+    owner, once: ``async with open_process_sandbox(...) as box`` or ``await
+    nursery.start(box.serve)``; a call on an unserved one is a programming error
+    (``RuntimeError``). Without them (``resident=False``, or where bwrap cannot hold a
+    resident sandbox) every call is self-contained and needs no serving.
     """
 
     name = "process"
@@ -165,6 +181,9 @@ class ProcessSandbox:
         self._python = python
         self._pool: RunnerPool | None = None
         self._closed = False
+        self._served = False
+        self._closing = trio.Event()
+        self._stopped = trio.Event()
         self.resident = resident
         self._bwrap_wanted = bwrap
         self.bwrap = ""  # the bwrap binary in use (bwrap mode only)
@@ -198,12 +217,13 @@ class ProcessSandbox:
             for name in request.files:  # a bad request fails before a sandbox is taken
                 checked_path(name)
             pool = self._runner_pool()
-            runner = await pool.acquire()
-            try:
-                return await runner.run(request, request.limits, self._grace)
-            finally:
-                with trio.CancelScope(shield=True):
-                    await pool.release(runner)
+            with pool.call():
+                runner = await pool.acquire()
+                try:
+                    return await runner.run(request, request.limits, self._grace)
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await pool.release(runner)
         async with self.session(request.limits, label) as session:
             return await session.run(request)
 
@@ -238,26 +258,63 @@ class ProcessSandbox:
                     await session.aclose()
 
     def statistics(self) -> PoolStatistics:
-        """Resident sandboxes of the current run's pool (all zero before the first use)."""
+        """Resident sandboxes of the pool (all zero before it is served)."""
         if self._pool is None:
             return PoolStatistics(started=0, reused=0, killed=0, ready=0, busy=0)
         return self._pool.statistics()
 
+    @property
+    def stopped(self) -> bool:
+        """Its serving has ended (closed, cancelled, or the pool failed: every call now
+        raises :class:`SandboxUnavailable` chained to that failure): the owner replaces it
+        with a fresh instance, served anew (``actors.executor.Sandboxes``)."""
+        failed = self._pool is not None and self._pool.error is not None
+        return failed or self._stopped.is_set()
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Hold the resident sandboxes (the warm pool) until :meth:`aclose` or cancellation;
+        started (``nursery.start``) once the pool runs. Every resident sandbox is killed
+        before it returns. A failure of the pool is kept for the callers (the calls in flight
+        are cut short; they and every later call raise :class:`SandboxUnavailable` chained to
+        it, and ``stopped`` turns true), never raised into the owner's nursery."""
+        if self._served:
+            raise RuntimeError("a ProcessSandbox is served once")
+        self._served = True
+        try:
+            if not self.resident or self._closed:  # nothing runs in the background
+                task_status.started()
+                await self._closing.wait()
+                return
+            self._pool = RunnerPool(self._start_runner, self.pool_size, self._idle_s)
+            await self._pool.serve(task_status=task_status)
+        except Exception:  # kept in the pool's ``error`` (logged there): the calls get it
+            if self._pool is None or self._pool.error is None:
+                raise
+        finally:
+            self._closing.set()
+            self._stopped.set()
+
     async def aclose(self) -> None:
+        """Close it: the resident sandboxes are killed once :meth:`serve` has ended."""
         self._closed = True
-        pool, self._pool = self._pool, None
-        if pool is not None and pool.token is trio.lowlevel.current_trio_token():
-            await pool.aclose()  # (a pool of an earlier trio.run died with it)
+        self._closing.set()
+        if self._pool is not None:
+            await self._pool.aclose()
+        if self._served:
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
 
     # -- resident sandboxes -------------------------------------------------------------
 
     def _runner_pool(self) -> RunnerPool:
+        if self._pool is not None:
+            return self._pool  # (closed or failed: its calls say so)
         if self._closed:
             raise SandboxUnavailable("ProcessSandbox is closed")
-        pool = self._pool
-        if pool is None or pool.token is not trio.lowlevel.current_trio_token():
-            pool = self._pool = RunnerPool(self._start_runner, self.pool_size, self._idle_s)
-        return pool
+        raise RuntimeError(
+            "this ProcessSandbox is not served: open it with `async with "
+            "open_process_sandbox(...)` or `await nursery.start(sandbox.serve)`"
+        )
 
     async def _start_runner(self) -> Runner:
         """Start one resident sandbox (as a leased uid) and wait for its runner's hello."""
@@ -470,6 +527,21 @@ class ProcessSandbox:
             return _try(argv, cwd, self._path, uid)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def open_process_sandbox(
+    isolation: Isolation = "auto", **options: Any
+) -> AsyncIterator[ProcessSandbox]:
+    """A :class:`ProcessSandbox` served in a nursery of its own for the ``async with`` (its
+    warm pool running); on exit every resident sandbox of it is killed."""
+    sandbox = ProcessSandbox(isolation, **options)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(sandbox.serve)
+        try:
+            yield sandbox
+        finally:
+            await sandbox.aclose()
 
 
 def _packaged_bwrap() -> str:

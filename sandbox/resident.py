@@ -15,11 +15,17 @@ Guarantees:
   the writable mounts emptied), starts one on demand when none is ready, and kills idle runners
   beyond ``pool_size`` after ``idle_s``. A runner whose reset fails (including the runner
   detecting that the code changed its rlimits, priority or affinity) is killed, not reused;
-- nothing outlives its owner: a pool lives inside one ``trio.run`` (a system task); when the pool
-  is closed, or when that run ends, every runner is killed. Killing a runner SIGKILLs its
-  bubblewrap monitor; the sandbox (``--die-with-parent``) and every process in it die with it,
-  and the monitor itself dies with the thread that started it (``PR_SET_PDEATHSIG``), so an
-  executor that dies leaves nothing behind either.
+- a runner lost mid-run (it exited, its pipes broke: killed from outside, or crashed) raises
+  ``SandboxUnavailable`` chained to the loss, so the caller's message is retried with a fresh
+  runner; a runner that did not answer by the host deadline is what the code did (``timed_out``),
+  and a forged or malformed reply is reported as the run's result (the code wrote it);
+- structured: a pool is served by its owner (``await nursery.start(pool.serve)``), in the
+  owner's nursery; its tasks (fill, trim, resets) run in ``serve``'s nursery and an error in
+  one of them propagates out of ``serve``. Nothing outlives it: when ``serve`` ends (``aclose``,
+  cancellation, a failure) every runner is killed. Killing a runner SIGKILLs its bubblewrap
+  monitor; the sandbox (``--die-with-parent``) and every process in it die with it, and the
+  monitor itself dies with the thread that started it (``PR_SET_PDEATHSIG``), so an executor
+  that dies leaves nothing behind either.
 """
 
 from __future__ import annotations
@@ -29,9 +35,10 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import structlog
 import trio
@@ -112,7 +119,9 @@ class Runner:
             result = await self.channel.run(request, limits, limits.timeout_s + grace_s, extra)
         except RunnerGone as exc:
             await self.kill()
-            return lost_result(exc, "runner killed", False, start)
+            if not exc.ended:  # no reply in time, or a forged one: what the code did
+                return lost_result(exc, "runner killed", False, start)
+            raise SandboxUnavailable(f"sandbox runner lost mid-run: {exc}") from exc
         code = result.exit_code
         if not result.oom_killed and code not in (None, 0) and looks_oom(result.stderr):
             result = replace(result, oom_killed=True)
@@ -150,13 +159,13 @@ class _Pipes:
         try:
             await self._stdin.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise RunnerGone(f"cannot write to the runner: {exc!r}") from exc
+            raise RunnerGone(f"cannot write to the runner: {exc!r}", ended=True) from exc
 
     async def receive(self) -> bytes:
         try:
             return await self._stdout.receive_some(1 << 16)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise RunnerGone(f"cannot read from the runner: {exc!r}") from exc
+            raise RunnerGone(f"cannot read from the runner: {exc!r}", ended=True) from exc
 
     def diagnostics(self) -> str:
         try:
@@ -200,15 +209,17 @@ class PoolStatistics:
 
 
 class RunnerPool:
-    """Ready runners for one sandbox within one ``trio.run`` (see the module docstring).
+    """Ready runners for one sandbox, served by its owner (see the module docstring).
 
     ``start`` starts one runner and waits until it is ready (raising ``SandboxUnavailable``).
+    The pool hands out runners only while :meth:`serve` runs (``RuntimeError`` before). When
+    one of its tasks fails, ``error`` keeps the failure, the calls in flight (:meth:`call`)
+    are cut short and they and every later one raise ``SandboxUnavailable`` chained to it.
     """
 
     def __init__(
         self, start: Callable[[], Awaitable[Runner]], pool_size: int, idle_s: float
     ) -> None:
-        self.token = trio.lowlevel.current_trio_token()
         self._start_one = start
         self._size = pool_size
         self._idle_s = idle_s
@@ -219,22 +230,54 @@ class RunnerPool:
         self._waiting = 0
         self._counts = dict.fromkeys(("started", "reused", "killed"), 0)
         self._changed = trio.Event()
-        self._up = trio.Event()
         self._closing = trio.Event()
         self._stopped = trio.Event()
+        self._served = False
         self._nursery: trio.Nursery | None = None
-        trio.lowlevel.spawn_system_task(self._serve, name="sandbox-runner-pool")
+        self._calls: set[trio.CancelScope] = set()
+        self.error: BaseException | None = None
 
     def statistics(self) -> PoolStatistics:
         ready = len(self._ready)
         return PoolStatistics(**self._counts, ready=ready, busy=len(self._live) - ready)
 
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep ``pool_size`` runners ready, reset given-back ones, trim idle ones, until
+        :meth:`aclose` or cancellation; an error of those tasks propagates. Every runner is
+        killed before it returns, however it ends."""
+        if self._served:
+            raise RuntimeError("a RunnerPool is served once")
+        self._served = True
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._fill)
+                nursery.start_soon(self._trim)
+                task_status.started()
+                await self._closing.wait()
+                nursery.cancel_scope.cancel()
+        except Exception as exc:
+            while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+                exc = exc.exceptions[0]  # (the nursery's group of one task's error)
+            self.error = exc  # before the runners die: the calls in flight learn why
+            log.error("sandbox runner pool failed", error=repr(exc))
+            for scope in self._calls:
+                scope.cancel()
+            raise
+        finally:
+            self._nursery = None
+            self._closing.set()
+            self._notify()
+            with trio.CancelScope(shield=True):
+                for runner in list(self._live):
+                    await self._kill(runner)
+                self._ready.clear()
+            self._stopped.set()
+
     async def acquire(self) -> Runner:
         """A ready runner: from the pool, else one about to be ready, else a new one."""
-        await self._up.wait()
         while True:
-            if self._closing.is_set():
-                raise SandboxUnavailable("the sandbox is closed")
+            self._check_open()
             while self._ready:
                 runner = self._ready.pop()
                 self._notify()
@@ -260,10 +303,44 @@ class RunnerPool:
         self._nursery.start_soon(self._recycle, runner)
 
     async def aclose(self) -> None:
+        """Stop :meth:`serve` (every runner killed) and wait until it has."""
         self._closing.set()
         self._notify()
-        with trio.CancelScope(shield=True):
-            await self._stopped.wait()
+        if self._served:
+            with trio.CancelScope(shield=True):
+                await self._stopped.wait()
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """One call in flight: cut short (``SandboxUnavailable`` chained to the failure) when
+        the pool fails while it runs."""
+        scope = trio.CancelScope()
+        self._calls.add(scope)
+        try:
+            with scope:
+                yield
+        except SandboxUnavailable:
+            if self.error is None:
+                raise
+            raise self._unavailable() from self.error
+        finally:
+            self._calls.discard(scope)
+        if scope.cancelled_caught:
+            raise self._unavailable()
+
+    def _unavailable(self) -> SandboxUnavailable:
+        """What a call raises once the pool stopped, chained to its failure (if any)."""
+        if self.error is None:
+            return SandboxUnavailable("the sandbox is closed")
+        unavailable = SandboxUnavailable(f"the sandbox runner pool failed: {self.error!r}")
+        unavailable.__cause__ = self.error
+        return unavailable
+
+    def _check_open(self) -> None:
+        if self._closing.is_set():
+            raise self._unavailable()
+        if self._nursery is None:
+            raise RuntimeError("the runner pool is not served: `await nursery.start(pool.serve)`")
 
     async def _start(self) -> Runner:
         runner = await self._start_one()
@@ -296,26 +373,6 @@ class RunnerPool:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
-
-    async def _serve(self) -> None:
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                self._up.set()
-                nursery.start_soon(self._fill)
-                nursery.start_soon(self._trim)
-                await self._closing.wait()
-                nursery.cancel_scope.cancel()
-        except Exception as exc:  # a system task must not crash the run
-            log.error("sandbox runner pool failed", error=repr(exc))
-        finally:
-            self._closing.set()
-            self._up.set()
-            with trio.CancelScope(shield=True):
-                for runner in list(self._live):
-                    await self._kill(runner)
-                self._ready.clear()
-            self._stopped.set()
 
     async def _fill(self) -> None:
         """Keep ``pool_size`` runners ready; back off while they cannot start."""
@@ -370,35 +427,45 @@ class ResidentSession:
         return None if self._runner is None else self._runner.pid
 
     async def open(self) -> None:
-        self._runner = await self._pool.acquire()
+        with self._pool.call():
+            self._runner = await self._pool.acquire()
 
     async def run(self, request: ExecRequest) -> ExecResult:
         """Write ``request.files``, run ``request.argv`` under the session's limits."""
         async with self._lock:
             runner = self._live()
-            return await runner.run(replace(request, limits=self.limits), self.limits, self._grace)
+            with self._pool.call():
+                limited = replace(request, limits=self.limits)
+                return await runner.run(limited, self.limits, self._grace)
 
     async def put_files(self, files: dict[str, bytes]) -> None:
         async with self._lock:
-            await self._live().channel.put_files(files)
+            with self._pool.call():
+                await self._live().channel.put_files(files)
 
     async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:
         async with self._lock:
-            return await self._live().channel.get_files(paths, self.limits.max_file_mb << 20)
+            with self._pool.call():
+                cap = self.limits.max_file_mb << 20
+                return await self._live().channel.get_files(paths, cap)
 
     async def reset(self) -> None:
         """Back to a clean state: the same runner reset, or a fresh one if that fails."""
         async with self._lock:
-            runner = self._live(allow_gone=True)
-            if runner.gone is None:
-                try:
-                    await runner.channel.reset()
-                    return
-                except SandboxUnavailable as exc:
-                    log.warning("sandbox session reset failed, runner replaced", error=str(exc))
-            self._runner = None
-            await self._pool.release(runner)
-            self._runner = await self._pool.acquire()
+            with self._pool.call():
+                await self._reset()
+
+    async def _reset(self) -> None:
+        runner = self._live(allow_gone=True)
+        if runner.gone is None:
+            try:
+                await runner.channel.reset()
+                return
+            except SandboxUnavailable as exc:
+                log.warning("sandbox session reset failed, runner replaced", error=str(exc))
+        self._runner = None
+        await self._pool.release(runner)
+        self._runner = await self._pool.acquire()
 
     async def aclose(self) -> None:
         self._closed = True

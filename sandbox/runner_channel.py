@@ -38,11 +38,15 @@ CONTROL_TIMEOUT_S = 10.0
 
 
 class RunnerGone(Exception):
-    """The runner cannot be trusted any more (no reply, EOF, forged reply): discard it."""
+    """The runner cannot be trusted any more (no reply, EOF, forged reply): discard it.
 
-    def __init__(self, reason: str, *, stuck: bool = False) -> None:
+    ``stuck``: it did not answer in time; ``ended``: it exited or its connection broke (not
+    a reply the code could have forged)."""
+
+    def __init__(self, reason: str, *, stuck: bool = False, ended: bool = False) -> None:
         super().__init__(reason)
         self.stuck = stuck
+        self.ended = ended
 
 
 class RunnerTransport(Protocol):
@@ -193,7 +197,7 @@ class RunnerChannel:
             chunk = await self._transport.receive()
             if not chunk:
                 diag = self._transport.diagnostics()
-                raise RunnerGone("the runner exited" + (f": {diag}" if diag else ""))
+                raise RunnerGone("the runner exited" + (f": {diag}" if diag else ""), ended=True)
             buf += chunk
 
 

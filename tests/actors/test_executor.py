@@ -4,12 +4,16 @@ letter."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import pytest
 import trio
 
@@ -53,10 +57,8 @@ async def test_outcomes_of_a_group_are_data() -> None:
     )
     sandboxes = Sandboxes("process", limits={"arith": DomainConfig(timeout_s=0.5)})
     # When the executor handles it
-    try:
+    async with sandboxes.opened():
         [output] = await Executor(sandboxes).handle(rollout)
-    finally:
-        await sandboxes.aclose()
     # Then every sample has an outcome, in order, and the hang was cut at 0.5 s
     assert output.stream == N.EXECUTED and isinstance(output.message, Executed)
     good, crash, hang, empty = output.message.outcomes
@@ -82,9 +84,9 @@ async def test_backend_and_limits_are_chosen_per_domain() -> None:
     sandboxes = Sandboxes("docker", config, limits, opener=opener)
     # When its requests are routed
     backend, image, routed = sandboxes.choose(arith, request)
-    result = await sandboxes.run(arith, request)
-    await sandboxes.run(arith, request)
-    await sandboxes.aclose()
+    async with sandboxes.opened():
+        result = await sandboxes.run(arith, request)
+        await sandboxes.run(arith, request)
     # Then the config wins over executor.backend, and one backend serves both runs
     assert (backend, image) == ("process", "img:1")
     assert opened == [("process", {"image": "img:1", "pool_size": 4})]
@@ -108,21 +110,21 @@ async def test_pool_size_reaches_pooled_backends_per_domain() -> None:
     # Given docker for arith with its own pool size, over an executor-wide default
     config = {"arith": DomainSandboxConfig(backend="docker", image="img:2", pool_size=12)}
     sandboxes = Sandboxes("process", config, opener=opener, pool_size=3)
-    await sandboxes.run(arith, request)
-    await sandboxes.aclose()
+    async with sandboxes.opened():
+        await sandboxes.run(arith, request)
     assert opened == [("docker", {"image": "img:2", "pool_size": 12})]
     # And the executor-wide size where the domain sets none
     opened.clear()
     plain = {"arith": DomainSandboxConfig(backend="docker", image="img:2")}
     sandboxes = Sandboxes("process", plain, opener=opener, pool_size=3)
-    await sandboxes.run(arith, request)
-    await sandboxes.aclose()
+    async with sandboxes.opened():
+        await sandboxes.run(arith, request)
     assert opened == [("docker", {"image": "img:2", "pool_size": 3})]
     # And the process backend's resident sandboxes are pooled the same way
     opened.clear()
     sandboxes = Sandboxes("process", {}, opener=opener, pool_size=5)
-    await sandboxes.run(arith, request)
-    await sandboxes.aclose()
+    async with sandboxes.opened():
+        await sandboxes.run(arith, request)
     assert opened == [("process", {"pool_size": 5})]
 
 
@@ -143,9 +145,9 @@ async def test_sandbox_unavailable_asks_for_a_retry(tmp_path: Path) -> None:
 
     sandboxes = Sandboxes("process", opener=opener)
     # When the executor handles a group, Then it asks for the whole message to be retried
-    with pytest.raises(Retry, match="sandbox unavailable"):
-        await Executor(sandboxes).handle(_rollout(_program("print(1)"), _program("print(2)")))
-    await sandboxes.aclose()
+    async with sandboxes.opened():
+        with pytest.raises(Retry, match="sandbox unavailable"):
+            await Executor(sandboxes).handle(_rollout(_program("print(1)"), _program("print(2)")))
 
 
 async def test_outage_is_retried_by_the_runtime_then_published(
@@ -161,7 +163,7 @@ async def test_outage_is_retried_by_the_runtime_then_published(
     await Producer(client, names).publish(N.ROLLOUTS, [encode(_rollout(_program("print(5)")))])
     policies = Policies(retry=RetryPolicy(max_retries=20, backoff_s=0.05, max_backoff_s=0.2))
     settings = ConsumerSettings(block_ms=50)
-    async with open_stream_consumer(
+    async with sandboxes.opened(), open_stream_consumer(
         client, names, N.ROLLOUTS, stage="executor", settings=settings
     ) as consumer:
         runtime = ActorRuntime(consumer, Executor(sandboxes), policies, RuntimeSettings())
@@ -172,11 +174,52 @@ async def test_outage_is_retried_by_the_runtime_then_published(
             missing.mkdir()
             await wait_until(lambda: runtime.statistics().handled >= 1, 20)
             nursery.cancel_scope.cancel()
-    await sandboxes.aclose()
     shutil.rmtree(base)
     # Then the message was published once, with the program's output, and not dead-lettered
     stats = runtime.statistics()
     assert stats.dead_lettered == 0 and stats.retried >= 2
+    entries = await client.call(client.sync.xrange, names.stream(N.EXECUTED))
+    [executed] = [decode(fields[FIELD], Executed) for _, fields in entries]
+    assert executed.outcomes[0].stdout == "5\n", executed.outcomes
+
+
+def _runner_of(tag: str) -> int | None:
+    """The host pid of the runner whose command carries ``tag`` (its parent), or None."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if tag in " ".join(proc.info["cmdline"] or []):
+            return proc.ppid()
+    return None
+
+
+async def test_a_runner_killed_mid_run_is_retried_not_lost(
+    client: RedisClient, names: N.Names
+) -> None:
+    # Given the executor's opened sandboxes (resident bwrap sandboxes where they work) and a
+    # rollout whose program re-executes itself under a marker, then takes a while
+    tag = f"sbxmark-{uuid.uuid4().hex}"
+    program = (
+        "import os, sys, time\n"
+        f"if len(sys.argv) < 2: os.execv(sys.executable, [sys.executable, __file__, {tag!r}])\n"
+        "time.sleep(1.0)\n"
+        "print(5)"
+    )
+    await Producer(client, names).publish(N.ROLLOUTS, [encode(_rollout(_program(program)))])
+    policies = Policies(retry=RetryPolicy(max_retries=5, backoff_s=0.05, max_backoff_s=0.2))
+    sandboxes = Sandboxes("process", limits={"arith": DomainConfig(timeout_s=20)})
+    async with sandboxes.opened(), open_stream_consumer(
+        client, names, N.ROLLOUTS, stage="executor", settings=ConsumerSettings(block_ms=50)
+    ) as consumer:
+        runtime = ActorRuntime(consumer, Executor(sandboxes), policies, RuntimeSettings())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.serve)
+            # When the runner of the first attempt is killed while the command runs
+            runner = await wait_until(lambda: _runner_of(tag), 20)
+            os.kill(runner, signal.SIGKILL)
+            # Then the message is retried (the executor keeps serving) and then published
+            await wait_until(lambda: runtime.statistics().handled >= 1, 30)
+            nursery.cancel_scope.cancel()
+    stats = runtime.statistics()
+    assert stats.retried == 1 and stats.dead_lettered == 0, stats
     entries = await client.call(client.sync.xrange, names.stream(N.EXECUTED))
     [executed] = [decode(fields[FIELD], Executed) for _, fields in entries]
     assert executed.outcomes[0].stdout == "5\n", executed.outcomes

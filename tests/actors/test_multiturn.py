@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,8 @@ class ScriptedEngine:
 
 @dataclass
 class Replica:
-    """One actor on its input stream as a named consumer, killable (its cancel scope)."""
+    """One actor on its input stream as a named consumer, killable (its cancel scope); an
+    executor's sandboxes are opened for its life, as the executor's own ``serve`` does."""
 
     actor: Actor[Any]
     name: str
@@ -113,9 +115,12 @@ class Replica:
         policies = Policies(retry=RetryPolicy(self.max_retries, 0.05, 0.1),
                             time_limit_s=self.time_limit_s)
         with self.scope:
-            async with open_stream_consumer(client, names, self.actor.input_stream,
-                                            stage=self.actor.stage, consumer=self.name,
-                                            settings=settings) as consumer:
+            async with AsyncExitStack() as stack:
+                if isinstance(self.actor, Executor):
+                    await stack.enter_async_context(self.actor.sandboxes.opened())
+                consumer = await stack.enter_async_context(open_stream_consumer(
+                    client, names, self.actor.input_stream, stage=self.actor.stage,
+                    consumer=self.name, settings=settings))
                 self.runtime = ActorRuntime(consumer, self.actor, policies, RuntimeSettings(
                     concurrency=2, heartbeat_interval_s=0.2, reclaim_interval_s=0.2))
                 await self.runtime.serve(task_status=task_status)
@@ -361,26 +366,25 @@ async def test_sessions_are_released_on_every_exit_path(
     quick = ScriptedEngine(tokenizer, lambda turn, pos: fence("echo hi > f.txt"))
     idle = executor(idle_s=0.3)
     generator = Generator(quick, tokenizer)
-    for _ in range(2):
-        [rollout] = await generator.handle(
-            make_task("terminal", item, split="train", group_size=2, sampling=Sampling(),
-                      version=0))
-        [cont] = await idle.handle(rollout.message)  # type: ignore[arg-type]
-        assert cont.stream == N.TASKS
-    assert len(idle.sessions) == 4 and len(idle.sessions.episodes()) == 2
-    # When they stay idle past session_idle_s, Then the idle release closes them
-    async with trio.open_nursery() as nursery:
-        await nursery.start(idle.sessions.serve_idle_release)
-        await wait_until(lambda: not idle.sessions, 5)
-        nursery.cancel_scope.cancel()
-    # And closing the executor closes what is still cached
-    [rollout] = await generator.handle(make_task("terminal", item, split="train", group_size=2,
-                                                 sampling=Sampling(), version=0))
-    await idle.handle(rollout.message)  # type: ignore[arg-type]
-    assert len(idle.sessions) == 2
-    await idle.sessions.aclose()
-    await idle.sandboxes.aclose()
-    await ex.sandboxes.aclose()
+    async with idle.sandboxes.opened():
+        for _ in range(2):
+            [rollout] = await generator.handle(
+                make_task("terminal", item, split="train", group_size=2, sampling=Sampling(),
+                          version=0))
+            [cont] = await idle.handle(rollout.message)  # type: ignore[arg-type]
+            assert cont.stream == N.TASKS
+        assert len(idle.sessions) == 4 and len(idle.sessions.episodes()) == 2
+        # When they stay idle past session_idle_s, Then the idle release closes them
+        async with trio.open_nursery() as nursery:
+            await nursery.start(idle.sessions.serve_idle_release)
+            await wait_until(lambda: not idle.sessions, 5)
+            nursery.cancel_scope.cancel()
+        # And closing the executor closes what is still cached
+        [rollout] = await generator.handle(make_task("terminal", item, split="train",
+                                                     group_size=2, sampling=Sampling(), version=0))
+        await idle.handle(rollout.message)  # type: ignore[arg-type]
+        assert len(idle.sessions) == 2
+        await idle.sessions.aclose()
     assert len(idle.sessions) == 0 and sandbox_processes() == []
 
 
@@ -444,22 +448,22 @@ async def test_episode_state_that_does_not_fit_its_group_is_rejected(tokenizer: 
     [first] = await generator.handle(task)
     rollout = first.message
     ex = executor()
-    try:
-        # a continuation claiming one member for a group of two: dead-lettered, not guessed at
-        [cont] = await ex.handle(rollout)  # type: ignore[arg-type]
-        state = cont.message.episode  # type: ignore[attr-defined]
-        bad = msgspec.structs.replace(cont.message, episode=msgspec.structs.replace(
-            state, samples=state.samples[:1], ended=state.ended[:1]))
-        with pytest.raises(Reject, match="group of 2"):
-            await generator.handle(bad)
-        # a multi-turn rollout without its episode state
-        no_state = msgspec.structs.replace(rollout, task=msgspec.structs.replace(
-            rollout.task, episode=None))  # type: ignore[attr-defined]
-        with pytest.raises(Reject, match="without episode state"):
-            await ex.handle(no_state)
-    finally:
-        await ex.sessions.aclose()
-        await ex.sandboxes.aclose()
+    async with ex.sandboxes.opened():
+        try:
+            # a continuation claiming one member for a group of two: dead-lettered, not guessed at
+            [cont] = await ex.handle(rollout)  # type: ignore[arg-type]
+            state = cont.message.episode  # type: ignore[attr-defined]
+            bad = msgspec.structs.replace(cont.message, episode=msgspec.structs.replace(
+                state, samples=state.samples[:1], ended=state.ended[:1]))
+            with pytest.raises(Reject, match="group of 2"):
+                await generator.handle(bad)
+            # a multi-turn rollout without its episode state
+            no_state = msgspec.structs.replace(rollout, task=msgspec.structs.replace(
+                rollout.task, episode=None))  # type: ignore[attr-defined]
+            with pytest.raises(Reject, match="without episode state"):
+                await ex.handle(no_state)
+        finally:
+            await ex.sessions.aclose()
 
 
 def processes_with(marker: str) -> list[int]:
@@ -543,26 +547,26 @@ async def test_a_turn_without_a_command_keeps_the_previous_snapshot(tokenizer: A
                3: fence("cat log.txt") + "\n<done>"}
     generator = Generator(ScriptedEngine(tokenizer, lambda t, p: replies[t]), tokenizer)
     ex_a, ex_b = executor(), executor()
-    try:
-        [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=1,
-                                                sampling=Sampling(), version=0))
-        [c1] = await ex_a.handle(r1.message)  # type: ignore[arg-type]
-        [r2] = await generator.handle(c1.message)  # type: ignore[arg-type]
-        [c2] = await ex_a.handle(r2.message)  # type: ignore[arg-type]
-        # the reply without a command ran nothing and carried turn 1's snapshot over
-        snaps = (c1.message.episode.snapshots, c2.message.episode.snapshots)  # type: ignore[attr-defined]
-        assert snaps[0] == snaps[1] and snaps[0][0]
-        assert c2.message.episode.samples[0].turns[1].observation.startswith("No command")  # type: ignore[attr-defined]
-        # and another executor restores from it
-        [r3] = await generator.handle(c2.message)  # type: ignore[arg-type]
-        [done] = await ex_b.handle(r3.message)  # type: ignore[arg-type]
-        assert ex_b.sessions.restored == 1
-        last = done.message.rollout.samples[0].turns[2]  # type: ignore[attr-defined]
-        assert last.observation == "exit code 0\nstdout:\na"
-    finally:
-        for ex in (ex_a, ex_b):
-            await ex.sessions.aclose()
-            await ex.sandboxes.aclose()
+    async with ex_a.sandboxes.opened(), ex_b.sandboxes.opened():
+        try:
+            [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=1,
+                                                    sampling=Sampling(), version=0))
+            [c1] = await ex_a.handle(r1.message)  # type: ignore[arg-type]
+            [r2] = await generator.handle(c1.message)  # type: ignore[arg-type]
+            [c2] = await ex_a.handle(r2.message)  # type: ignore[arg-type]
+            # the reply without a command ran nothing and carried turn 1's snapshot over
+            snaps = (c1.message.episode.snapshots, c2.message.episode.snapshots)  # type: ignore[attr-defined]
+            assert snaps[0] == snaps[1] and snaps[0][0]
+            assert c2.message.episode.samples[0].turns[1].observation.startswith("No command")  # type: ignore[attr-defined]
+            # and another executor restores from it
+            [r3] = await generator.handle(c2.message)  # type: ignore[arg-type]
+            [done] = await ex_b.handle(r3.message)  # type: ignore[arg-type]
+            assert ex_b.sessions.restored == 1
+            last = done.message.rollout.samples[0].turns[2]  # type: ignore[attr-defined]
+            assert last.observation == "exit code 0\nstdout:\na"
+        finally:
+            for ex in (ex_a, ex_b):
+                await ex.sessions.aclose()
 
 
 async def test_a_redone_turn_never_replaces_the_published_state(tokenizer: Any) -> None:
@@ -571,26 +575,26 @@ async def test_a_redone_turn_never_replaces_the_published_state(tokenizer: Any) 
                2: fence("cat f.txt") + "\n<done>"}
     generator = Generator(ScriptedEngine(tokenizer, lambda t, p: replies[t]), tokenizer)
     ex = executor()
-    try:
-        [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=1,
-                                                sampling=Sampling(), version=0))
-        # Given turn 1 handled, published, then delivered again here and redone (its second
-        # hand-off would be dropped by the dedup key): the cached session now holds the redo
-        [published] = await ex.handle(r1.message)  # type: ignore[arg-type]
-        [redone] = await ex.handle(r1.message)  # type: ignore[arg-type]
-        first = published.message.episode.samples[0].turns[0].observation  # type: ignore[attr-defined]
-        again = redone.message.episode.samples[0].turns[0].observation  # type: ignore[attr-defined]
-        assert first != again and ex.sessions.restored == 0  # turn 1: fresh from the files
-        # When turn 2 comes from the published continuation
-        [r2] = await generator.handle(published.message)  # type: ignore[arg-type]
-        [done] = await ex.handle(r2.message)  # type: ignore[arg-type]
-        # Then the session was restored from the published snapshot, not the redo's state
-        assert ex.sessions.restored == 1
-        seen = done.message.rollout.samples[0].turns[1].observation  # type: ignore[attr-defined]
-        assert seen.split("stdout:\n")[1] == first.split("stdout:\n")[1]
-    finally:
-        await ex.sessions.aclose()
-        await ex.sandboxes.aclose()
+    async with ex.sandboxes.opened():
+        try:
+            [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=1,
+                                                    sampling=Sampling(), version=0))
+            # Given turn 1 handled, published, then delivered again here and redone (its second
+            # hand-off would be dropped by the dedup key): the cached session now holds the redo
+            [published] = await ex.handle(r1.message)  # type: ignore[arg-type]
+            [redone] = await ex.handle(r1.message)  # type: ignore[arg-type]
+            first = published.message.episode.samples[0].turns[0].observation  # type: ignore[attr-defined]
+            again = redone.message.episode.samples[0].turns[0].observation  # type: ignore[attr-defined]
+            assert first != again and ex.sessions.restored == 0  # turn 1: fresh from the files
+            # When turn 2 comes from the published continuation
+            [r2] = await generator.handle(published.message)  # type: ignore[arg-type]
+            [done] = await ex.handle(r2.message)  # type: ignore[arg-type]
+            # Then the session was restored from the published snapshot, not the redo's state
+            assert ex.sessions.restored == 1
+            seen = done.message.rollout.samples[0].turns[1].observation  # type: ignore[attr-defined]
+            assert seen.split("stdout:\n")[1] == first.split("stdout:\n")[1]
+        finally:
+            await ex.sessions.aclose()
 
 
 async def test_the_token_budget_ends_members_and_bounds_the_context(tokenizer: Any) -> None:
@@ -612,28 +616,28 @@ async def test_the_token_budget_ends_members_and_bounds_the_context(tokenizer: A
     task = make_task("terminal_budget_test", item, split="train", group_size=2,
                      sampling=Sampling(max_new_tokens=64), version=0)
     out = None
-    try:
-        for _ in range(20):  # the loop the streams run, turn by turn
-            [rollout] = await generator.handle(task)
-            [out] = await ex.handle(rollout.message)  # type: ignore[arg-type]
-            if out.stream == N.EXECUTED:
-                break
-            task = out.message  # type: ignore[assignment]
-        assert out is not None and out.stream == N.EXECUTED
-        executed = out.message
-        ep = executed.rollout.task.episode  # type: ignore[attr-defined]
-        # Then every member ended on the budget, its context never over it, and the reply
-        # that did not fit was cut to the room left (finish "length"), still masked as the
-        # model's
-        assert ep.ended == ["budget", "budget"] and len(ex.sessions) == 0
-        for s in executed.rollout.samples:  # type: ignore[attr-defined]
-            assert prompt_len + len(bytes_to_ids(s.tokens)) == budget
-            assert len(s.turns) == 2 and s.finish_reason == "length"
-            assert int(np.frombuffer(s.mask, np.uint8).sum()) == reply + reply // 2
-            assert s.turns[1].text == tokenizer.decode(engine.reply_ids(step)[: reply // 2],
-                                                       skip_special_tokens=True)
-    finally:
-        await ex.sessions.aclose()
-        await ex.sandboxes.aclose()
-        registry._factories.pop("terminal_budget_test", None)  # other tests list domains
-        registry._instances.pop("terminal_budget_test", None)
+    async with ex.sandboxes.opened():
+        try:
+            for _ in range(20):  # the loop the streams run, turn by turn
+                [rollout] = await generator.handle(task)
+                [out] = await ex.handle(rollout.message)  # type: ignore[arg-type]
+                if out.stream == N.EXECUTED:
+                    break
+                task = out.message  # type: ignore[assignment]
+            assert out is not None and out.stream == N.EXECUTED
+            executed = out.message
+            ep = executed.rollout.task.episode  # type: ignore[attr-defined]
+            # Then every member ended on the budget, its context never over it, and the reply
+            # that did not fit was cut to the room left (finish "length"), still masked as the
+            # model's
+            assert ep.ended == ["budget", "budget"] and len(ex.sessions) == 0
+            for s in executed.rollout.samples:  # type: ignore[attr-defined]
+                assert prompt_len + len(bytes_to_ids(s.tokens)) == budget
+                assert len(s.turns) == 2 and s.finish_reason == "length"
+                assert int(np.frombuffer(s.mask, np.uint8).sum()) == reply + reply // 2
+                assert s.turns[1].text == tokenizer.decode(engine.reply_ids(step)[: reply // 2],
+                                                           skip_special_tokens=True)
+        finally:
+            await ex.sessions.aclose()
+            registry._factories.pop("terminal_budget_test", None)  # other tests list domains
+            registry._instances.pop("terminal_budget_test", None)

@@ -47,13 +47,13 @@ async def test_every_turn_of_an_episode_stays_on_its_server(tmp_path: Path) -> N
                         return
                     task = out.message
 
-            try:
-                async with trio.open_nursery() as nursery:  # both episodes at once
-                    for t in tasks:
-                        nursery.start_soon(play, t)
-            finally:
-                await ex.sessions.aclose()
-                await ex.sandboxes.aclose()
+            async with ex.sandboxes.opened():
+                try:
+                    async with trio.open_nursery() as nursery:  # both episodes at once
+                        for t in tasks:
+                            nursery.start_soon(play, t)
+                finally:
+                    await ex.sessions.aclose()
             sessions = set(engine._sticky)
     finally:
         for s in servers:

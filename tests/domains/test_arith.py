@@ -12,7 +12,7 @@ from streamrl.domains.arith.generate import make_splits, write_splits
 from streamrl.domains.registry import ENTRY_POINT_GROUP, get_domain
 from streamrl.learner.model import load_tokenizer, resolve_model
 from streamrl.sandbox.base import ExecResult
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 
 ITEM = ArithItem(id="t-1", prompt="Write a Python program that prints the sum of 29 and 21.",
                  answer="50", kind="add2")
@@ -25,9 +25,8 @@ def domain() -> Arith:
 
 @pytest.fixture
 async def box():  # type: ignore[no-untyped-def]
-    sandbox = ProcessSandbox()
-    yield sandbox
-    await sandbox.aclose()
+    async with open_process_sandbox() as sandbox:
+        yield sandbox
 
 
 async def reward(domain: Arith, box: ProcessSandbox, item: ArithItem, text: str) -> float:

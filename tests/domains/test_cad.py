@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import AsyncIterator
 
 import pytest
 import trio
@@ -17,7 +18,7 @@ from streamrl.domains.cad.domain import nonce
 from streamrl.domains.cad.runtime import install
 from streamrl.domains.registry import get_domain
 from streamrl.sandbox.base import ExecResult
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 
 HEAD = "from manifold3d import Manifold\nimport numpy as np\n"
 SAVE = ('mesh = shape.to_mesh()\n'
@@ -30,9 +31,10 @@ def cad() -> Cad:
     return Cad(script_timeout_s=6.0)
 
 
-@pytest.fixture(scope="module")
-def box() -> ProcessSandbox:
-    return ProcessSandbox()
+@pytest.fixture
+async def box() -> AsyncIterator[ProcessSandbox]:
+    async with open_process_sandbox() as sandbox:
+        yield sandbox
 
 
 def fenced(source: str) -> str:

@@ -11,7 +11,7 @@ import pytest
 from streamrl.domains.code import Case, Code, CodeItem, nonce
 from streamrl.domains.code.generate import make_splits, write_splits
 from streamrl.domains.registry import get_domain
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 
 UID_BASE = 300_000 + (os.getpid() % 500) * 1024
 
@@ -38,9 +38,8 @@ async def box():  # type: ignore[no-untyped-def]
     # a uid range of our own: ProcessSandbox instances of other processes (other test runs in
     # parallel) lease the same uids from the top of the default pool, and in isolation
     # "none" their clean-up kills every process of a uid
-    sandbox = ProcessSandbox(uid_base=UID_BASE)
-    yield sandbox
-    await sandbox.aclose()
+    async with open_process_sandbox(uid_base=UID_BASE) as sandbox:
+        yield sandbox
 
 
 async def reward(domain: Code, box: ProcessSandbox, text: str, item: CodeItem = ITEM) -> float:

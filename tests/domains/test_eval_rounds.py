@@ -95,13 +95,12 @@ async def play_round(ctx: ActorContext, client: RedisClient, names: N.Names, rou
         assert verified.stream == N.TRAJECTORIES
         await Producer(client, names).publish(N.TRAJECTORIES, [encode(verified.message)])
 
-    async with trio.open_nursery() as nursery:
+    async with executor.sandboxes.opened(), trio.open_nursery() as nursery:
         for task in tasks:
             nursery.start_soon(one, task)
         if round_no == 0:
             for task in {t.domain: t for t in tasks if t.domain in TRAINED}.values():
                 nursery.start_soon(train_one, task)
-    await executor.sandboxes.aclose()
     await Producer(client, names).publish(N.EVALS, out)
     return tasks, seen + len(tasks)
 

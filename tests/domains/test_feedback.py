@@ -27,7 +27,7 @@ from streamrl.domains.feedback import (
 )
 from streamrl.domains.kinds import TestResult as Result
 from streamrl.domains.template import DeclarationError
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 
 UID_BASE = 360_000 + (os.getpid() % 500) * 1024
 
@@ -48,9 +48,8 @@ def fb(**options: Any) -> FeedbackConfig:
 
 @pytest.fixture
 async def box() -> AsyncIterator[ProcessSandbox]:
-    sandbox = ProcessSandbox(uid_base=UID_BASE)
-    yield sandbox
-    await sandbox.aclose()
+    async with open_process_sandbox(uid_base=UID_BASE) as sandbox:
+        yield sandbox
 
 
 async def play(box: ProcessSandbox, domain: Any, item: Any, replies: list[str]

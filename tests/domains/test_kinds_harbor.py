@@ -16,7 +16,7 @@ from streamrl.domains.kinds import KINDS, Record
 from streamrl.domains.kinds.examples import HARBOR_TASKS, write_harbor_example
 from streamrl.domains.kinds.harbor import Harbor, load_harbor
 from streamrl.domains.kinds.harbor_harness import rewrite
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 
 UID_BASE = 370_000 + (os.getpid() % 500) * 1024
 VERIFIER = Harbor(solution_timeout_s=3.0, test_timeout_s=5.0)
@@ -24,9 +24,8 @@ VERIFIER = Harbor(solution_timeout_s=3.0, test_timeout_s=5.0)
 
 @pytest.fixture
 async def box():  # type: ignore[no-untyped-def]
-    sandbox = ProcessSandbox(uid_base=UID_BASE)
-    yield sandbox
-    await sandbox.aclose()
+    async with open_process_sandbox(uid_base=UID_BASE) as sandbox:
+        yield sandbox
 
 
 @pytest.fixture(scope="module")

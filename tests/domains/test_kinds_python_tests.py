@@ -13,7 +13,7 @@ from streamrl.domains.kinds import KINDS, Record
 from streamrl.domains.kinds import pytests as _pytests  # noqa: F401  (registers the kind)
 from streamrl.domains.kinds.humaneval import load_humaneval
 from streamrl.domains.kinds.pytests import PythonTests
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 
 UID_BASE = 330_000 + (os.getpid() % 500) * 1024
 
@@ -31,9 +31,8 @@ MBPP = Record(id="mbpp-1", prompt="Write a function to square a number.",
 
 @pytest.fixture
 async def box():  # type: ignore[no-untyped-def]
-    sandbox = ProcessSandbox(uid_base=UID_BASE)
-    yield sandbox
-    await sandbox.aclose()
+    async with open_process_sandbox(uid_base=UID_BASE) as sandbox:
+        yield sandbox
 
 
 async def run(box: ProcessSandbox, completion: str, item: Record = ITEM,

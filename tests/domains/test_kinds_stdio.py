@@ -15,7 +15,7 @@ from streamrl.domains.kinds import stdio as _stdio  # noqa: F401  (registers the
 from streamrl.domains.kinds.examples import stdio_rows
 from streamrl.domains.kinds.stdio import Stdio
 from streamrl.domains.kinds.stdio_harness import same_output
-from streamrl.sandbox.process import ProcessSandbox
+from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 
 UID_BASE = 350_000 + (os.getpid() % 500) * 1024
 
@@ -29,9 +29,8 @@ RIGHT = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
 
 @pytest.fixture
 async def box():  # type: ignore[no-untyped-def]
-    sandbox = ProcessSandbox(uid_base=UID_BASE)
-    yield sandbox
-    await sandbox.aclose()
+    async with open_process_sandbox(uid_base=UID_BASE) as sandbox:
+        yield sandbox
 
 
 async def run(box: ProcessSandbox, completion: str, item: Record = ITEM,

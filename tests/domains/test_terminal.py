@@ -21,7 +21,7 @@ from streamrl.domains.registry import get_domain
 from streamrl.domains.terminal import Terminal, TerminalItem, extract_command
 from streamrl.domains.terminal.domain import MAX_OBSERVATION
 from streamrl.domains.terminal.generate import make_splits
-from streamrl.sandbox import ProcessSandbox
+from streamrl.sandbox import ProcessSandbox, opened
 from streamrl.sandbox.base import ExecResult, SandboxSession
 
 DOMAIN = Terminal()
@@ -29,9 +29,8 @@ DOMAIN = Terminal()
 
 @pytest.fixture
 async def sandbox() -> AsyncIterator[ProcessSandbox]:
-    box = ProcessSandbox()
-    yield box
-    await box.aclose()
+    async with opened(ProcessSandbox()) as box:
+        yield box
 
 
 def item_of(kind: str) -> TerminalItem:

