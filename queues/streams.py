@@ -469,7 +469,8 @@ class StreamConsumer:
         entry that references them; ``key`` named by :attr:`names`)."""
         if not fields:
             return []
-        return list(await self.client.call(self.client.sync.hmget, key, fields))
+        values: Any = await self.client.call(self.client.sync.hmget, key, fields)
+        return list(values)
 
     async def ack(self, entry_ids: list[str]) -> None:
         """Acknowledge entries without publishing anything (idempotent). For a hand-off whose
