@@ -30,6 +30,11 @@ from typing import Any
 import msgspec
 
 
+MAX_PROMPT_CHARS = 3000
+"""What configs/gym.toml keeps of a prompt (prompt + 96 new tokens within the small models'
+2048 positions): a data set whose items are all longer does not work as a domain there."""
+
+
 def check(name: str, items: int, curriculum: bool) -> dict[str, Any]:
     from streamrl.config.schema import CurriculumConfig, DomainConfig, SplitConfig
     from streamrl.domains.gym import ReasoningGymDomain
@@ -38,14 +43,16 @@ def check(name: str, items: int, curriculum: bool) -> dict[str, Any]:
     t0 = time.monotonic()
     split = SplitConfig(train_size=items, eval_size=items)
     cfg = DomainConfig(kind="reasoning_gym", dataset=name, split=split,
-                       curriculum=CurriculumConfig(threshold=0.5 if curriculum else 0.0))
+                       curriculum=CurriculumConfig(threshold=0.5 if curriculum else 0.0),
+                       max_prompt_chars=MAX_PROMPT_CHARS)
     domain = ReasoningGymDomain(name, cfg)
     levels = domain.levels()
     batches = {"eval": domain.load_items("eval"), "train": domain.load_items("train")}
     if levels > 1:  # the curriculum's top level: the hardest items it generates
         batches[f"level{levels - 1}"] = domain.level_items(levels - 1)
     if not batches["train"] or not batches["eval"]:
-        return {"ok": False, "reason": "no items", "levels": levels}
+        return {"ok": False, "levels": levels,
+                "reason": f"no items of at most {MAX_PROMPT_CHARS} prompt characters in a split"}
     if {r.prompt for r in batches["train"]} & {r.prompt for r in batches["eval"]}:
         return {"ok": False, "reason": "train and eval share a prompt", "levels": levels}
     verifier = ReasoningGymDomain(name, cfg)  # as in another process: its own generators
@@ -172,7 +179,7 @@ progress_interval_s = 15
     for n in names:
         table = (f'\n[domain.{n}]\nkind = "reasoning_gym"\ndataset = "{n}"\n'
                  f'split = {{ train_size = {sizes[n]}, eval_size = 4 }}\n'
-                 f'max_prompt_chars = 3000   # prompt + 96 new tokens within 2048 positions\n')
+                 f'max_prompt_chars = {MAX_PROMPT_CHARS}   # prompt + 96 new tokens within 2048 positions\n')
         if curriculum.get(n, 1) > 1:
             table += "curriculum = { threshold = 0.7, min_groups = 8 }\n"
         tables.append(table)

@@ -149,7 +149,8 @@ class ReasoningGymDomain:
                         id=f"{self.dataset}/{split}/{i}",
                         prompt=str(entry["question"]),
                         answer=_plain(entry["answer"]),
-                        extra={"level": level, "index": i},
+                        extra={"level": level, "index": i,
+                               "metadata": _plain(entry.get("metadata", {}))},
                     )
                 except Exception as exc:
                     raise DeclarationError(f"domain {self.name!r}: reasoning_gym "
@@ -197,24 +198,27 @@ class ReasoningGymDomain:
         return None
 
     def entry(self, item: Record) -> dict[str, Any]:
-        """The reasoning-gym entry of ``item``, generated again (deterministic: the data set's
-        seed and the item's index), so its scorer gets the metadata with its own types
-        (tuples, numpy values, big integers) that the wire could not carry. ``ValueError``
-        if the item is not what this process generates (a config that differs between
-        processes of the run: a deployment error, not something the model did)."""
+        """The reasoning-gym entry of ``item``: generated again (the data set's seed and the
+        item's index) where this process generates the same question, so its scorer gets the
+        metadata with its own types (tuples, numpy values, big integers) that the wire could
+        not carry; else the entry the item carries (question, answer, metadata as wire
+        builtins). Some generators are not the same in every process: they iterate sets or
+        print sympy expressions, whose order follows the per-process hash seed
+        (``isomorphic_strings``, ``ransom_note``, ``polynomial_multiplication``,
+        ``decimal_chain_sum``), so a question another process generated is scored as it was
+        asked, like the items of every other kind, whose answer travels in the task."""
         level, index = int(item.extra.get("level", EVAL)), int(item.extra.get("index", -1))
         key = (level, index)
         if key not in self._entries:
             generator = self._generator(level)
-            if not 0 <= index < len(generator):
-                raise ValueError(f"domain {self.name!r}: item {item.id!r} has no index here")
-            if len(self._entries) > 4096:
-                self._entries.clear()
-            self._entries[key] = generator[index]
-        entry: dict[str, Any] = self._entries[key]
-        if str(entry["question"]) != item.prompt:
-            raise ValueError(f"domain {self.name!r}: item {item.id!r} is not the one this "
-                             f"process generates (do all processes read the same config?)")
+            if 0 <= index < len(generator):
+                if len(self._entries) > 4096:
+                    self._entries.clear()
+                self._entries[key] = generator[index]
+        entry: dict[str, Any] | None = self._entries.get(key)
+        if entry is None or str(entry["question"]) != item.prompt:
+            return {"question": item.prompt, "answer": item.answer,
+                    "metadata": item.extra.get("metadata", {})}
         return entry
 
     def score(self, item: Record, completion_text: str, result: ExecResult | None) -> float:
