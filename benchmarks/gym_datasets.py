@@ -29,7 +29,6 @@ from typing import Any
 
 import msgspec
 
-
 MAX_PROMPT_CHARS = 3000
 """What configs/gym.toml keeps of a prompt (prompt + 96 new tokens within the small models'
 2048 positions): a data set whose items are all longer does not work as a domain there."""
