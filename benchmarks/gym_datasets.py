@@ -178,7 +178,8 @@ progress_interval_s = 15
     for n in names:
         table = (f'\n[domain.{n}]\nkind = "reasoning_gym"\ndataset = "{n}"\n'
                  f'split = {{ train_size = {sizes[n]}, eval_size = 4 }}\n'
-                 f'max_prompt_chars = {MAX_PROMPT_CHARS}   # prompt + 96 new tokens within 2048 positions\n')
+                 f'max_prompt_chars = {MAX_PROMPT_CHARS}'
+                 '   # prompt + 96 new tokens within 2048 positions\n')
         if curriculum.get(n, 1) > 1:
             table += "curriculum = { threshold = 0.7, min_groups = 8 }\n"
         tables.append(table)
