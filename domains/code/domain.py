@@ -32,6 +32,7 @@ import msgspec
 
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
 from streamrl.domains.kinds import TestResult
+from streamrl.domains.kinds.harness_host import report_body
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -126,13 +127,8 @@ class Code(SplitFiles):
 def _report(item: CodeItem, completion_text: str, result: ExecResult | None) -> list[Any] | None:
     """The harness's list (one entry per test) if the run printed exactly its one line under
     the right nonce with exit code 0, else None."""
-    if result is None or result.timed_out or result.exit_code != 0:
-        return None
-    lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
-    if len(lines) != 1 or result.stdout_dropped:
-        return None
-    head, _, body = lines[0].partition(" ")
-    if not hmac.compare_digest(head, nonce(item, completion_text)):
+    body = report_body(result, nonce(item, completion_text))
+    if body is None:
         return None
     try:
         found = json.loads(body)

@@ -30,10 +30,7 @@ Options: ``solution_timeout_s`` (30), ``test_timeout_s`` (30), ``workdir`` (``/a
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
-import os
 import re
 import tomllib
 from collections.abc import Collection, Mapping
@@ -41,16 +38,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from streamrl.domains.base import SandboxSpec
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
-from streamrl.domains.kinds.pytests import KEY_ENV
+from streamrl.domains.kinds.harness_host import (
+    decode_report,
+    harness_files,
+    harness_request,
+    report_nonce,
+)
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 HARNESS = ".harbor_harness.py"
-HARNESS_SOURCE = (Path(__file__).parent / "harbor_harness.py").read_bytes()
 IMAGE_FILES = {"Dockerfile", "docker-compose.yaml", "docker-compose.yml"}
 MAX_TASK_BYTES = 4 << 20
 _MARGIN_S = 5.0
@@ -156,7 +155,7 @@ class Harbor:
         return SandboxSpec(limits=Limits(
             timeout_s=timeout_s, memory_mb=self.memory_mb, cpu_s=int(timeout_s) + 1,
             max_processes=64, max_file_mb=16, output_bytes=256 << 10),
-            files={HARNESS: HARNESS_SOURCE})
+            files=harness_files("harbor_harness.py", HARNESS))
 
     def check_item(self, item: Record) -> None:
         tests = _b64_files(item.tests, "tests", item)
@@ -165,10 +164,8 @@ class Harbor:
         _b64_files(item.extra.get("environment", {}), "environment", item)
 
     def nonce(self, item: Record, completion: str) -> str:
-        key = os.environ.get(KEY_ENV, "").encode() or hashlib.sha256(
-            json.dumps(item.tests, sort_keys=True).encode()).digest()
-        msg = item.id.encode() + b"\0" + completion.encode("utf-8", "replace")
-        return hmac.new(key, msg, hashlib.sha256).hexdigest()
+        return report_nonce(item.id, completion,
+                            json.dumps(item.tests, sort_keys=True).encode())
 
     def _timeout(self, item: Record, key: str, cap: float) -> float:
         own = float(item.extra.get(key) or 0)
@@ -191,26 +188,13 @@ class Harbor:
             "max_tail": 2000,
         }
         sandbox = self.sandbox
-        return ExecRequest(argv=["python3", "-I", HARNESS], files={**files, **sandbox.files},
-                           stdin=json.dumps(spec).encode(), limits=sandbox.limits)
+        return harness_request(HARNESS, spec, sandbox.limits, {**files, **sandbox.files})
 
     def report(self, item: Record, completion: str,
                result: ExecResult | None) -> dict[str, Any] | None:
         """The harness's report (the solution's and test.sh's exit, tails, the reward), or
         None when the run produced no trustworthy one."""
-        if result is None or result.timed_out or result.exit_code != 0:
-            return None
-        lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
-        if len(lines) != 1 or result.stdout_dropped:
-            return None
-        head, _, body = lines[0].partition(" ")
-        if not hmac.compare_digest(head, self.nonce(item, completion)):
-            return None
-        try:
-            report = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            return None
-        return report if isinstance(report, dict) else None
+        return decode_report(result, self.nonce(item, completion), dict[str, Any])
 
     def test_results(self, item: Record, completion: str,
                      result: ExecResult | None) -> list[TestResult]:

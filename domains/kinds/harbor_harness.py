@@ -33,58 +33,23 @@ verifier user is needed for that).
 
 import base64
 import contextlib
-import ctypes
 import json
 import math
 import os
 import re
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
+import types
 
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+# harness_common.py from beside this file (hidden beside a hidden harness), read as source:
+# never through sys.path (the work dir is the model's), never from a cached .pyc
+_HERE, _NAME = os.path.split(os.path.abspath(__file__))
+common = types.ModuleType("harness_common")
+with open(os.path.join(_HERE, ("." if _NAME.startswith(".") else "") + "harness_common.py")) as _f:
+    exec(compile(_f.read(), _f.name, "exec"), common.__dict__)
 PATH = "/usr/local/bin:/usr/bin:/bin"
-
-
-def descendants():
-    """Every live process below this one (it is their subreaper: orphans stay below it)."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if fields and fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            found.append(pid)
-            todo.append(pid)
-    return found
-
-
-def kill_descendants():
-    """SIGKILL everything below this process until nothing is left; reap. False if not."""
-    for _ in range(1000):
-        pids = descendants()
-        if not pids:
-            return True
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        time.sleep(0.001)
-    return False
 
 
 def run(argv, env, timeout_s, max_tail):
@@ -95,40 +60,11 @@ def run(argv, env, timeout_s, max_tail):
                             env=env, cwd=os.getcwd())
     bufs = {proc.stdout.fileno(): bytearray(), proc.stderr.fileno(): bytearray()}
     tails = list(bufs.values())
-    deadline, timed_out = time.monotonic() + timeout_s, False
-    while proc.poll() is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            timed_out = True
-            break
-        _read(select.select(list(bufs), [], [], min(left, 0.01))[0], bufs, max_tail)
-    with contextlib.suppress(OSError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    code = proc.wait()
-    clean = kill_descendants()
-    while bufs:  # every writer is dead: drain to EOF
-        readable = select.select(list(bufs), [], [], 1.0)[0]
-        if not readable:
-            break
-        _read(readable, bufs, max_tail)
-    proc.stdout.close()
-    proc.stderr.close()
+    timed_out, code, clean = common.watch(proc, bufs, dict.fromkeys(bufs, max_tail), timeout_s)
     return {"exit": None if timed_out else (code if code >= 0 else 128 - code),
             "timed_out": timed_out, "clean": clean,
             "stdout": tails[0][-max_tail:].decode("utf-8", "replace"),
             "stderr": tails[1][-max_tail:].decode("utf-8", "replace")}
-
-
-def _read(readable, bufs, max_tail):
-    for fd in readable:
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            del bufs[fd]
-            continue
-        buf = bufs[fd]
-        buf += chunk
-        if len(buf) > 4 * max_tail:
-            del buf[:-max_tail]
 
 
 def rewrite(text, paths):
@@ -156,12 +92,10 @@ def stage(files, root, paths):
 def read_reward(logs):
     """The reward in ``logs/verifier``: reward.txt, else reward.json's ``reward``; None."""
     for name in ("reward.txt", "reward.json"):
-        try:
-            fd = os.open(os.path.join(logs, "verifier", name), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+        data = common.read_file(os.path.join(logs, "verifier", name), 4096)
+        if data is None:
             continue
-        with os.fdopen(fd, "rb") as f:
-            text = f.read(4096).decode("utf-8", "replace").strip()
+        text = data.decode("utf-8", "replace").strip()
         try:
             value = float(json.loads(text).get("reward")) if name.endswith(".json") \
                 else float(text)
@@ -196,16 +130,12 @@ def trial(spec):
 
 def main():
     spec = json.loads(sys.stdin.buffer.read())
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None)
-        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    common.harden()
     try:
         report = trial(spec)
     except OSError as exc:  # the script filled /tmp, exhausted processes...
         report = {"error": f"{type(exc).__name__}: {exc}"}
-    sys.stdout.write(spec["nonce"] + " " + json.dumps(report) + "\n")
-    sys.stdout.flush()
+    common.report(spec["nonce"], report)
 
 
 if __name__ == "__main__":

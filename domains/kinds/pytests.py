@@ -26,26 +26,23 @@ Options: ``per_test_timeout_s`` (2.0), ``timeout_s`` (the whole run's sandbox li
 from __future__ import annotations
 
 import ast
-import hashlib
-import hmac
-import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from streamrl.domains.base import SandboxSpec
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
+from streamrl.domains.kinds.harness_host import (
+    decode_report,
+    harness_files,
+    harness_request,
+    report_nonce,
+)
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 HARNESS = "pytests_harness.py"
-HARNESS_SOURCE = (Path(__file__).parent / HARNESS).read_bytes()
-KEY_ENV = "STREAMRL_VERIFY_KEY"
 MAX_MESSAGE = 500
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _ASSERT_CALL = re.compile(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?\s*([A-Za-z_]\w*)\s*\(")
@@ -88,7 +85,7 @@ class PythonTests:
     sandbox: SandboxSpec = field(default_factory=lambda: SandboxSpec(
         limits=Limits(timeout_s=30.0, memory_mb=512, cpu_s=30, max_processes=32,
                       max_file_mb=4, output_bytes=256 << 10),
-        files={HARNESS: HARNESS_SOURCE}))
+        files=harness_files(HARNESS)))
 
     def entry(self, item: Record) -> str:
         entry = item.extra.get(self.entry_field)
@@ -106,10 +103,7 @@ class PythonTests:
             raise ValueError(f"item {item.id!r}: no entry point (extra[{self.entry_field!r}])")
 
     def nonce(self, item: Record, completion: str) -> str:
-        key = os.environ.get(KEY_ENV, "").encode() or hashlib.sha256(
-            test_program(item).encode()).digest()
-        msg = item.id.encode() + b"\0" + completion.encode("utf-8", "replace")
-        return hmac.new(key, msg, hashlib.sha256).hexdigest()
+        return report_nonce(item.id, completion, test_program(item).encode())
 
     def program(self, item: Record, completion: str) -> str:
         code, prompt = extract_code(completion), item.prompt
@@ -133,25 +127,13 @@ class PythonTests:
             "timeout_s": self.per_test_timeout_s,
             "max_message": MAX_MESSAGE,
         }
-        return ExecRequest(argv=["python3", "-I", HARNESS], files=dict(self.sandbox.files),
-                           stdin=json.dumps(spec).encode(), limits=self.sandbox.limits)
+        return harness_request(HARNESS, spec, self.sandbox.limits, self.sandbox.files)
 
     def test_results(
         self, item: Record, completion: str, result: ExecResult | None
     ) -> list[TestResult]:
         """Each test's result, or [] when the run produced no trustworthy report."""
-        if result is None or result.timed_out or result.exit_code != 0:
-            return []
-        lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
-        if len(lines) != 1 or result.stdout_dropped:
-            return []
-        head, _, body = lines[0].partition(" ")
-        if not hmac.compare_digest(head, self.nonce(item, completion)):
-            return []
-        try:
-            return msgspec.json.decode(body, type=list[TestResult])
-        except msgspec.DecodeError:
-            return []
+        return decode_report(result, self.nonce(item, completion), list[TestResult]) or []
 
     def score(self, item: Record, completion: str, result: ExecResult | None) -> float:
         results = self.test_results(item, completion, result)

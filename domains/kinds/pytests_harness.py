@@ -30,7 +30,6 @@ call is an error), and tests that read a mutation the candidate made to its argu
 import ast
 import builtins
 import contextlib
-import ctypes
 import json
 import os
 import select
@@ -39,6 +38,14 @@ import subprocess
 import sys
 import time
 import traceback
+import types
+
+# harness_common.py from beside this file (hidden beside a hidden harness), read as source:
+# never through sys.path (the work dir is the model's), never from a cached .pyc
+_HERE, _NAME = os.path.split(os.path.abspath(__file__))
+common = types.ModuleType("harness_common")
+with open(os.path.join(_HERE, ("." if _NAME.startswith(".") else "") + "harness_common.py")) as _f:
+    exec(compile(_f.read(), _f.name, "exec"), common.__dict__)
 
 CODEC = r'''
 import math
@@ -261,11 +268,8 @@ def run_tests(spec):
 
 def main():
     spec = json.loads(sys.stdin.buffer.read())
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
-    results = run_tests(spec)
-    sys.stdout.write(spec["nonce"] + " " + json.dumps(results) + "\n")
-    sys.stdout.flush()
+    common.harden(subreaper=False)
+    common.report(spec["nonce"], run_tests(spec))
 
 
 if __name__ == "__main__":

@@ -36,10 +36,7 @@ Options: ``test_timeout_s`` (60), ``memory_mb`` (1024), ``partial`` (false), ``c
 from __future__ import annotations
 
 import base64
-import hashlib
-import hmac
 import json
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -51,13 +48,17 @@ import msgspec
 from streamrl.domains.base import SandboxSpec
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
-from streamrl.domains.kinds.pytests import KEY_ENV
+from streamrl.domains.kinds.harness_host import (
+    decode_report,
+    harness_files,
+    harness_request,
+    report_nonce,
+)
 from streamrl.domains.repo.files import apply_diff, clean_path, repo_files
 from streamrl.domains.tools.standard import ToolRefused
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 HARNESS = ".repo_tests_harness.py"
-HARNESS_SOURCE = (Path(__file__).parent / "repo_tests_harness.py").read_bytes()
 FINAL = "\x00the work dir as the model left it\x00"
 """The completion stand-in in the nonce of :meth:`RepoTests.final_request`."""
 _MARGIN_S = 10.0
@@ -105,7 +106,7 @@ class RepoTests:
         return SandboxSpec(limits=Limits(
             timeout_s=timeout_s, memory_mb=self.memory_mb, cpu_s=int(timeout_s) + 1,
             max_processes=64, max_file_mb=self.max_repo_mb, max_open_files=512,
-            output_bytes=4 << 20), files={HARNESS: HARNESS_SOURCE})
+            output_bytes=4 << 20), files=harness_files("repo_tests_harness.py", HARNESS))
 
     # -- the item ---------------------------------------------------------------------
 
@@ -177,10 +178,8 @@ class RepoTests:
     # -- running ------------------------------------------------------------------------
 
     def nonce(self, item: Record, completion: str) -> str:
-        key = os.environ.get(KEY_ENV, "").encode() or hashlib.sha256(json.dumps(
-            [item.tests, item.extra.get("FAIL_TO_PASS")], sort_keys=True).encode()).digest()
-        msg = item.id.encode() + b"\0" + completion.encode("utf-8", "replace")
-        return hmac.new(key, msg, hashlib.sha256).hexdigest()
+        return report_nonce(item.id, completion, json.dumps(
+            [item.tests, item.extra.get("FAIL_TO_PASS")], sort_keys=True).encode())
 
     def _request(self, item: Record, completion: str, base: Mapping[str, bytes],
                  files: dict[str, bytes]) -> ExecRequest:
@@ -197,8 +196,7 @@ class RepoTests:
             "max_files": 20_000,
         }
         sandbox = self.sandbox
-        return ExecRequest(argv=["python3", "-I", HARNESS], files={**files, **sandbox.files},
-                           stdin=json.dumps(spec).encode(), limits=sandbox.limits)
+        return harness_request(HARNESS, spec, sandbox.limits, {**files, **sandbox.files})
 
     def exec_request(self, item: Record, completion: str) -> ExecRequest | None:
         """Single-turn: the completion's diff applied to the repository, then judged."""
@@ -226,19 +224,7 @@ class RepoTests:
     def report(self, item: Record, completion: str,
                result: ExecResult | None) -> dict[str, Any] | None:
         """The harness's report, or None when the run produced no trustworthy one."""
-        if result is None or result.timed_out or result.exit_code != 0:
-            return None
-        lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
-        if len(lines) != 1 or result.stdout_dropped:
-            return None
-        head, _, body = lines[0].partition(" ")
-        if not hmac.compare_digest(head, self.nonce(item, completion)):
-            return None
-        try:
-            report = msgspec.json.decode(body)
-        except msgspec.DecodeError:
-            return None
-        return report if isinstance(report, dict) else None
+        return decode_report(result, self.nonce(item, completion), dict[str, Any])
 
     def test_results(self, item: Record, completion: str,
                      result: ExecResult | None) -> list[TestResult]:

@@ -45,66 +45,29 @@ process boundary.
 """
 
 import base64
-import contextlib
-import ctypes
 import json
 import os
-import secrets
-import select
 import shutil
-import signal
-import stat
 import subprocess
 import sys
 import tempfile
-import time
+import types
 import xml.etree.ElementTree as ET
 
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+# harness_common.py from beside this file (hidden beside a hidden harness), read as source:
+# never through sys.path (the work dir is the model's), never from a cached .pyc
+_HERE, _NAME = os.path.split(os.path.abspath(__file__))
+common = types.ModuleType("harness_common")
+with open(os.path.join(_HERE, ("." if _NAME.startswith(".") else "") + "harness_common.py")) as _f:
+    exec(compile(_f.read(), _f.name, "exec"), common.__dict__)
 PATH = "/usr/local/bin:/usr/bin:/bin"
 SKIP_DIRS = {".git", "__pycache__", ".pytest_cache", ".mypy_cache", ".hg", ".svn"}
 HARNESS = os.path.basename(__file__)
+COMMON = "." * HARNESS.startswith(".") + "harness_common.py"
 
 
 class TooBig(Exception):
     pass
-
-
-def descendants():
-    """Every live process below this one (it is their subreaper: orphans stay below it)."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if fields and fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            found.append(pid)
-            todo.append(pid)
-    return found
-
-
-def kill_descendants():
-    """SIGKILL everything below this process until nothing is left; reap. False if not."""
-    for _ in range(1000):
-        pids = descendants()
-        if not pids:
-            return True
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        time.sleep(0.001)
-    return False
 
 
 def copy_tree(src, dst, max_bytes, max_files):
@@ -115,17 +78,11 @@ def copy_tree(src, dst, max_bytes, max_files):
                    and not os.path.islink(os.path.join(root, d))]
         rel = os.path.relpath(root, src)
         for name in files:
-            if (rel == "." and name == HARNESS) or name.endswith((".pyc", ".pyo")):
+            if (rel == "." and name in (HARNESS, COMMON)) or name.endswith((".pyc", ".pyo")):
                 continue
-            path = os.path.join(root, name)
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-            except OSError:
-                continue  # a link, or gone
-            with os.fdopen(fd, "rb") as f:
-                if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                    continue
-                data = f.read(max_bytes - total + 1)
+            data = common.read_file(os.path.join(root, name), max_bytes - total + 1)
+            if data is None:
+                continue  # a link, a fifo, or gone
             total, count = total + len(data), count + 1
             if total > max_bytes or count > max_files:
                 raise TooBig(f"the repository is over {max_bytes} bytes or {max_files} files")
@@ -183,27 +140,9 @@ def run(argv, env, cwd, timeout_s, max_tail):
                             stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                             env=env, cwd=cwd)
     fd, tail = proc.stdout.fileno(), bytearray()
-    deadline, timed_out = time.monotonic() + timeout_s, False
-    while proc.poll() is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            timed_out = True
-            break
-        if select.select([fd], [], [], min(left, 0.05))[0]:
-            tail += os.read(fd, 1 << 16)
-            del tail[:-max_tail]
-    with contextlib.suppress(OSError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    code = proc.wait()
-    kill_descendants()
-    while select.select([fd], [], [], 0.5)[0]:
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            break
-        tail += chunk
-        del tail[:-max_tail]
-    proc.stdout.close()
-    return (None if timed_out else code), tail.decode("utf-8", "replace")
+    timed_out, code, _ = common.watch(proc, {fd: tail}, {fd: max_tail}, timeout_s,
+                                      poll_s=0.05, wait_s=0.5)
+    return (None if timed_out else code), tail[-max_tail:].decode("utf-8", "replace")
 
 
 def node_id(file, classname, name):
@@ -216,12 +155,9 @@ def node_id(file, classname, name):
 
 def read_report(path, limit):
     """{node id: (status, message)} of the JUnit report at ``path`` (no links followed)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+    data = common.read_file(path, 64 << 20)
+    if data is None:
         return {}
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(64 << 20)
     try:
         root = ET.fromstring(data)
     except (ET.ParseError, ValueError):
@@ -248,12 +184,11 @@ def check(spec):
     os.makedirs(repo)
     os.makedirs(home)
     copy_tree(os.getcwd(), repo, int(spec["max_bytes"]), int(spec["max_files"]))
-    canary = "test_" + secrets.token_hex(8)
-    canaries = prepare(repo, spec, canary)
-    ini = os.path.join(private, "pytest-" + secrets.token_hex(8) + ".ini")
+    canaries = prepare(repo, spec, common.fresh_name("test_", nbytes=8))
+    ini = os.path.join(private, common.fresh_name("pytest-", ".ini", nbytes=8))
     with open(ini, "w") as f:
         f.write(f"[pytest]\npythonpath = {repo}\naddopts =\n")
-    report = os.path.join(private, "report-" + secrets.token_hex(16) + ".xml")
+    report = os.path.join(private, common.fresh_name("report-", ".xml"))
     argv = [sys.executable, "-I", "-m", "pytest", "-c", ini, "--rootdir", repo,
             "--confcutdir", repo, "-p", "no:cacheprovider", "-o", "junit_family=xunit1",
             "-o", "console_output_style=classic", "--continue-on-collection-errors",
@@ -283,17 +218,13 @@ def check(spec):
 
 def main():
     spec = json.loads(sys.stdin.buffer.read())
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None)
-        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    kill_descendants()
+    common.harden()
+    common.kill_descendants()
     try:
         report = check(spec)
     except (OSError, TooBig) as exc:  # the repo filled /tmp, is too big...
         report = {"error": f"{type(exc).__name__}: {exc}"}
-    sys.stdout.write(spec["nonce"] + " " + json.dumps(report) + "\n")
-    sys.stdout.flush()
+    common.report(spec["nonce"], report)
 
 
 if __name__ == "__main__":

@@ -25,25 +25,24 @@ ignored, the default; ``exact``; ``tokens``: whitespace-insensitive), ``float_to
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from streamrl.domains.base import SandboxSpec
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
-from streamrl.domains.kinds.pytests import KEY_ENV, extract_code
+from streamrl.domains.kinds.harness_host import (
+    decode_report,
+    harness_files,
+    harness_request,
+    report_nonce,
+)
+from streamrl.domains.kinds.pytests import extract_code
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 HARNESS = "stdio_harness.py"
-HARNESS_SOURCE = (Path(__file__).parent / HARNESS).read_bytes()
 COMPARES = ("lines", "exact", "tokens")
 MAX_MESSAGE = 300
 _MARGIN_S = 3.0  # of the sandbox's limit, kept for the harness's own start and report
@@ -94,7 +93,7 @@ class Stdio:
     sandbox: SandboxSpec = field(default_factory=lambda: SandboxSpec(
         limits=Limits(timeout_s=60.0, memory_mb=512, cpu_s=60, max_processes=32,
                       max_file_mb=4, output_bytes=256 << 10),
-        files={HARNESS: HARNESS_SOURCE}))
+        files=harness_files(HARNESS)))
 
     def __post_init__(self) -> None:
         if self.compare not in COMPARES:
@@ -111,10 +110,7 @@ class Stdio:
         self.cases(item)
 
     def nonce(self, item: Record, completion: str) -> str:
-        key = os.environ.get(KEY_ENV, "").encode() or hashlib.sha256(
-            json.dumps(self.cases(item)).encode()).digest()
-        msg = item.id.encode() + b"\0" + completion.encode("utf-8", "replace")
-        return hmac.new(key, msg, hashlib.sha256).hexdigest()
+        return report_nonce(item.id, completion, json.dumps(self.cases(item)).encode())
 
     def exec_request(self, item: Record, completion: str) -> ExecRequest | None:
         program = extract_code(completion)
@@ -131,26 +127,14 @@ class Stdio:
             "float_tol": self.float_tolerance,
             "max_message": MAX_MESSAGE,
         }
-        return ExecRequest(argv=["python3", "-I", HARNESS], files=dict(self.sandbox.files),
-                           stdin=json.dumps(spec).encode(), limits=self.sandbox.limits)
+        return harness_request(HARNESS, spec, self.sandbox.limits, self.sandbox.files)
 
     def test_results(
         self, item: Record, completion: str, result: ExecResult | None
     ) -> list[TestResult]:
         """Each case's result, or [] when the run produced no trustworthy report."""
-        if result is None or result.timed_out or result.exit_code != 0:
-            return []
-        lines = result.stdout.decode("utf-8", "replace").strip().splitlines()
-        if len(lines) != 1 or result.stdout_dropped:
-            return []
-        head, _, body = lines[0].partition(" ")
-        if not hmac.compare_digest(head, self.nonce(item, completion)):
-            return []
-        try:
-            results = msgspec.json.decode(body, type=list[TestResult])
-        except msgspec.DecodeError:
-            return []
-        return results if len(results) == len(self.cases(item)) else []
+        results = decode_report(result, self.nonce(item, completion), list[TestResult])
+        return results if results is not None and len(results) == len(self.cases(item)) else []
 
     def score(self, item: Record, completion: str, result: ExecResult | None) -> float:
         results = self.test_results(item, completion, result)

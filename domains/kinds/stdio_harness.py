@@ -21,8 +21,6 @@ Why the program cannot forge a pass or read an expected output:
 Not covered: the program may keep state across cases (files in /tmp): it sees only inputs.
 """
 
-import contextlib
-import ctypes
 import json
 import math
 import os
@@ -33,8 +31,14 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
-PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+# harness_common.py from beside this file (hidden beside a hidden harness), read as source:
+# never through sys.path (the work dir is the model's), never from a cached .pyc
+_HERE, _NAME = os.path.split(os.path.abspath(__file__))
+common = types.ModuleType("harness_common")
+with open(os.path.join(_HERE, ("." if _NAME.startswith(".") else "") + "harness_common.py")) as _f:
+    exec(compile(_f.read(), _f.name, "exec"), common.__dict__)
 TAIL = 2000
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8",
        "HOME": os.getcwd(), "PYTHONDONTWRITEBYTECODE": "1"}
@@ -77,44 +81,6 @@ def same_output(got, want, compare="lines", float_tol=0.0):
 # -- processes ----------------------------------------------------------------------------
 
 
-def descendants():
-    """Every live process below this one (it is their subreaper: orphans stay below it)."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-        except OSError:
-            continue
-        if fields and fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
-    found, todo = [], [os.getpid()]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            found.append(pid)
-            todo.append(pid)
-    return found
-
-
-def kill_descendants():
-    """SIGKILL everything below this process until nothing is left (a fork bomb is outrun:
-    a killed process forks no more); reap them. False if it could not."""
-    for _ in range(1000):
-        pids = descendants()
-        if not pids:
-            return True
-        for pid in pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        time.sleep(0.001)
-    return False
-
-
 def _limits(cpu_s):
     """Set in the child before exec: ``cpu_s`` CPU seconds (within the sandbox's own)."""
     def setup():
@@ -154,39 +120,15 @@ def run_case(program_path, data, timeout_s, max_output):
                 pending = pending[:0]
             if not pending:
                 proc.stdin.close()
-        _read(readable, bufs, errs)
+        common.read_ready(readable, bufs, {errs: TAIL})
         if len(out) > max_output:
             status = "truncated"
-    with contextlib.suppress(OSError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    code = proc.wait()
+    code, _ = common.finish(proc, bufs, {errs: TAIL}, full=lambda: len(out) > max_output)
     if status == "ok" and code == -signal.SIGXCPU:
         status = "timeout"  # its CPU seconds
-    kill_descendants()
-    while bufs and status != "truncated":  # every writer is dead: drain to EOF
-        readable, _, _ = select.select(list(bufs), [], [], 1.0)
-        if not readable:
-            break
-        _read(readable, bufs, errs)
-        if len(out) > max_output:
-            status = "truncated"
-    for stream in (proc.stdin, proc.stdout, proc.stderr):
-        with contextlib.suppress(OSError):
-            stream.close()
+    if len(out) > max_output:
+        status = "truncated"
     return status, bytes(out[:max_output + 1]), bytes(err[-TAIL:]), code
-
-
-def _read(readable, bufs, tail_fd):
-    """Read what is there; a stream at EOF leaves ``bufs``; ``tail_fd`` keeps its tail only."""
-    for fd in readable:
-        chunk = os.read(fd, 1 << 16)
-        if not chunk:
-            del bufs[fd]
-            continue
-        buf = bufs[fd]
-        buf += chunk
-        if fd == tail_fd and len(buf) > 4 * TAIL:
-            del buf[:-TAIL]
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -232,13 +174,8 @@ def judge(spec):
 
 def main():
     spec = json.loads(sys.stdin.buffer.read())
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None)
-        libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    results = judge(spec)
-    sys.stdout.write(spec["nonce"] + " " + json.dumps(results) + "\n")
-    sys.stdout.flush()
+    common.harden()
+    common.report(spec["nonce"], judge(spec))
 
 
 if __name__ == "__main__":
