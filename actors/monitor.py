@@ -22,9 +22,9 @@ import trio
 
 from streamrl.protocol import names as N
 from streamrl.protocol.health import DomainHealth, domain_health
-from streamrl.protocol.messages import StepMetrics, Trajectory
+from streamrl.protocol.messages import Executed, Rollout, StepMetrics, Task, Trajectory
 from streamrl.protocol.pipeline import Stall, assess_stall, lag_flag, pipeline_state
-from streamrl.queues.codec import decode
+from streamrl.queues.codec import DeadLetter, MessageError, decode
 from streamrl.queues.stats import GroupState, stream_length
 from streamrl.queues.streams import EventReader
 from streamrl.runtime.context import ActorContext
@@ -38,12 +38,15 @@ class EvalRound:
     expected: int
     rewards: list[float] = field(default_factory=list)
     versions: set[int] = field(default_factory=set)
+    lost: int = 0
+    """Held-out samples whose item was dead-lettered on its way (a prompt too long for the
+    model, a domain that fails): they count towards the round's end, not in its mean."""
     by_domain: dict[str, list[float]] = field(default_factory=dict)
     """domain -> rewards of its held-out items in this round."""
 
     @property
     def done(self) -> bool:
-        return len(self.rewards) >= self.expected
+        return len(self.rewards) + self.lost >= self.expected
 
     @property
     def mean(self) -> float:
@@ -51,6 +54,11 @@ class EvalRound:
 
     def domain_means(self) -> dict[str, float]:
         return {d: statistics.fmean(r) for d, r in sorted(self.by_domain.items()) if r}
+
+
+_KIND_OF_STREAM: dict[str, type[Any]] = {
+    N.TASKS: Task, N.ROLLOUTS: Rollout, N.EXECUTED: Executed, N.EVALS: Trajectory,
+}
 
 
 def not_an_eval_result(traj: Trajectory) -> str | None:
@@ -176,6 +184,8 @@ class Monitor:
         async with trio.open_nursery() as nursery:
             await nursery.start(self._serve_evals)
             nursery.start_soon(self._serve_metrics)
+            for layout in self.ctx.names.layouts():
+                nursery.start_soon(self._serve_dead_letters, layout)
             task_status.started()
             while True:
                 self.queues = await pipeline_state(self.ctx.client, self.ctx.names)
@@ -270,6 +280,47 @@ class Monitor:
                     self.steps.append(decode(raw, StepMetrics))
         finally:
             reader.close()
+
+    async def _serve_dead_letters(self, layout: N.Names) -> None:
+        """Count the held-out items dead-lettered on their way as lost in their round, so a
+        round (and the final evaluation) ends when every item was scored or lost."""
+        reader = EventReader(self.ctx.client, layout, N.DEAD)
+        try:
+            while True:
+                for _, raw in await reader.read():
+                    self.lose(raw)
+        finally:
+            reader.close()
+
+    def lose(self, raw: bytes) -> bool:
+        """Count the held-out item a dead letter carries as lost (once; not if it was scored,
+        nor anything that is not an evaluation task of a round)."""
+        try:
+            letter = decode(raw, DeadLetter)
+            kind = _KIND_OF_STREAM.get(letter.stream)
+            message = decode(letter.payload, kind) if kind else None
+        except MessageError:
+            return False
+        if isinstance(message, Task):
+            task = message
+        elif isinstance(message, Rollout):
+            task = message.task
+        elif isinstance(message, (Executed, Trajectory)):
+            task = message.rollout.task
+        else:
+            return False
+        if task.split != "eval" or task.eval_round < 0:
+            return False
+        key = (task.eval_round, task.domain, task.item_id)
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        r = self.rounds.setdefault(task.eval_round, EvalRound(task.eval_round, self.eval_items))
+        r.lost += max(1, task.group_size)
+        if r.done:
+            self._round_changed.set()
+            self._round_changed = trio.Event()
+        return True
 
     async def wait_round(self, round_no: int) -> EvalRound:
         while not (round_no in self.rounds and self.rounds[round_no].done):

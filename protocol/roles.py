@@ -151,7 +151,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
     ),
     "monitor": (
         consume(N.EVALS),  # record held-out results, acknowledge
-        Follow((N.METRICS, N.WEIGHTS)),
+        Follow((N.METRICS, N.WEIGHTS, N.DEAD)),  # dead: held-out items lost on their way
         Observe((*N.WORK_STREAMS, N.DEAD, N.METRICS)),
         ReadPaused(),  # stall: who is paused
         # the final evaluation of `streamrl up`: stop admission, publish one more round

@@ -7,12 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import trio
+
 from streamrl.actors.monitor import Monitor
-from streamrl.actors.scheduler import Scheduler
+from streamrl.actors.scheduler import Scheduler, make_task
+from streamrl.domains.math import MathItem
 from streamrl.protocol import names as N
+from streamrl.protocol.messages import Sampling
 from streamrl.protocol.quarantine import Why, quarantine
 from streamrl.queues.client import RedisClient
-from streamrl.queues.streams import ensure_group
+from streamrl.queues.codec import encode
+from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 from streamrl.runtime.context import ActorContext
 from tests.helpers import run_config
 
@@ -74,3 +79,36 @@ async def test_summary_has_each_domains_dead_letters_and_quarantine(
     assert math["quarantined"] is True and math["quarantine_reason"] == why.describe()
     assert arith["dead_letters"] == {"count": 0, "by_stage": {}, "by_cause": {}}
     assert arith["quarantined"] is False and arith["quarantine_reason"] is None
+
+
+async def test_a_round_ends_when_its_other_items_were_dead_lettered(
+    client: RedisClient, roles: dict[str, RedisClient], names: N.Names, redis_url: str,
+    tmp_path: Path,
+) -> None:
+    config = run_config(tmp_path, redis_url, names.run)
+    monitor = Monitor(ActorContext(config, roles["monitor"], names), tmp_path, eval_items=3)
+    # Given a held-out round of three items: one scored, two dead-lettered on their way by
+    # the generator (a prompt too long for the model), one of them twice (a replayed letter)
+    monitor._add(0, "m0", "math", [1.0], [0])
+    lost = [make_task("math", MathItem(id=f"m{i}", prompt=f"{i} + 1?", answer=str(i + 1),
+                                       kind="add"),
+                      split="eval", group_size=1, sampling=Sampling(), version=0, eval_round=0)
+            for i in (1, 2)]
+    train = make_task("math", MathItem(id="t", prompt="2 + 2?", answer="4", kind="add"),
+                      split="train", group_size=2, sampling=Sampling(), version=0)
+    await Producer(client, names).publish(N.TASKS, [encode(t) for t in (*lost, lost[0], train)])
+    settings = ConsumerSettings(block_ms=50)
+    async with open_stream_consumer(roles["generator"], names, N.TASKS, stage="generator",
+                                    settings=settings) as generator:
+        for delivery in await generator.read(10):
+            await generator.dead_letter(delivery, "prompt + max_new_tokens exceeds 2048")
+    # When the monitor follows the dead letters, as its ACL user
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(monitor._serve_dead_letters, names)
+        with trio.fail_after(10):
+            done = await monitor.wait_round(0)
+        nursery.cancel_scope.cancel()
+    # Then the round ended: its two lost items counted once each, out of its mean; the
+    # training group's letter counted nothing
+    assert (done.lost, done.rewards, done.mean) == (2, [1.0], 1.0)
+    assert monitor.completed_rounds() == [done]
