@@ -61,6 +61,20 @@ _KIND_OF_STREAM: dict[str, type[Any]] = {
 }
 
 
+PROGRESS_DOMAINS = 8
+"""How many domains the progress line names one by one; past that, the spread and the lowest
+and highest three (``streamrl status --all`` and the report have every domain)."""
+
+
+def _domain_means_text(means: dict[str, float]) -> str:
+    if len(means) <= PROGRESS_DOMAINS:
+        return " ".join(f"{d} {m:.2f}" for d, m in means.items())
+    ranked = sorted(means.items(), key=lambda dm: (dm[1], dm[0]))
+    low = " ".join(f"{d} {m:.2f}" for d, m in ranked[:3])
+    high = " ".join(f"{d} {m:.2f}" for d, m in ranked[-3:])
+    return f"{len(means)} domains, lowest {low}; highest {high}"
+
+
 def not_an_eval_result(traj: Trajectory) -> str | None:
     """Why ``traj`` cannot be recorded as a held-out result (None: it can)."""
     task = traj.rollout.task
@@ -337,8 +351,7 @@ class Monitor:
         rounds = self.completed_rounds()
         evals = " ".join(f"{r.mean:.2f}@v{min(r.versions)}" for r in rounds[-4:]) or "-"
         if rounds:
-            evals += " (" + " ".join(
-                f"{d} {m:.2f}" for d, m in rounds[-1].domain_means().items()) + ")"
+            evals += " (" + _domain_means_text(rounds[-1].domain_means()) + ")"
         recent = self.steps[-5:]
         reward = (  # no step yet: a dash, not "nan"
             f"{statistics.fmean(s.reward_mean for s in recent):.2f} (last {len(recent)} steps)"

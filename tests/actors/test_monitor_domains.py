@@ -9,7 +9,7 @@ from pathlib import Path
 
 import trio
 
-from streamrl.actors.monitor import Monitor
+from streamrl.actors.monitor import Monitor, _domain_means_text
 from streamrl.actors.scheduler import Scheduler, make_task
 from streamrl.domains.math import MathItem
 from streamrl.protocol import names as N
@@ -112,3 +112,13 @@ async def test_a_round_ends_when_its_other_items_were_dead_lettered(
     # training group's letter counted nothing
     assert (done.lost, done.rewards, done.mean) == (2, [1.0], 1.0)
     assert monitor.completed_rounds() == [done]
+
+
+def test_the_progress_line_summarises_many_domains() -> None:
+    # Given a held-out round over 101 domains, and one over 3
+    many = {f"d{i:03d}": i / 100 for i in range(101)}
+    few = {"arith": 0.5, "math": 0.25, "code": 0.0}
+    # Then the line names the spread for many (lowest and highest three), each for few
+    assert _domain_means_text(many) == (
+        "101 domains, lowest d000 0.00 d001 0.01 d002 0.02; highest d098 0.98 d099 0.99 d100 1.00")
+    assert _domain_means_text(few) == "arith 0.50 math 0.25 code 0.00"
