@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from streamrl.learner import distributed as dist_util
 from streamrl.learner.batch import Batch, build_batch, has_signal
+from streamrl.learner.logprobs import chunked_logprobs, logit_transform
 from streamrl.learner.loss import policy_loss
 from streamrl.learner.model import load_model
 
@@ -103,6 +103,9 @@ class TrainConfig:
     """``torch.set_num_threads`` when set; None leaves torch's default alone."""
     device: str = "cpu"
     """Where the model and the batches live."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk of the vocabulary projection and log-softmax (>= 1): bounds the fp32
+    logits held at once to ``[chunk, vocab]`` (:mod:`learner.logprobs`)."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -118,6 +121,7 @@ class TrainConfig:
             "tis_cap > 0": self.tis_cap is None or self.tis_cap > 0,
             "kl_coef >= 0": self.kl_coef >= 0,
             "num_threads >= 1": self.num_threads is None or self.num_threads >= 1,
+            "logprob_chunk_tokens >= 1": self.logprob_chunk_tokens >= 1,
         }
         broken = [rule for rule, ok in checks.items() if not ok]
         if broken:
@@ -142,32 +146,43 @@ class StepStats:
     tokens: int  # completion tokens trained on
     dropped_groups: int  # zero-advantage groups dropped
     seconds: float
+    entropy: float = 0.0  # mean entropy of the policy's next-token distributions (at T)
 
 
-def token_logprobs(model: Any, batch: Batch, temperature: float | None = None) -> Tensor:
+def token_logprobs(
+    model: Any, batch: Batch, temperature: float | None = None, chunk_tokens: int = 1024
+) -> Tensor:
     """``log_softmax(logits / T)`` of each next token where ``batch.loss_mask`` is 1, shape
     ``[B, L-1]`` (aligned like ``loss_mask``; 0 elsewhere). ``T`` is each sample's own
-    temperature unless overridden.
+    temperature unless overridden. See :func:`token_logprobs_and_entropy`."""
+    return token_logprobs_and_entropy(model, batch, temperature, chunk_tokens)[0]
 
-    The vocabulary projection runs only on the loss positions, not on prompt and padding
-    positions: at a 49k vocabulary the ``[tokens, vocab]`` logits and their log-softmax are
-    a large share of a step. This assumes the usual causal-LM layout, ``lm_head(decoder(x))``
-    with nothing in between (true for Llama/SmolLM2; not for models with logit soft-capping).
+
+def token_logprobs_and_entropy(
+    model: Any, batch: Batch, temperature: float | None = None, chunk_tokens: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """:func:`token_logprobs` and the entropy of each predicted distribution (same layout).
+
+    The logits are the model's own (``model(...).logits``: soft-capping and logit scaling
+    respected, :func:`learner.logprobs.logit_transform`), computed only on the loss
+    positions and ``chunk_tokens`` tokens at a time (:func:`learner.logprobs.
+    chunked_logprobs`): the ``[tokens, vocab]`` fp32 logits of the micro-batch never exist
+    at once.
     """
     hidden = model.base_model(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
     ).last_hidden_state
     keep = batch.loss_mask.bool()
-    logits = model.get_output_embeddings()(hidden[:, :-1][keep]).float()  # [N, V]
     if temperature is None:
-        per_token = batch.temperature.to(logits)[:, None].expand_as(keep)[keep]
-        logits = logits / per_token[:, None]
+        per_token = batch.temperature.to(hidden.device)[:, None].expand_as(keep)[keep]
     else:
-        logits = logits / temperature
-    # -cross_entropy == log_softmax gathered at the target, fused (one [N, V] gradient)
-    picked = -F.cross_entropy(logits, batch.target_ids[keep], reduction="none")
-    out = torch.zeros(keep.shape, dtype=logits.dtype, device=logits.device)
-    return out.masked_scatter(keep, picked)
+        per_token = torch.full((int(keep.sum()),), temperature, device=hidden.device)
+    picked, entropy = chunked_logprobs(
+        model.get_output_embeddings(), hidden[:, :-1][keep], batch.target_ids[keep],
+        per_token, logit_transform(model.config), chunk_tokens,
+    )  # fmt: skip
+    zeros = torch.zeros(keep.shape, dtype=torch.float32, device=hidden.device)
+    return zeros.masked_scatter(keep, picked), zeros.masked_scatter(keep, entropy)
 
 
 def _enable_checkpointing(model: Any) -> None:
@@ -217,8 +232,10 @@ class _PolicyLogprobs(torch.nn.Module):
         super().__init__()
         self.policy = policy
 
-    def forward(self, batch: Batch, temperature: float | None) -> Tensor:
-        return token_logprobs(self.policy, batch, temperature)
+    def forward(
+        self, batch: Batch, temperature: float | None, chunk_tokens: int
+    ) -> tuple[Tensor, Tensor]:
+        return token_logprobs_and_entropy(self.policy, batch, temperature, chunk_tokens)
 
 
 class Trainer:
@@ -340,7 +357,7 @@ class Trainer:
         # step's token count, so the summed gradient is the full batch's gradient. Under
         # DDP only the last backward all-reduces (the others accumulate under no_sync).
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(5, dtype=torch.float64)  # loss, clip, ratio, approx_kl, kl_ref
+        sums = torch.zeros(6, dtype=torch.float64)  # loss, clip, ratio, kl, kl_ref, entropy
         ddp = self.ddp
         for i, mb in enumerate(mine + padding):
             last = i == passes - 1
@@ -361,7 +378,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
         tokens = max(float(total_tokens), 1.0)
-        loss_sum, clip, ratio, kl, kl_ref = sums.tolist()
+        loss_sum, clip, ratio, kl, kl_ref, entropy = sums.tolist()
         return StepStats(
             step=self.steps,
             skipped=False,
@@ -371,6 +388,7 @@ class Trainer:
             ratio_mean=ratio / tokens,
             approx_kl=kl / tokens,
             kl_ref=kl_ref / tokens,
+            entropy=entropy / tokens,
             reward_mean=reward_mean,
             groups=groups,
             samples=full.size,
@@ -386,18 +404,21 @@ class Trainer:
         ``weight`` 0 is a padding micro-batch: it takes part in DDP's backward passes with a
         zero gradient and adds nothing to the statistics."""
         cfg = self.config
+        chunk = cfg.logprob_chunk_tokens
         old, behaviour = mb.old_logprobs, None
         ref = None
         with torch.no_grad(), _autocast(cfg):
             if cfg.recompute_old_logprobs:
-                old, behaviour = token_logprobs(self.model, mb, cfg.temperature), old
+                old, behaviour = token_logprobs(self.model, mb, cfg.temperature, chunk), old
             if self.ref_model is not None:
-                ref = token_logprobs(self.ref_model, mb, cfg.temperature)
+                ref = token_logprobs(self.ref_model, mb, cfg.temperature, chunk)
         with _autocast(cfg):
             if self.ddp is not None:  # through DDP's forward: it arms the gradient all-reduce
-                new_logprobs = self.ddp(mb, cfg.temperature)
+                new_logprobs, entropy = self.ddp(mb, cfg.temperature, chunk)
             else:
-                new_logprobs = token_logprobs(self.model, mb, cfg.temperature)
+                new_logprobs, entropy = token_logprobs_and_entropy(
+                    self.model, mb, cfg.temperature, chunk
+                )
         loss, stats = policy_loss(
             new_logprobs,
             old,
@@ -415,10 +436,11 @@ class Trainer:
         # batch's tokens, so scaling by the world size makes the average the batch's sum.
         (loss * (weight * dist_util.world_size())).backward()
         if weight == 0:
-            return torch.zeros(5, dtype=torch.float64)
+            return torch.zeros(6, dtype=torch.float64)
         n = stats["tokens"]
         return torch.tensor(
             [loss.item(), stats["clip_frac"] * n, stats["ratio_mean"] * n,
-             stats["approx_kl"] * n, stats["kl_ref"] * n],
+             stats["approx_kl"] * n, stats["kl_ref"] * n,
+             float((entropy.detach() * mb.loss_mask).sum())],
             dtype=torch.float64,
         )  # fmt: skip
