@@ -46,6 +46,7 @@ from streamrl.learner.batch import Batch, build_batch, has_signal
 from streamrl.learner.logprobs import chunked_logprobs, logit_transform
 from streamrl.learner.loss import policy_loss
 from streamrl.learner.model import load_model
+from streamrl.learner.packing import is_packed, model_inputs, pack
 
 if TYPE_CHECKING:
     from streamrl.protocol.messages import Trajectory
@@ -106,6 +107,10 @@ class TrainConfig:
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the vocabulary projection and log-softmax (>= 1): bounds the fp32
     logits held at once to ``[chunk, vocab]`` (:mod:`learner.logprobs`)."""
+    max_tokens_per_micro_batch: int = 0
+    """Pack samples into micro-batches of at most this many tokens, several samples per row
+    without attending across them (:mod:`learner.packing`); 0: ``micro_batch_size``
+    samples per micro-batch, right-padded. The gradient is the same either way."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -122,6 +127,7 @@ class TrainConfig:
             "kl_coef >= 0": self.kl_coef >= 0,
             "num_threads >= 1": self.num_threads is None or self.num_threads >= 1,
             "logprob_chunk_tokens >= 1": self.logprob_chunk_tokens >= 1,
+            "max_tokens_per_micro_batch >= 0": self.max_tokens_per_micro_batch >= 0,
         }
         broken = [rule for rule, ok in checks.items() if not ok]
         if broken:
@@ -169,9 +175,11 @@ def token_logprobs_and_entropy(
     chunked_logprobs`): the ``[tokens, vocab]`` fp32 logits of the micro-batch never exist
     at once.
     """
-    hidden = model.base_model(
-        input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-    ).last_hidden_state
+    if is_packed(batch):  # several samples per row (learner/packing.py)
+        inputs = model_inputs(batch, next(model.parameters()).dtype)
+    else:
+        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+    hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
     keep = batch.loss_mask.bool()
     if temperature is None:
         per_token = batch.temperature.to(hidden.device)[:, None].expand_as(keep)[keep]
@@ -340,17 +348,16 @@ class Trainer:
         """One optimiser step on an already built batch (the whole batch on every rank);
         ``apply=False``: the gradient only (see :meth:`step`)."""
         cfg = self.config
-        mbs = cfg.micro_batch_size
         started = time.perf_counter() if started is None else started
         total_tokens = full.loss_mask.sum().to(cfg.device)  # of the whole batch, every rank
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
         shard = dist_util.shard_rows(full.size)
-        mine = [] if shard.stop == shard.start else list(full.rows(shard).micro_batches(mbs))
+        mine = self._micro_batches(full, shard)
         # DDP needs the same backward passes on every rank: as many as the rank with the
         # most micro-batches. All ranks hold the whole batch, so no communication is needed;
         # the ranks with fewer pad with row 0 of the batch at loss weight 0.
         shards = [dist_util.shard_rows(full.size, r) for r in range(dist_util.world_size())]
-        passes = max(math.ceil((s.stop - s.start) / mbs) for s in shards)
+        passes = max(len(self._micro_batches(full, s)) for s in shards)
         padding = [full.rows(slice(0, 1))] * (passes - len(mine))
 
         # Forward/backward per micro-batch of this rank's shard; each divides by the whole
@@ -396,6 +403,16 @@ class Trainer:
             dropped_groups=dropped_groups,
             seconds=time.perf_counter() - started,
         )
+
+    def _micro_batches(self, full: Batch, shard: slice) -> list[Batch]:
+        """The micro-batches of ``shard``'s samples: packed by token budget, or by count."""
+        if shard.stop == shard.start:
+            return []
+        rows = full.rows(shard)
+        budget = self.config.max_tokens_per_micro_batch
+        if budget:
+            return list(pack(rows, budget))
+        return list(rows.micro_batches(self.config.micro_batch_size))
 
     def _micro_step(
         self, mb: Batch, total_tokens: Tensor, clip_high: float, weight: float = 1.0
