@@ -23,8 +23,56 @@ the KL term is there only when ``ref_logprobs`` is given (``beta`` = ``kl_coef``
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
+
+Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def kl_penalty(new_logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) on tokens sampled from pi_theta, with
+    ``log_r = ref - new``: k1 ``-log_r`` (unbiased, may be negative), k2 ``log_r**2 / 2``
+    (biased, low variance), k3 ``exp(log_r) - log_r - 1`` (unbiased, non-negative)."""
+    log_r = ref_logprobs - new_logprobs
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    return torch.exp(log_r) - log_r - 1.0
+
+
+def aggregate(
+    per_token: Tensor,
+    mask: Tensor,
+    mode: Aggregation = "token-mean",
+    normalizer: float | Tensor | None = None,
+    max_tokens: int | None = None,
+) -> Tensor:
+    """Reduce a ``[B, T]`` per-token loss over masked tokens.
+
+    - ``token-mean``: ``sum(mask * L) / normalizer`` (default ``mask.sum()``; DAPO);
+    - ``seq-mean-token-mean``: each sequence's token mean, summed and divided by
+      ``normalizer`` (default ``B``, the sequences; the GRPO paper);
+    - ``seq-mean-token-sum-norm``: each sequence's token sum divided by the constant
+      ``max_tokens`` (default ``T``), summed over sequences / ``normalizer`` (default ``B``;
+      Dr. GRPO: no length bias).
+
+    Pass the step's token (token-mean) or sequence count as ``normalizer`` when this call
+    sees one micro-batch of it.
+    """
+    masked = per_token * mask
+    if mode == "token-mean":
+        denom = mask.sum() if normalizer is None else normalizer
+        return masked.sum() / torch.clamp(torch.as_tensor(denom), min=1.0)
+    seqs = float(mask.shape[0]) if normalizer is None else normalizer
+    if mode == "seq-mean-token-mean":
+        per_seq = masked.sum(-1) / torch.clamp(mask.sum(-1), min=1.0)
+    else:
+        per_seq = masked.sum(-1) / float(mask.shape[-1] if max_tokens is None else max_tokens)
+    return per_seq.sum() / torch.clamp(torch.as_tensor(seqs), min=1.0)
 
 
 def group_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
@@ -52,6 +100,9 @@ def policy_loss(
     normalizer: float | Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+    aggregation: Aggregation = "token-mean",
+    max_tokens: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clipped surrogate loss (to minimise) and detached statistics.
 
@@ -76,7 +127,10 @@ def policy_loss(
         ref_logprobs, kl_coef: log pi_ref(token) under a frozen reference model; adds
             ``kl_coef * k3`` per token, the unbiased, always non-negative k3 estimator of
             KL(pi_theta || pi_ref) on tokens sampled from (approximately) pi_theta. Its
-            gradient pulls each token's logprob towards the reference's.
+            gradient pulls each token's logprob towards the reference's. ``kl_estimator``
+            picks k1/k2/k3 (:func:`kl_penalty`).
+        aggregation, max_tokens: how per-token losses reduce (:func:`aggregate`);
+            ``normalizer`` is then the step's token count (token-mean) or sequence count.
 
     Returns:
         ``(loss, stats)``; stats are means over the masked tokens of this call:
@@ -102,15 +156,15 @@ def policy_loss(
             weight = torch.clamp(weight, max=tis_cap)
     per_token = per_token * weight
     if ref_logprobs is not None:
-        ref_minus_new = torch.where(keep, ref_logprobs - new_logprobs, 0.0)
-        k3 = torch.exp(ref_minus_new) - ref_minus_new - 1.0
+        k3 = kl_penalty(
+            torch.where(keep, new_logprobs, 0.0), torch.where(keep, ref_logprobs, 0.0), kl_estimator
+        )
         per_token = per_token + kl_coef * k3
     else:
         k3 = torch.zeros_like(per_token)
 
     tokens = mask.sum()
-    denom = tokens if normalizer is None else normalizer
-    loss = (per_token * mask).sum() / torch.clamp(torch.as_tensor(denom), min=1.0)
+    loss = aggregate(per_token, mask, aggregation, normalizer, max_tokens)
 
     with torch.no_grad():
         n = torch.clamp(tokens, min=1.0)

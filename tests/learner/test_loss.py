@@ -121,3 +121,73 @@ def test_k3_kl_to_the_reference_by_hand() -> None:
     # and no reference, no KL
     loss, stats = policy_loss(new, zeros, zeros, mask)
     assert loss.item() == 0.0 and stats["kl_ref"] == 0.0
+
+
+def _two_seqs() -> tuple[torch.Tensor, torch.Tensor]:
+    # sequence 0 has 3 tokens (losses 1, 2, 3), sequence 1 has 1 token (loss 4); T = 4
+    x = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    return x, mask
+
+
+@pytest.mark.parametrize(
+    ("mode", "value", "grad"),
+    [
+        # (1+2+3+4)/4 tokens; each token 1/4
+        ("token-mean", 10 / 4, [[0.25, 0.25, 0.25, 0], [0.25, 0, 0, 0]]),
+        # (6/3 + 4/1) / 2 seqs; seq 0 tokens 1/6, seq 1 token 1/2
+        ("seq-mean-token-mean", 3.0, [[1 / 6, 1 / 6, 1 / 6, 0], [0.5, 0, 0, 0]]),
+        # (6/4 + 4/4) / 2 (Dr. GRPO: a constant T = 4); every token 1/8
+        ("seq-mean-token-sum-norm", 10 / 8, [[1 / 8, 1 / 8, 1 / 8, 0], [1 / 8, 0, 0, 0]]),
+    ],
+)
+def test_aggregation_by_hand(mode: str, value: float, grad: list[list[float]]) -> None:
+    from streamrl.learner.loss import aggregate
+
+    x, mask = _two_seqs()
+    out = aggregate(x, mask, mode)  # type: ignore[arg-type]
+    out.backward()
+    assert out.item() == pytest.approx(value)
+    assert x.grad is not None and torch.allclose(x.grad, torch.tensor(grad))
+
+
+@pytest.mark.parametrize(
+    ("estimator", "value", "grad"),
+    [
+        # log_r = ref - new = -1; k1 = new - ref = 1, d/dnew = 1
+        ("k1", 1.0, 1.0),
+        # k2 = log_r^2 / 2 = 0.5, d/dnew = -log_r = 1
+        ("k2", 0.5, 1.0),
+        # k3 = e^-1 + 1 - 1 = e^-1, d/dnew = 1 - e^log_r = 1 - e^-1
+        ("k3", math.exp(-1), 1 - math.exp(-1)),
+    ],
+)
+def test_kl_estimators_by_hand(estimator: str, value: float, grad: float) -> None:
+    from streamrl.learner.loss import kl_penalty
+
+    new = torch.tensor([0.0], requires_grad=True)
+    out = kl_penalty(new, torch.tensor([-1.0]), estimator)  # type: ignore[arg-type]
+    out.sum().backward()
+    assert out.item() == pytest.approx(value)
+    assert new.grad is not None and new.grad.item() == pytest.approx(grad)
+
+
+def test_default_loss_is_bit_for_bit_the_old_formula() -> None:
+    # Given random logprobs with padding, a reference and TIS
+    g = torch.Generator().manual_seed(0)
+    new = torch.randn(3, 5, generator=g, requires_grad=True)
+    old, beh, ref = (torch.randn(3, 5, generator=g) for _ in range(3))
+    adv = torch.randn(3, 1, generator=g).expand(3, 5)
+    mask = (torch.rand(3, 5, generator=g) > 0.3).float()
+    # When the loss takes its defaults
+    loss, _ = policy_loss(new, old, adv, mask, tis_cap=2.0, behaviour_logprobs=beh,
+                          normalizer=7.0, ref_logprobs=ref, kl_coef=0.1)  # fmt: skip
+    # Then it equals the formula before the loss menu, bit for bit
+    keep = mask.bool()
+    ratio = torch.exp(torch.where(keep, new - old, 0.0))
+    pt = -torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.2) * adv)
+    pt = pt * torch.clamp(torch.exp(torch.where(keep, old - beh, 0.0)), max=2.0)
+    d = torch.where(keep, ref - new, 0.0)
+    pt = pt + 0.1 * (torch.exp(d) - d - 1.0)
+    expected = (pt * mask).sum() / torch.clamp(torch.as_tensor(7.0), min=1.0)
+    assert torch.equal(loss, expected)
