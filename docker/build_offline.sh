@@ -10,8 +10,10 @@
 #    build on disk; any other torch or a CUDA wheel fails the build), versions constrained
 #    to the repo's .venv when there is one (a dry run: metadata only);
 # 3. deps image (docker/Dockerfile.offline-deps): a venv made from a wheelhouse that pip
-#    fills on this host ($STREAMRL_WHEELHOUSE), tagged streamrl-deps:<hash of the lock>, so
-#    it is built once and reused until a locked wheel changes;
+#    fills on this host ($STREAMRL_WHEELHOUSE; wheels where PyPI has them, built here from
+#    the sdist where it has none: reasoning-gym's cellpylib, pycosat and zss), tagged
+#    streamrl-deps:<hash of the lock>, so it is built once and reused until a locked wheel
+#    changes;
 # 4. the project image (docker/Dockerfile.offline): the deps image plus the project's wheel.
 # A warm rebuild (only the project's source changed) is steps 2 and 4: seconds.
 set -euo pipefail
@@ -36,7 +38,7 @@ inputs=$(cat "$work/deps/requirements.txt" "$work/deps/requirements.txt.constrai
          docker/lock.py | sha256sum | cut -c1-16)
 mkdir -p "$wheels/locks"
 if [ ! -s "$wheels/locks/$inputs.txt" ]; then
-    quiet $pip install -q --dry-run --ignore-installed --only-binary :all: \
+    quiet $pip install -q --dry-run --ignore-installed --prefer-binary \
         --report "$work/deps/report.json" \
         -r "$work/deps/requirements.txt" -c "$work/deps/requirements.txt.constraints"
     python3 docker/lock.py lock "$work/deps/report.json" "$wheels/locks/$inputs.txt"
@@ -49,7 +51,7 @@ deps_tag="streamrl-deps:$hash"
 if docker image inspect "$deps_tag" >/dev/null 2>&1; then
     echo "deps image $deps_tag already present"
 else
-    quiet $pip wheel -q --no-deps --only-binary :all: --wheel-dir "$wheels" -r "$work/deps/lock.txt"
+    quiet $pip wheel -q --no-deps --prefer-binary --wheel-dir "$wheels" -r "$work/deps/lock.txt"
     quiet $pip download -q --no-deps --only-binary :all: --dest "$wheels" pip
     mkdir -p "$work/deps/wheels"
     while read -r pin; do  # only the locked wheels go into the build context
