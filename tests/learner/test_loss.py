@@ -191,3 +191,160 @@ def test_default_loss_is_bit_for_bit_the_old_formula() -> None:
     pt = pt + 0.1 * (torch.exp(d) - d - 1.0)
     expected = (pt * mask).sum() / torch.clamp(torch.as_tensor(7.0), min=1.0)
     assert torch.equal(loss, expected)
+
+
+def test_advantages_without_std_normalisation_are_centred_rewards() -> None:
+    # Dr. GRPO: r - mean(r), no division by the std
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), std_normalize=False)
+    assert adv.tolist() == [0.5, -0.5, -0.5, 0.5]
+    assert group_advantages(torch.tensor([0.3, 0.3]), std_normalize=False).tolist() == [0.0, 0.0]
+
+
+def _gspo_case() -> tuple[torch.Tensor, ...]:
+    # seq 0: log ratios (log 2, 0), A = +1 -> s = exp(log 2 / 2) = sqrt 2, clipped to 1.2
+    # seq 1: log ratios (log 0.9, log 1.1), A = -1 -> s = sqrt(0.99), inside [0.8, 1.2]
+    # column 2 of seq 0 is masked and absurd
+    new = torch.tensor([[math.log(2), 0.0, 50.0], [math.log(0.9), math.log(1.1), 0.0]],
+                       requires_grad=True)  # fmt: skip
+    adv = torch.tensor([[1.0] * 3, [-1.0] * 3])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    return new, torch.zeros(2, 3), adv, mask
+
+
+def test_gspo_clips_the_sequence_ratio_by_hand() -> None:
+    new, old, adv, mask = _gspo_case()
+    loss, stats = policy_loss(new, old, adv, mask, objective="gspo",
+                              aggregation="seq-mean-token-mean")  # fmt: skip
+    s1 = math.sqrt(0.99)
+    # seq 0: -min(sqrt 2, 1.2) = -1.2 (clipped); seq 1: -min(-s1, -s1) = s1; mean over 2
+    assert loss.item() == pytest.approx((-1.2 + s1) / 2)
+    assert stats["clip_frac"] == pytest.approx(0.5)  # both tokens of seq 0
+    loss.backward()
+    # seq 0 is clipped: no gradient; seq 1: d s1 / d new_t = s1 / 2 tokens, times 1/2 seqs
+    assert new.grad is not None
+    expected = torch.tensor([[0.0, 0.0, 0.0], [s1 / 4, s1 / 4, 0.0]])
+    assert torch.allclose(new.grad, expected)
+
+
+def test_gspo_on_a_packed_row_equals_the_rows() -> None:
+    # Given the two sequences of _gspo_case packed into one row, told apart by seq_ids
+    new, old, adv, mask = _gspo_case()
+    packed = torch.cat([new[0, :2], new[1, :2]])[None].detach().requires_grad_(True)
+    seq_ids = torch.tensor([[0, 0, 1, 1]])
+    loss, _ = policy_loss(packed, torch.zeros(1, 4), torch.tensor([[1.0, 1.0, -1.0, -1.0]]),
+                          torch.ones(1, 4), objective="gspo",
+                          aggregation="seq-mean-token-mean", seq_ids=seq_ids)  # fmt: skip
+    # Then value and gradient are the unpacked ones
+    assert loss.item() == pytest.approx((-1.2 + math.sqrt(0.99)) / 2)
+    loss.backward()
+    assert packed.grad is not None
+    s1 = math.sqrt(0.99)
+    assert torch.allclose(packed.grad, torch.tensor([[0.0, 0.0, s1 / 4, s1 / 4]]))
+
+
+def test_cispo_by_hand() -> None:
+    new, old, adv, mask = _case()  # r = 1.5, 0.5, 1.0 with A = +1, +1, -1; col 3 masked
+    loss, stats = policy_loss(new, old, adv, mask, objective="cispo")
+    # w = sg(clip(r, 0.8, 1.2)) = 1.2, 0.8, 1.0; L = -w A logp
+    by_hand = (-1.2 * math.log(1.5) - 0.8 * math.log(0.5) + 1.0 * 0.0) / 3
+    assert loss.item() == pytest.approx(by_hand)
+    assert stats["clip_frac"] == pytest.approx(2 / 3)  # tokens 0 and 1 outside the range
+    loss.backward()
+    # dL/dlogp = -w A / 3: every token keeps a gradient, the clipped ones too
+    assert new.grad is not None
+    assert torch.allclose(new.grad, torch.tensor([[-0.4, -0.8 / 3, 1 / 3, 0.0]]))
+
+
+@pytest.mark.parametrize(
+    ("mode", "level", "weight", "clipped"),
+    [
+        # token weights exp(old - behaviour) = 4, 1, 0.25 (column 3 masked)
+        ("truncate", "token", [4.0, 1.0, 0.25, 1.0], None),
+        ("truncate", "token", [2.0, 1.0, 0.25, 0.0], [True, False, False, False]),
+        # mask [0.5, 2]: 4 and 0.25 are dropped
+        ("mask", "token", [0.0, 1.0, 0.0, 1.0], [True, False, True, False]),
+        # sequence = the row: 4 * 1 * 0.25 = 1, inside every bound
+        ("mask", "sequence", [1.0, 1.0, 1.0, 1.0], [False] * 4),
+    ],
+)
+def test_importance_weights_by_hand(
+    mode: str, level: str, weight: list[float], clipped: list[bool] | None
+) -> None:
+    from streamrl.learner.loss import importance_weights
+
+    old = torch.zeros(1, 4)
+    behaviour = torch.tensor([[math.log(0.25), 0.0, math.log(4.0), 99.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    cap = None if clipped is None else 2.0
+    w, was = importance_weights(old, behaviour, mask, mode, level, cap, low=0.5)  # type: ignore[arg-type]
+    assert torch.allclose(w * mask, torch.tensor([weight]) * mask)
+    assert was.tolist() == [clipped or [False] * 4]
+
+
+def test_sequence_level_importance_weights_per_sequence() -> None:
+    from streamrl.learner.loss import importance_weights
+
+    # seq 0: log w = (log 2, log 2) -> 4 on both tokens; seq 1: log 0.5 -> 0.5
+    old = torch.tensor([[math.log(2), math.log(2)], [math.log(0.5), 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    w, was = importance_weights(old, torch.zeros(2, 2), mask, "truncate", "sequence", cap=2.0)
+    assert torch.allclose(w * mask, torch.tensor([[2.0, 2.0], [0.5, 0.0]]))
+    assert was.tolist() == [[True, True], [False, False]]
+    w, was = importance_weights(old, torch.zeros(2, 2), mask, "mask", "sequence", 5.0, low=0.6)
+    assert torch.allclose(w * mask, torch.tensor([[4.0, 4.0], [0.0, 0.0]]))
+    assert was.tolist() == [[False, False], [True, False]]
+
+
+def test_masked_importance_sampling_in_the_loss_value_and_gradient() -> None:
+    # ratio 1 (new = old = 0), A = 1: L_t = -w_t; w = 0 (dropped), 1, 0 (dropped)
+    new = torch.zeros(1, 3, requires_grad=True)
+    behaviour = torch.tensor([[math.log(0.25), 0.0, math.log(4.0)]])
+    loss, stats = policy_loss(new, torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3),
+                              tis_cap=2.0, behaviour_logprobs=behaviour, is_mode="mask",
+                              is_low=0.5)  # fmt: skip
+    assert loss.item() == pytest.approx(-1 / 3)  # the dropped tokens still count in the mean
+    assert stats["is_clip_frac"] == pytest.approx(2 / 3)
+    loss.backward()
+    assert new.grad is not None
+    assert torch.allclose(new.grad, torch.tensor([[0.0, -1 / 3, 0.0]]))
+
+
+def test_entropy_bonus_value_and_gradient() -> None:
+    # zero advantages: the loss is -coef * mean entropy over the masked tokens
+    entropy = torch.tensor([[1.0, 3.0, 100.0]], requires_grad=True)
+    zeros = torch.zeros(1, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, _ = policy_loss(zeros, zeros, zeros, mask, entropy=entropy, entropy_coef=0.1)
+    assert loss.item() == pytest.approx(-0.1 * 4 / 2)
+    loss.backward()
+    assert entropy.grad is not None
+    assert torch.allclose(entropy.grad, torch.tensor([[-0.05, -0.05, 0.0]]))
+    # coefficient 0: the entropy is only logged, never in the loss
+    loss, _ = policy_loss(zeros, zeros, zeros, mask, entropy=entropy, entropy_coef=0.0)
+    assert loss.item() == 0.0
+
+
+def test_mismatch_by_hand() -> None:
+    from streamrl.learner.loss import mismatch
+
+    # trainer/behaviour ratios 2, 1, 0.5 (column 3 masked)
+    trainer = torch.tensor([[math.log(2), 0.0, math.log(0.5), 9.0]])
+    out = mismatch(trainer, torch.zeros(1, 4), torch.tensor([[1.0, 1.0, 1.0, 0.0]]))
+    # k3 = r - 1 - log r: (1 - log 2) + 0 + (-0.5 + log 2) = 0.5
+    assert out.tolist() == pytest.approx([3.0, 0.5, 3.5, 0.5, 2.0])
+
+
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_sequence_aggregation_of_a_packed_row_equals_the_rows(mode: str) -> None:
+    from streamrl.learner.loss import aggregate
+
+    x, mask = _two_seqs()
+    rows = aggregate(x, mask, mode, max_tokens=4)  # type: ignore[arg-type]
+    packed = torch.tensor([[1.0, 2.0, 3.0, 0.0, 4.0]], requires_grad=True)
+    out = aggregate(packed, torch.tensor([[1.0, 1.0, 1.0, 0.0, 1.0]]), mode,  # type: ignore[arg-type]
+                    max_tokens=4, seq_ids=torch.tensor([[1, 1, 1, 0, 2]]))  # fmt: skip
+    rows.backward()
+    out.backward()
+    assert out.item() == pytest.approx(rows.item())
+    assert x.grad is not None and packed.grad is not None
+    assert torch.allclose(packed.grad, torch.cat([x.grad[0, :3], torch.zeros(1), x.grad[1, :1]]))
