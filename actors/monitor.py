@@ -290,8 +290,9 @@ class Monitor:
         reader = EventReader(self.ctx.client, self.ctx.names, N.METRICS)
         try:
             while True:
-                for _, raw in await reader.read():
-                    self.steps.append(decode(raw, StepMetrics))
+                # an undecodable (forged) metrics event is logged and passed over: an event
+                # stream has no dead letters, and the monitor must not crash-loop on it
+                self.steps.extend(await reader.read_events(StepMetrics))
         finally:
             reader.close()
 

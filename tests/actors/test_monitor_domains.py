@@ -7,18 +7,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import structlog
 import trio
 
 from streamrl.actors.monitor import Monitor, _domain_means_text
 from streamrl.actors.scheduler import Scheduler, make_task
 from streamrl.domains.math import MathItem
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import Sampling
+from streamrl.protocol.messages import Sampling, StepMetrics
 from streamrl.protocol.quarantine import Why, quarantine
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import encode
+from streamrl.queues.payloads import REF_PREFIX
 from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 from streamrl.runtime.context import ActorContext
+from streamrl.testing.wait import wait_until
 from tests.helpers import run_config
 
 
@@ -122,3 +125,34 @@ def test_the_progress_line_summarises_many_domains() -> None:
     assert _domain_means_text(many) == (
         "101 domains, lowest d000 0.00 d001 0.01 d002 0.02; highest d098 0.98 d099 0.99 d100 1.00")
     assert _domain_means_text(few) == "arith 0.50 math 0.25 code 0.00"
+
+
+def _step_metrics(step: int) -> bytes:
+    return encode(StepMetrics(
+        id=f"m{step}", created_at=0.0, policy_version=step, step=step, loss=0.0, grad_norm=0.0,
+        reward_mean=0.5, groups=1, samples=2, tokens=8, dropped_stale=0, max_staleness_seen=0,
+        step_seconds=0.1, wait_seconds=0.0,
+    ))
+
+
+async def test_the_monitor_passes_over_a_forged_metrics_event(
+    roles: dict[str, RedisClient], names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a monitor following the metrics stream (as its own ACL user)
+    config = run_config(tmp_path, redis_url, names.run)
+    monitor = Monitor(ActorContext(config, roles["monitor"], names), tmp_path, eval_items=2)
+    # When the learner's role adds a step, garbage and a forged claim-check reference, then
+    # another step
+    forged = REF_PREFIX + names.admitted.encode()
+    await Producer(roles["learner"], names).publish(
+        N.METRICS, [_step_metrics(1), b"\xc1junk", forged, _step_metrics(2)]
+    )
+    with structlog.testing.capture_logs() as logs:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(monitor._serve_metrics)
+            await wait_until(lambda: len(monitor.steps) >= 2, timeout=10)
+            nursery.cancel_scope.cancel()
+    # Then both steps are read in order, the follower is still alive, and each bad event is
+    # logged (it has no dead-letter stream)
+    assert [m.step for m in monitor.steps] == [1, 2]
+    assert sum(e["event"] == "undecodable event skipped" for e in logs) == 2
