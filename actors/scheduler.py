@@ -75,7 +75,7 @@ from streamrl.protocol.admission import (
 from streamrl.protocol.messages import Sampling, Task, WeightsPublished, new_id, now
 from streamrl.queues.codec import encode
 from streamrl.queues.operations import increment, read_counter
-from streamrl.queues.shards import finish_admissions, publish_counted_routed
+from streamrl.queues.shards import finish_counted, publish_counted_routed
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import EventReader
 from streamrl.runtime import metrics
@@ -344,7 +344,7 @@ class Scheduler:
         publish yet (a no-op otherwise)."""
         c = self.ctx
         if c.names.sharded:
-            finished = await finish_admissions(
+            finished = await finish_counted(
                 c.client, c.names, c.payload_limits(), dedup_ttl_s=c.config.queues.dedup_ttl_s
             )
             if finished:

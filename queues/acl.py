@@ -1,9 +1,13 @@
-"""Redis ACL users: one per actor role of a run, each allowed only what that role sends.
+"""Redis ACL users: one per user of a run, each granted only the commands it sends, on the
+keys it sends them to. The broker knows no roles: the pipeline protocol
+(:mod:`streamrl.protocol.roles`) derives each role's grants from its table of the operations
+that role performs (``ROLE_OPS``; ``acl_rules`` and ``apply_acls`` there) and hands them here.
 
-:func:`acl_rules` gives the ``ACL SETUSER`` rules of a role in a run; :func:`apply_acls`
-creates or updates the users (idempotent: the rules start from ``reset``); :func:`role_url`
-is the Redis URL a process of that role connects with. Guarantees, on Redis 7.0+ (ACL
-selectors and read/write key permissions; Valkey too):
+:func:`user_rules` gives the ``ACL SETUSER`` rules of a list of :class:`Grant`;
+:func:`apply_users` creates or updates the users (idempotent: the rules start from
+``reset``); :func:`missing_users` tells which a restarted Redis lost; :func:`role_url` is the
+Redis URL a process of a user connects with. Guarantees, on Redis 7.0+ (ACL selectors and
+read/write key permissions; Valkey too):
 
 - every permission is a grant of some commands on some keys (one ACL selector each), so a
   command is allowed only on the keys it is granted for: a generator may XADD to

@@ -144,7 +144,7 @@ class PublishCounted(Op):
     """Publish into ``stream`` and add to ``counter`` in one compare-and-set script, the
     entries' tickets opened with it (queues.streams.Producer.publish_counted); on a sharded
     run the write-ahead record in :attr:`Layout.reservations`, then each shard's publish once
-    under ``dedup:<stage>:*`` (queues.shards.publish_counted_routed, finish_admissions). Reads
+    under ``dedup:<stage>:*`` (queues.shards.publish_counted_routed, finish_counted). Reads
     the counter it compares against. ``tally``: a hash added to in the same step (HINCRBY)."""
 
     stream: str

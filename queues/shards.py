@@ -342,7 +342,7 @@ async def open_consumer(
 # ---------------------------------------------------------------------- counted publish
 
 
-class _Admission(msgspec.Struct, array_like=True, frozen=True):
+class _CountedPublish(msgspec.Struct, array_like=True, frozen=True):
     stream: str
     items: list[tuple[str, bytes]]  # (routing key, payload)
     record: bool = False  # routing keys join their shard's names.open_tickets
@@ -377,18 +377,18 @@ async def publish_counted_routed(
     (the write-ahead record; a replay after a lost reply is recognised by its token); (2) per
     shard, :meth:`Producer.publish_once` of that shard's entries under the dedup key
     ``(admit, expected)`` in the shard's slot; (3) delete the record. A crash after (1) leaves
-    the record: :func:`finish_admissions` (run at start, and after every reservation)
+    the record: :func:`finish_counted` (run at start, and after every reservation)
     publishes what is missing, so the counter and the published entries always end up
     agreeing: every counted entry is published exactly once, nothing uncounted is published.
     """
-    added = await reserve_admission(
+    added = await reserve_counted(
         client, names, stream, items, counter, expected, record=record, tally=tally
     )
-    await finish_admissions(client, names, limits, dedup_ttl_s=dedup_ttl_s)
+    await finish_counted(client, names, limits, dedup_ttl_s=dedup_ttl_s)
     return added
 
 
-async def reserve_admission(
+async def reserve_counted(
     client: RedisClient,
     names: Layout,
     stream: str,
@@ -408,7 +408,7 @@ async def reserve_admission(
     token = token or uuid.uuid4().hex
     if len(token) != _TOKEN_LEN:
         raise ValueError(f"token must be {_TOKEN_LEN} characters")
-    encoded = msgspec.msgpack.encode(_Admission(stream, items, record))
+    encoded = msgspec.msgpack.encode(_CountedPublish(stream, items, record))
     script = client.sync.register_script(_RESERVE_COUNTED)
     return int(
         await client.call(
@@ -420,7 +420,7 @@ async def reserve_admission(
     )
 
 
-async def finish_admissions(
+async def finish_counted(
     client: RedisClient,
     names: Layout,
     limits: PayloadLimits | None = None,
@@ -434,17 +434,17 @@ async def finish_admissions(
     done = 0
     for field_raw, value in sorted((raw or {}).items(), key=lambda kv: int(kv[0])):
         start = field_raw.decode() if isinstance(field_raw, bytes) else str(field_raw)
-        admission = msgspec.msgpack.decode(value[_TOKEN_LEN:], type=_Admission)
+        counted = msgspec.msgpack.decode(value[_TOKEN_LEN:], type=_CountedPublish)
         by_shard: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
-        for key, payload in admission.items:
+        for key, payload in counted.items:
             by_shard[shard_for(key, names.shards)].append((key, payload))
         for shard, shard_items in sorted(by_shard.items()):
             local = names.in_shard(shard) if names.sharded else names.in_shard(None)
             await Producer(client, local, limits).publish_once(
                 local.dedup("admit", start),
-                [(admission.stream, p) for _, p in shard_items],
+                [(counted.stream, p) for _, p in shard_items],
                 dedup_ttl_s=dedup_ttl_s,
-                members=[k for k, _ in shard_items] if admission.record else None,
+                members=[k for k, _ in shard_items] if counted.record else None,
             )
         await client.call(client.sync.hdel, names.reservations, start)
         done += 1

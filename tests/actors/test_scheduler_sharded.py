@@ -18,7 +18,7 @@ from streamrl.queues import keys as K
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.server import ClusterProcess
-from streamrl.queues.shards import reserve_admission
+from streamrl.queues.shards import reserve_counted
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import ensure_group
 from streamrl.runtime.context import ActorContext
@@ -54,7 +54,7 @@ async def test_sharded_scheduler_admits_exactly_and_finishes_a_dead_ones_admissi
     # Given a scheduler that counted 3 tasks and died before publishing them
     dead = [t for t in (Scheduler(ctx).sample(0) for _ in range(3)) if t is not None]
     items = [(t.episode_id, encode(t)) for t in dead]
-    assert await reserve_admission(client, names, N.TASKS, items, names.admitted, 0) == 3
+    assert await reserve_counted(client, names, N.TASKS, items, names.admitted, 0) == 3
 
     backlogs = []
 

@@ -50,6 +50,7 @@ from streamrl.queues.codec import DeadLetter, MessageError, decode, encode
 from streamrl.queues.shards import qualify
 from streamrl.queues.stats import group_state, stream_length
 from streamrl.runtime.auth import apply_role_users, credentials_for_up
+from streamrl.testing.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 ROLES = ("scheduler", "generator", "executor", "verifier", "learner")
@@ -249,9 +250,9 @@ class Pipeline:
 
     async def wait_ready(self, timeout_s: float = 120.0) -> None:
         """Until every process is ready (e.g. the last one killed has started again)."""
-        with trio.fail_after(timeout_s):
-            while not all(a.ready_for() > 0 for a in self.actors):
-                await trio.sleep(0.2)
+        await wait_until(
+            lambda: all(a.ready_for() > 0 for a in self.actors), timeout=timeout_s, interval=0.2
+        )
 
     async def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM every process at once (graceful: drain, settle, exit 0)."""
@@ -530,7 +531,7 @@ class RunReport:
     dead_ids: list[str] = field(default_factory=list)
     """The original entry id of each dead letter, qualified by its shard on a sharded run."""
     admissions_left: int = 0
-    """Sharded admissions counted but not finished (queues.shards.finish_admissions)."""
+    """Sharded admissions counted but not finished (queues.shards.finish_counted)."""
 
     @property
     def dead_keys(self) -> Counter[tuple[str, str]]:

@@ -17,10 +17,10 @@ from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ClusterProcess
 from streamrl.queues.shards import (
-    finish_admissions,
+    finish_counted,
     open_consumer,
     publish_counted_routed,
-    reserve_admission,
+    reserve_counted,
 )
 from streamrl.queues.stats import group_state, stream_length
 from streamrl.queues.streams import (
@@ -89,22 +89,22 @@ async def test_admission_interrupted_after_counting_is_published_once(
     token = uuid.uuid4().hex
     items = _items(12)
     assert (
-        await reserve_admission(client, names, N.TASKS, items, names.admitted, 0, token=token) == 12
+        await reserve_counted(client, names, N.TASKS, items, names.admitted, 0, token=token) == 12
     )
     assert await stream_length(client, names, N.TASKS) == 0
     # a replay of the same call (lost reply) is recognised and reserves nothing more,
     assert (
-        await reserve_admission(client, names, N.TASKS, items, names.admitted, 0, token=token) == 12
+        await reserve_counted(client, names, N.TASKS, items, names.admitted, 0, token=token) == 12
     )
     # another scheduler's call from the same counter value is refused
-    assert await reserve_admission(client, names, N.TASKS, _items(3, "x"), names.admitted, 0) == 0
+    assert await reserve_counted(client, names, N.TASKS, _items(3, "x"), names.admitted, 0) == 0
     assert int(await client.call(client.sync.get, names.admitted)) == 12
 
     # When two restarted schedulers finish the interrupted admissions at the same time
     async with trio.open_nursery() as nursery:
         for _ in range(2):
-            nursery.start_soon(finish_admissions, client, names)
-    await finish_admissions(client, names)  # and once more, later
+            nursery.start_soon(finish_counted, client, names)
+    await finish_counted(client, names)  # and once more, later
 
     # Then every counted task is published exactly once, in its shard, and the record is gone
     tasks = await _tasks(client, names)
@@ -171,10 +171,10 @@ async def test_scheduler_user_admits_across_slots(
             # When it reserves an admission, dies (nothing published), and a new one finishes
             # it and admits more, reading the generator group's backlog over every shard
             assert (
-                await reserve_admission(scheduler, names, N.TASKS, _items(9), names.admitted, 0)
+                await reserve_counted(scheduler, names, N.TASKS, _items(9), names.admitted, 0)
                 == 9
             )
-            assert await finish_admissions(scheduler, names) == 1
+            assert await finish_counted(scheduler, names) == 1
             assert (
                 await publish_counted_routed(
                     scheduler, names, N.TASKS, _items(3, "b"), names.admitted, 9
