@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from streamrl.learner.loss import group_advantages
+from streamrl.learner.shaping import soft_length_penalty
 
 if TYPE_CHECKING:
     from streamrl.protocol.messages import Trajectory
@@ -90,9 +91,25 @@ def has_signal(trajectory: Trajectory) -> bool:
     return len(set(trajectory.rewards)) > 1
 
 
-def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float = 1e-6) -> Batch:
+def build_batch(
+    trajectories: Sequence[Trajectory],
+    pad_id: int = 0,
+    eps: float = 1e-6,
+    *,
+    std_normalize: bool = True,
+    overlong_filter: bool = False,
+    length_penalty_tokens: int = 0,
+) -> Batch:
     """Pad every sample of every group into one :class:`Batch` (groups in order, samples in
-    order). Advantages are computed per group with :func:`group_advantages`.
+    order). Advantages are computed per group with :func:`group_advantages`
+    (``std_normalize`` off: Dr. GRPO's ``r - mean(r)``).
+
+    ``overlong_filter``: a sample that stopped at its token limit (``finish_reason ==
+    "length"``) trains on no token (DAPO's overlong filtering; its reward still counts in its
+    group's baseline). ``length_penalty_tokens`` > 0: the reward of a single-turn sample gets
+    :func:`learner.shaping.soft_length_penalty` over that many tokens before its task's
+    ``max_new_tokens`` (multi-turn episodes, whose budget is per turn, are left alone);
+    ``Batch.rewards`` holds the shaped reward.
 
     Raises ``ValueError`` for an empty list and for malformed groups: no samples, a reward
     count that differs from the sample count, logprobs that do not match the tokens one for
@@ -114,9 +131,14 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
         prompt = torch.from_numpy(bytes_to_ids(rollout.prompt_ids).astype("int64"))
         if prompt.numel() == 0:
             raise ValueError(f"trajectory {traj.id}: empty prompt")
-        advantages = group_advantages(torch.tensor(traj.rewards), eps)
+        rewards = torch.tensor(traj.rewards)
+        if length_penalty_tokens and rollout.task.episode is None:
+            lengths = torch.tensor([len(s.tokens) // 4 for s in rollout.samples])
+            budget = torch.tensor(rollout.task.sampling.max_new_tokens)
+            rewards = rewards + soft_length_penalty(lengths, budget, length_penalty_tokens)
+        advantages = group_advantages(rewards, eps, std_normalize)
         for sample, adv, reward in zip(
-            rollout.samples, advantages.tolist(), traj.rewards, strict=True
+            rollout.samples, advantages.tolist(), rewards.tolist(), strict=True
         ):
             tokens = torch.from_numpy(bytes_to_ids(sample.tokens).astype("int64"))
             logprobs = torch.from_numpy(bytes_to_floats(sample.logprobs).copy())
@@ -131,6 +153,8 @@ def build_batch(trajectories: Sequence[Trajectory], pad_id: int = 0, eps: float 
                                      f"{trained.numel()} mask entries")
             else:
                 trained = torch.ones(tokens.numel(), dtype=torch.float32)
+            if overlong_filter and sample.finish_reason == "length":
+                trained = torch.zeros_like(trained)
             rows.append((prompt, tokens, logprobs, trained, adv, temperature, float(reward)))
 
     if not rows:

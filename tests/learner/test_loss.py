@@ -228,7 +228,7 @@ def test_gspo_clips_the_sequence_ratio_by_hand() -> None:
 
 def test_gspo_on_a_packed_row_equals_the_rows() -> None:
     # Given the two sequences of _gspo_case packed into one row, told apart by seq_ids
-    new, old, adv, mask = _gspo_case()
+    new = _gspo_case()[0]
     packed = torch.cat([new[0, :2], new[1, :2]])[None].detach().requires_grad_(True)
     seq_ids = torch.tensor([[0, 0, 1, 1]])
     loss, _ = policy_loss(packed, torch.zeros(1, 4), torch.tensor([[1.0, 1.0, -1.0, -1.0]]),
