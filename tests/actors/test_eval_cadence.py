@@ -19,6 +19,7 @@ from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer, ensure_group
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
+from streamrl.testing.wait import wait_until
 from tests.helpers import run_config
 
 
@@ -41,12 +42,14 @@ async def _rounds(client: RedisClient, names: N.Names) -> list[tuple[int, int, i
 async def _scheduler_saw(client: RedisClient, names: N.Names, version: int) -> None:
     """Wait until the scheduler acted on ``version``: it admits a training group at each
     version (staleness 0, one group per step), right after its evaluation check."""
-    with trio.fail_after(30):
-        while not any(
+
+    async def saw() -> bool:
+        return any(
             t.split == "train" and t.policy_version == version
             for t in await _tasks(client, names)
-        ):
-            await trio.sleep(0.05)
+        )
+
+    await wait_until(saw, timeout=30)
 
 
 async def _step(client: RedisClient, names: N.Names, version: int) -> None:

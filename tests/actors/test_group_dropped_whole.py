@@ -33,6 +33,7 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.streams import FIELD, Producer
 from streamrl.runtime.context import ActorContext
+from streamrl.testing.wait import wait_until
 from tests.helpers import run_config
 
 
@@ -93,18 +94,19 @@ async def test_group_whose_sandbox_stays_unavailable_is_dropped_whole(
     )
     dead_before = int(await client.call(client.sync.get, names.dead_groups) or 0)
 
+    async def both_out() -> bool:  # a dead letter (the broken group) and a trajectory
+        return bool(
+            await _read(client, names, N.DEAD, DeadLetter)
+            and await _read(client, names, N.TRAJECTORIES, Trajectory)
+        )
+
     # When the executor and the verifier serve the run until the broken group is dead
     with capture_logs() as logs:
         async with trio.open_nursery() as nursery:
             await nursery.start(executor_serve, ctx)
             await nursery.start(verifier_serve, ctx)
-            with trio.fail_after(45):
-                while not (
-                    await _read(client, names, N.DEAD, DeadLetter)
-                    and await _read(client, names, N.TRAJECTORIES, Trajectory)
-                ):
-                    await trio.sleep(0.1)
-                await trio.sleep(1.0)  # a few more reclaims: nothing comes back
+            await wait_until(both_out, timeout=45, interval=0.1)
+            await trio.sleep(1.0)  # a few more reclaims: nothing comes back
             nursery.cancel_scope.cancel()
 
     # Then it was dead-lettered once, after max_deliveries (2) deliveries and one more,

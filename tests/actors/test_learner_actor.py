@@ -23,6 +23,7 @@ from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
+from streamrl.testing.wait import wait_until
 from tests.helpers import run_config
 
 
@@ -152,9 +153,9 @@ async def test_last_part_filled_step_is_trained_once_nothing_more_can_come(
         nursery.start_soon(serve, ActorContext(config, learner_client, names))
         # When step 1 took two groups: the third waits while upstream still holds work
         metrics_key = names.stream(N.METRICS)
-        with trio.fail_after(120):
-            while not await client.call(client.sync.xlen, metrics_key):
-                await trio.sleep(0.1)
+        await wait_until(
+            lambda: client.call(client.sync.xlen, metrics_key), timeout=120, interval=0.1
+        )
         await trio.sleep(1.0)  # several empty reads (block_ms=200)
         assert await client.call(client.sync.xlen, metrics_key) == 1
         # and once upstream is drained (an executor took that sample and settled it)
@@ -166,9 +167,11 @@ async def test_last_part_filled_step_is_trained_once_nothing_more_can_come(
         assert await client.call(client.sync.xlen, metrics_key) == 1
         await client.call(client.sync.xack, key, group, entry_id)
         # Then the learner trains the last group alone, and stops (max_steps=2)
-        with trio.fail_after(60):
-            while await client.call(client.sync.xlen, metrics_key) < 2:
-                await trio.sleep(0.1)
+
+        async def two_steps() -> bool:
+            return await client.call(client.sync.xlen, metrics_key) >= 2
+
+        await wait_until(two_steps, timeout=60, interval=0.1)
     metrics = [
         decode(f[b"d"], StepMetrics)
         for _, f in await client.call(client.sync.xrange, metrics_key)
@@ -198,9 +201,9 @@ async def test_groups_pending_on_the_learner_but_never_received_are_taken_back(
         ids = [eid for eid, _ in entries]
         await client.call(client.sync.xclaim, key, group, "learner-0", 0, ids, justid=True)
         # When it is idle, then it takes them back and trains them (max_steps=1: it returns)
-        with trio.fail_after(60):
-            while not await client.call(client.sync.xlen, names.stream(N.METRICS)):
-                await trio.sleep(0.1)
+        await wait_until(
+            lambda: client.call(client.sync.xlen, names.stream(N.METRICS)), timeout=60, interval=0.1
+        )
     [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.METRICS))
     assert decode(fields[b"d"], StepMetrics).groups == 2
     pending = await client.call(client.sync.xpending, key, group)

@@ -19,6 +19,7 @@ from streamrl.queues.payloads import PayloadLimits
 from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 from streamrl.runtime.policies import Policies, Reject, Retry, RetryPolicy, Unavailable
 from streamrl.runtime.serve import ActorRuntime, Output, RuntimeSettings
+from streamrl.testing.wait import wait_until
 
 
 def _task(i: int = 0) -> Task:
@@ -144,9 +145,7 @@ async def test_unavailable_is_released_for_redelivery_not_dead_lettered(
         runtime = ActorRuntime(c, actor, policies, fast)
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
-            with trio.fail_after(20):
-                while runtime.statistics().handled == 0:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: runtime.statistics().handled, timeout=20)
             nursery.cancel_scope.cancel()
     # Then it was released twice (left pending, redelivered by the reclaimer), then handed off
     stats = runtime.statistics()
@@ -211,8 +210,7 @@ async def test_redelivery_beyond_limit_is_dead_lettered(
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
-            while runtime.statistics().dead_lettered == 0:
-                await trio.sleep(0.05)
+            await wait_until(lambda: runtime.statistics().dead_lettered, timeout=20)
             nursery.cancel_scope.cancel()
     # Then it is dead-lettered without being handled
     assert actor.calls == []
@@ -232,8 +230,7 @@ async def test_oversize_output_dead_letters_its_input(client: RedisClient, names
         runtime = ActorRuntime(c, Bloater([]), Policies(), RuntimeSettings(concurrency=1))
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
-            while runtime.statistics().dead_lettered == 0:
-                await trio.sleep(0.05)
+            await wait_until(lambda: runtime.statistics().dead_lettered, timeout=20)
             nursery.cancel_scope.cancel()
     [letter] = await _dead(client, names)
     assert "output refused" in letter.error and "over the limit of 1000" in letter.error
@@ -270,7 +267,5 @@ async def test_reading_pauses_while_the_downstream_group_is_backlogged(
             )
             ids = [eid for eid, _ in rows[0][1]]
             await client.call(client.sync.xack, names.stream(N.ROLLOUTS), "executor", *ids)
-            with trio.fail_after(10):
-                while runtime.statistics().handled < 2:
-                    await trio.sleep(0.05)
+            await wait_until(lambda: runtime.statistics().handled >= 2, timeout=10)
             nursery.cancel_scope.cancel()

@@ -18,6 +18,7 @@ from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_cons
 from streamrl.runtime.policies import Policies, RetryPolicy
 from streamrl.runtime.serve import ActorRuntime, RuntimeSettings
 from streamrl.runtime.workers import open_worker_pool
+from streamrl.testing.wait import wait_until
 from tests.actors import planted_scorers
 from tests.actors.planted_scorers import PlantedItem
 
@@ -47,15 +48,16 @@ async def _verify(client: RedisClient, names: N.Names, groups: list[Executed]) -
         runtime = ActorRuntime(consumer, verifier, policies, RuntimeSettings(concurrency=2))
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
-            with trio.fail_after(60):
-                while (runtime.statistics().handled + runtime.statistics().dead_lettered
-                       < len(groups)):
-                    await trio.sleep(0.1)
+            await wait_until(
+                lambda: (s := runtime.statistics()).handled + s.dead_lettered >= len(groups),
+                timeout=60,
+                interval=0.1,
+            )
             # the verifier is still serving: one more good message is verified
             await Producer(client, names).publish(N.EXECUTED, [encode(_executed("planted-ok"))])
-            with trio.fail_after(30):
-                while runtime.statistics().handled < len(groups):  # 2 good + 1 more
-                    await trio.sleep(0.05)
+            await wait_until(  # 2 good + 1 more
+                lambda: runtime.statistics().handled >= len(groups), timeout=30
+            )
             nursery.cancel_scope.cancel()
         assert scorers.statistics().failed == 3  # each failed attempt: its worker killed
     return runtime

@@ -18,6 +18,7 @@ import pytest
 import trio
 
 from streamrl.queues.client import RedisClient
+from streamrl.testing.wait import wait_until
 from tests.chaos.harness import (
     ChaosLog,
     Pipeline,
@@ -72,14 +73,18 @@ async def run_chaos(
                         print(f"[{time.monotonic() - started:5.0f}s] {line}", flush=True)
 
                 nursery.start_soon(report_progress)
-                with trio.fail_after(timeout_s):
+                with trio.fail_after(timeout_s):  # all of it (each wait_until below: no less)
                     for fraction in (1 / 3, 2 / 3):  # more poison mid-run
-                        while len(recorder.train_task_ids()) < fraction * items:
-                            await trio.sleep(0.5)
+                        await wait_until(
+                            lambda f=fraction: len(recorder.train_task_ids()) >= f * items,
+                            timeout=timeout_s,
+                            interval=0.5,
+                        )
                         planted += await plant_poison(client, scenario.names, rng)
                     await wait_finished(client, scenario, timeout_s=timeout_s)
-                    while len(chaos.kills) < min_kills:  # work done early: keep killing
-                        await trio.sleep(0.5)
+                    await wait_until(  # work done early: keep killing
+                        lambda: len(chaos.kills) >= min_kills, timeout=timeout_s, interval=0.5
+                    )
                 nursery.cancel_scope.cancel()
             elapsed = time.monotonic() - started
             await pipeline.wait_ready()  # the last process killed is back: stop all gracefully

@@ -21,6 +21,7 @@ from streamrl.config.schema import load_config
 from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.runtime.context import ActorContext
+from streamrl.testing.wait import wait_until
 from tests.chaos.badinputs import INPUT_TYPES, BadInput, generate
 from tests.chaos.harness import (
     REPO,
@@ -78,8 +79,11 @@ async def test_fuzzed_inputs_are_dead_lettered_and_nothing_stops(
                 await nursery.start(monitor.serve)
                 with trio.fail_after(300):
                     # When they are pushed in rounds, interleaved, while valid groups flow
-                    while not LedgerView.read(scenario.weights_root).episode_ids:
-                        await trio.sleep(0.2)
+                    await wait_until(
+                        lambda: LedgerView.read(scenario.weights_root).episode_ids,
+                        timeout=300,
+                        interval=0.2,
+                    )
                     for r in range(ROUNDS):
                         batch = [
                             b
@@ -95,8 +99,11 @@ async def test_fuzzed_inputs_are_dead_lettered_and_nothing_stops(
                     print(f"pushed {len(pushed)} at {time.monotonic() - started:.0f}s")
                     await wait_finished(client, scenario, timeout_s=240)
                     dead_key = scenario.names.stream(N.DEAD)
-                    while await client.call(client.sync.xlen, dead_key) < len(pushed):
-                        await trio.sleep(0.5)
+
+                    async def all_dead() -> bool:
+                        return await client.call(client.sync.xlen, dead_key) >= len(pushed)
+
+                    await wait_until(all_dead, timeout=300, interval=0.5)
                     print(await progress(client, scenario))
                 nursery.cancel_scope.cancel()
             await pipeline.stop()

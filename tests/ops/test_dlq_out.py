@@ -28,6 +28,7 @@ from streamrl.queues.payloads import REF_PREFIX
 from streamrl.queues.streams import Producer
 from streamrl.runtime.auth import apply_role_users, credentials_for_up
 from streamrl.runtime.context import ActorContext
+from streamrl.testing.wait import wait_until
 from tests.ops.helpers import config as ops_config
 
 TEN_MB = 10 * 1024 * 1024
@@ -92,9 +93,7 @@ async def _publish_and_serve_until_dead(
     assert (await client.call(client.sync.keys, names.stream(N.EXECUTED) + ":blob:*"))
     async with trio.open_nursery() as nursery:
         await nursery.start(serve, ctx)
-        with trio.fail_after(60):
-            while not await list_dead(client, names):
-                await trio.sleep(0.1)
+        await wait_until(lambda: list_dead(client, names), timeout=60, interval=0.1)
         nursery.cancel_scope.cancel()
 
 

@@ -80,10 +80,10 @@ async def test_actor_metrics_are_scraped_from_a_real_endpoint(
         # When the verifier handles them
         async with trio.open_nursery() as nursery:
             await nursery.start(serve, ctx)
-            with trio.fail_after(20):
-                # every entry settled (the counters move just after the hand-off)
-                while _scrape(port).get(handled, 0) + _scrape(port).get(dead, 0) < 4:
-                    await trio.sleep(0.05)
+            # every entry settled (the counters move just after the hand-off)
+            await wait_until(
+                lambda: (s := _scrape(port)).get(handled, 0) + s.get(dead, 0) >= 4, timeout=20
+            )
             nursery.cancel_scope.cancel()
         # ... and the learner announces a step, which the archiver process records
         await producer.publish(N.METRICS, [encode(StepMetrics(

@@ -38,6 +38,7 @@ from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
+from streamrl.testing.wait import wait_until
 from tests.ops.helpers import config, executed
 
 
@@ -68,14 +69,15 @@ async def _archive_all(ctx: ActorContext, expected: int) -> Path:
             total += info["pending"]
         return total
 
+    async def archived() -> bool:
+        return (
+            sum(pq.read_metadata(p).num_rows for p in root.rglob("*.parquet")) >= expected
+            and not await pending()
+        )
+
     async with trio.open_nursery() as nursery:
         await nursery.start(archiver.serve, ctx)
-        with trio.fail_after(20):
-            while (
-                sum(pq.read_metadata(p).num_rows for p in root.rglob("*.parquet")) < expected
-                or await pending()
-            ):
-                await trio.sleep(0.05)
+        await wait_until(archived, timeout=20)
         nursery.cancel_scope.cancel()
     return root
 

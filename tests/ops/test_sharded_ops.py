@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -30,6 +31,7 @@ from streamrl.queues.server import ClusterProcess
 from streamrl.queues.stats import group_state, stream_length
 from streamrl.queues.streams import Producer, StreamConsumer, ensure_group
 from streamrl.runtime.context import ActorContext
+from streamrl.testing.wait import wait_until
 from tests.ops.helpers import config, executed
 
 SHARDS = 3
@@ -55,12 +57,10 @@ def _cli(redis_url: str, run: str, *args: str) -> subprocess.CompletedProcess[st
     )
 
 
-async def _serve_until(ctx: ActorContext, done: object) -> None:
+async def _serve_until(ctx: ActorContext, done: Callable[[], Awaitable[object]]) -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(serve, ctx)
-        with trio.fail_after(30):
-            while not await done():  # type: ignore[operator]
-                await trio.sleep(0.05)
+        await wait_until(done, timeout=30)
         nursery.cancel_scope.cancel()
 
 
@@ -181,9 +181,7 @@ async def test_archiver_and_replay_cover_every_shard(
 
     async with trio.open_nursery() as nursery:
         await nursery.start(archiver.serve, ctx)
-        with trio.fail_after(30):
-            while not await archived():
-                await trio.sleep(0.05)
+        await wait_until(archived, timeout=30)
         nursery.cancel_scope.cancel()
     # and the live streams are gone (trimmed, or Redis lost)
     for layout in names.layouts():

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -31,6 +30,7 @@ from streamrl.sandbox import (
     open_sandbox,
     opened,
 )
+from streamrl.testing.wait import wait_until_sync
 
 BACKENDS = ("process", "docker")
 # the process backend's fallback modes, each a backend name of its own (``process:<mode>``):
@@ -44,10 +44,10 @@ def marker() -> Iterator[str]:
     process may carry it once the test and its backend are done."""
     tag = f"sbxmark-{uuid.uuid4().hex}"
     yield tag
-    deadline = time.monotonic() + 2.0  # SIGKILLed processes need a moment to vanish
-    while (left := processes_with(tag)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not left, f"sandbox processes outlived the test: {left}"
+    try:  # SIGKILLed processes need a moment to vanish
+        wait_until_sync(lambda: not processes_with(tag), timeout=2.0, interval=0.05)
+    except TimeoutError:
+        pytest.fail(f"sandbox processes outlived the test: {processes_with(tag)}")
 
 
 def processes_with(tag: str) -> list[int]:

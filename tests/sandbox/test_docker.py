@@ -144,9 +144,9 @@ async def test_session_files_persist_across_runs_and_vanish_after_reset(
         assert after.stdout.split() == [b"/dev/shm:", b"/tmp:", b"/work:"]
         assert await session.get_files(["out.txt"]) == {"out.txt": None}
         name = session.container_name
-    with trio.fail_after(5):  # back in the pool, under its pool name again
-        while _container_exists(name) or box.statistics().ready < 1:
-            await trio.sleep(0.05)
+    await wait_until(  # back in the pool, under its pool name again
+        lambda: not _container_exists(name) and box.statistics().ready >= 1, timeout=5
+    )
 
 
 async def test_two_executors_name_sessions_of_one_label_apart(
@@ -210,9 +210,11 @@ async def test_a_one_shot_run_is_named_after_its_label_while_it_runs(box: Docker
     assert len(during) == 1 and during[0].startswith(f"streamrl-{label}-{box.instance}-"), during
     # And after it, no container carries the id: the container is back in the pool under its
     # neutral name, or removed (a surplus one: the pool's filler may have raced the warm-up)
-    with trio.fail_after(5):
-        while await _names_with(label) or box.statistics().busy:
-            await trio.sleep(0.05)
+
+    async def none_named() -> bool:
+        return not await _names_with(label) and not box.statistics().busy
+
+    await wait_until(none_named, timeout=5)
     assert box.statistics().reused == before.reused + 1  # a pooled container served the run
     renames = await _renames(box.instance, since)
     assert renames[0] == during[0], renames
@@ -448,9 +450,8 @@ async def test_orphans_of_a_dead_executor_are_reaped(docker_image: str, tmp_path
             assert line, "the executor process ended early"
         name = line.strip().removeprefix("NAME=")
         assert name.startswith("streamrl-orphan-")
-        with trio.fail_after(20):  # the run starts and the runner stops itself
-            while not _runner_stopped(name):
-                await trio.sleep(0.1)
+        # the run starts and the runner stops itself
+        await wait_until(lambda: _runner_stopped(name), timeout=20, interval=0.1)
     finally:
         child.kill()
         child.wait()
