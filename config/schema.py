@@ -510,7 +510,22 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     lr: PosFloat = 1e-5
     """AdamW learning rate."""
     clip_eps: PosFloat = 0.2
-    """PPO ratio clip: ratios outside [1 - clip_eps, 1 + clip_eps] carry no gradient."""
+    """PPO ratio clip: ratios outside [1 - clip_eps, 1 + clip_eps_high] carry no gradient."""
+    clip_eps_high: Annotated[float, Meta(ge=0)] = 0.0
+    """Clip range above 1 (DAPO's clip-higher, e.g. 0.28); 0: clip_eps."""
+    objective: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """"ppo": the token ratio clipped; "gspo": the sequence ratio exp(mean log ratio)
+    clipped per sequence; "cispo": -sg(clip(ratio)) * A * logprob (docs/learner.md)."""
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses reduce over a step: every token weighs the same (DAPO), every
+    sequence's token mean weighs the same (GRPO), or sequence sums over a constant (Dr. GRPO)."""
+    aggregation_tokens: NonNegInt = 0
+    """The constant of "seq-mean-token-sum-norm" (e.g. max_new_tokens); 0: the most loss
+    tokens of any sample in the step."""
+    advantage_std: bool = True
+    """Divide each group's centred rewards by their std (GRPO); false: Dr. GRPO."""
     max_grad_norm: PosFloat = 1.0
     """Gradients are clipped to this global norm."""
     micro_batch_size: PosInt = 8
@@ -527,15 +542,50 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_steps: NonNegInt = 0
     """Stop after this many steps (0: run until stopped)."""
     tis_cap: PosFloat = 2.0
-    """Truncated importance-sampling cap, used with recompute_old_logprobs."""
+    """Truncated importance-sampling cap, used with recompute_old_logprobs (the upper
+    threshold with is_mode = "mask")."""
+    is_mode: Literal["truncate", "mask"] = "truncate"
+    """Off-policy correction with recompute_old_logprobs: "truncate" caps the importance
+    weight at tis_cap; "mask" drops tokens (or sequences) whose weight is outside
+    [is_low, tis_cap]."""
+    is_level: Literal["token", "sequence"] = "token"
+    """Importance weight per token, or per sequence (the product of its tokens' weights)."""
+    is_low: Annotated[float, Meta(ge=0)] = 0.0
+    """Lower threshold of is_mode = "mask"."""
     recompute_old_logprobs: bool = False
     """Anchor the PPO ratio to logprobs the learner recomputes before the step and weight
     each token by min(pi_old / pi_behaviour, tis_cap); off: the ratio is taken against the
     generator's behaviour logprobs directly (docs/learner.md)."""
     kl_coef: Annotated[float, Meta(ge=0)] = 0.0
-    """Weight of the k3 KL penalty to the frozen base model (0: no reference model)."""
+    """Weight of the KL penalty to the frozen base model (0: no reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token KL estimator: k1 (log ratio), k2 (half its square), k3 (unbiased, >= 0)."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef * each sample's summed KL from its reward before advantages,
+    instead of adding the KL to the loss."""
+    entropy_coef: Annotated[float, Meta(ge=0)] = 0.0
+    """Entropy bonus in the loss (0: none; the entropy is logged each step either way)."""
+    overlong_filter: bool = False
+    """Train on no token of a sample that stopped at its token limit (DAPO)."""
+    length_penalty_tokens: NonNegInt = 0
+    """DAPO's soft length penalty: the reward falls linearly by up to 1 over this many
+    tokens before max_new_tokens (0: off; single-turn samples)."""
+    warmup_steps: NonNegInt = 0
+    """Linear learning-rate warmup over this many steps."""
+    lr_decay: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine down to min_lr_ratio * lr at lr_decay_steps."""
+    lr_decay_steps: NonNegInt = 0
+    """Length of the learning-rate schedule in steps, warmup included (0: max_steps)."""
+    min_lr_ratio: Fraction = 0.0
+    """Where the cosine ends, as a fraction of lr."""
     device: str = "cpu"
     """Torch device of the learner ("cuda" under torchrun: each rank its LOCAL_RANK GPU)."""
+
+    def __post_init__(self) -> None:
+        steps = self.lr_decay_steps or self.max_steps
+        if self.lr_decay == "cosine" and steps <= self.warmup_steps:
+            raise ValueError("learner.lr_decay = 'cosine' needs lr_decay_steps (or max_steps) "
+                             "above warmup_steps")
 
 
 class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

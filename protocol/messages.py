@@ -225,6 +225,17 @@ class StepMetrics(Message, frozen=True, kw_only=True):
     max_staleness_seen: int
     step_seconds: float
     wait_seconds: float
+    # what the loss saw (learner.train.StepStats); defaults for metrics of older learners
+    lr: float = 0.0
+    entropy: float = 0.0  # mean per-token entropy of the policy
+    clip_frac: float = 0.0  # tokens whose clip was active
+    is_clip_frac: float = 0.0  # tokens whose importance weight was truncated or masked
+    kl_ref: float = 0.0  # mean per-token KL to the reference
+    # train-vs-rollout mismatch, ratio = pi_trainer / pi_behaviour per token before the step
+    mismatch_kl: float = 0.0  # mean k3: ratio - 1 - log ratio
+    mismatch_ratio_min: float = 1.0
+    mismatch_ratio_mean: float = 1.0
+    mismatch_ratio_max: float = 1.0
 
 
 def training_task(message: msgspec.Struct) -> Task | None:
