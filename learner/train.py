@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import random
 import time
@@ -51,9 +52,19 @@ from streamrl.learner import distributed as dist_util
 from streamrl.learner import fsdp
 from streamrl.learner.batch import Batch, build_batch, has_signal
 from streamrl.learner.logprobs import chunked_logprobs, logit_transform
-from streamrl.learner.loss import policy_loss
+from streamrl.learner.loss import (
+    Aggregation,
+    ISLevel,
+    ISMode,
+    KLEstimator,
+    Objective,
+    group_advantages,
+    mismatch,
+    policy_loss,
+)
 from streamrl.learner.model import load_model
 from streamrl.learner.packing import is_packed, model_inputs, pack
+from streamrl.learner.shaping import LRDecay, lr_factor, sequence_kl
 
 if TYPE_CHECKING:
     from streamrl.protocol.messages import Trajectory
@@ -100,6 +111,46 @@ class TrainConfig:
     kl_coef: float = 0.0
     """Weight of the k3 KL penalty to a frozen reference model (>= 0; 0: no reference model
     is loaded)."""
+    kl_estimator: KLEstimator = "k3"
+    """KL(pi_theta || pi_ref) estimator per token (:func:`learner.loss.kl_penalty`)."""
+    kl_in_reward: bool = False
+    """Subtract ``kl_coef`` times each sample's summed KL (behaviour logprobs against the
+    reference, before the step) from its reward before advantages, instead of adding the KL
+    to the loss."""
+    objective: Objective = "ppo"
+    """``ppo``: token ratio clipped; ``gspo``: the sequence ratio ``exp(mean log ratio)``
+    clipped per sequence; ``cispo``: ``-sg(clip(ratio)) * A * logprob`` (:mod:`learner.loss`)."""
+    aggregation: Aggregation = "token-mean"
+    """How per-token losses reduce over the step (:func:`learner.loss.aggregate`)."""
+    aggregation_tokens: int = 0
+    """The constant divisor of ``seq-mean-token-sum-norm`` (e.g. the generation budget;
+    >= 0); 0: the most loss tokens of any sample in the step."""
+    advantage_std: bool = True
+    """Divide each group's centred rewards by their std (GRPO); off: Dr. GRPO."""
+    is_mode: ISMode = "truncate"
+    """Off-policy correction with ``recompute_old_logprobs``: ``truncate`` caps the weight at
+    ``tis_cap``; ``mask`` zeroes it outside ``[is_low, tis_cap]``."""
+    is_level: ISLevel = "token"
+    """Importance weight per token or per sequence (the product of its tokens' weights)."""
+    is_low: float = 0.0
+    """Lower threshold of ``is_mode = "mask"`` (>= 0)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract this times the per-token entropy from the loss (>= 0; the
+    entropy is logged either way)."""
+    overlong_filter: bool = False
+    """Train on no token of a sample that stopped at its token limit (DAPO)."""
+    length_penalty_tokens: int = 0
+    """DAPO's soft length penalty over this many tokens before ``max_new_tokens`` (>= 0;
+    0: off; :func:`learner.shaping.soft_length_penalty`)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup over this many optimiser steps (>= 0)."""
+    lr_decay: LRDecay = "constant"
+    """After warmup: ``constant``, or ``cosine`` down to ``min_lr_ratio * lr`` at step
+    ``lr_decay_steps`` (:func:`learner.shaping.lr_factor`)."""
+    lr_decay_steps: int = 0
+    """Length of the whole schedule in steps, warmup included (> warmup_steps for cosine)."""
+    min_lr_ratio: float = 0.0
+    """Where the cosine ends, as a fraction of ``lr`` (in [0, 1])."""
     bf16: bool = True
     """Autocast the forward passes to bfloat16 on CUDA (weights and optimiser stay fp32);
     ignored on CPU."""
@@ -137,6 +188,14 @@ class TrainConfig:
             "adv_eps > 0": self.adv_eps > 0,
             "tis_cap > 0": self.tis_cap is None or self.tis_cap > 0,
             "kl_coef >= 0": self.kl_coef >= 0,
+            "aggregation_tokens >= 0": self.aggregation_tokens >= 0,
+            "is_low >= 0": self.is_low >= 0,
+            "entropy_coef >= 0": self.entropy_coef >= 0,
+            "length_penalty_tokens >= 0": self.length_penalty_tokens >= 0,
+            "warmup_steps >= 0": self.warmup_steps >= 0,
+            "lr_decay_steps > warmup_steps for cosine": self.lr_decay != "cosine"
+            or self.lr_decay_steps > self.warmup_steps,
+            "0 <= min_lr_ratio <= 1": 0 <= self.min_lr_ratio <= 1,
             "num_threads >= 1": self.num_threads is None or self.num_threads >= 1,
             "logprob_chunk_tokens >= 1": self.logprob_chunk_tokens >= 1,
             "max_tokens_per_micro_batch >= 0": self.max_tokens_per_micro_batch >= 0,
@@ -166,6 +225,13 @@ class StepStats:
     dropped_groups: int  # zero-advantage groups dropped
     seconds: float
     entropy: float = 0.0  # mean entropy of the policy's next-token distributions (at T)
+    lr: float = 0.0  # the learning rate of this step (warmup and decay applied)
+    is_clip_frac: float = 0.0  # tokens whose importance weight was truncated or masked
+    # train-vs-rollout mismatch: pi_trainer / pi_behaviour per token, before the update
+    mismatch_kl: float = 0.0  # mean k3: ratio - 1 - log ratio
+    mismatch_ratio_min: float = 1.0
+    mismatch_ratio_mean: float = 1.0
+    mismatch_ratio_max: float = 1.0
 
 
 def token_logprobs(
@@ -363,9 +429,42 @@ class Trainer:
                 seconds=time.perf_counter() - started,
             )  # fmt: skip
 
-        full = build_batch(groups, pad_id=self.pad_id, eps=cfg.adv_eps)
+        full = build_batch(
+            groups, pad_id=self.pad_id, eps=cfg.adv_eps, std_normalize=cfg.advantage_std,
+            overlong_filter=cfg.overlong_filter, length_penalty_tokens=cfg.length_penalty_tokens,
+        )  # fmt: skip
+        kl_sum = 0.0
+        if cfg.kl_in_reward and cfg.kl_coef > 0:
+            full, kl_sum = self._kl_in_reward(full, [len(t.rewards) for t in groups])
         return self.step_batch(full, reward_mean=reward_mean, groups=len(groups),
-                               dropped_groups=dropped, started=started, apply=apply)  # fmt: skip
+                               dropped_groups=dropped, started=started, apply=apply,
+                               kl_ref_sum=kl_sum)  # fmt: skip
+
+    def _reference_logprobs(self, mb: Batch) -> Tensor:
+        """The KL reference's logprobs of ``mb`` (the frozen model)."""
+        cfg = self.config
+        with torch.no_grad(), _autocast(cfg):
+            return token_logprobs(self.ref_model, mb, cfg.temperature, cfg.logprob_chunk_tokens)
+
+    def _kl_in_reward(self, full: Batch, group_sizes: list[int]) -> tuple[Batch, float]:
+        """KL-in-reward: each sample's reward minus ``kl_coef`` times its summed KL
+        (behaviour logprobs against the reference), advantages again per group. Returns the
+        batch and the summed KL (for the statistics)."""
+        cfg = self.config
+        kl = torch.cat([
+            sequence_kl(mb.old_logprobs, self._reference_logprobs(mb.to(cfg.device)).cpu(),
+                        mb.loss_mask, cfg.kl_estimator)
+            for mb in full.micro_batches(cfg.micro_batch_size)
+        ])  # fmt: skip
+        rewards = full.rewards - cfg.kl_coef * kl
+        advantages = torch.cat([
+            group_advantages(r, cfg.adv_eps, cfg.advantage_std)
+            for r in rewards.split(group_sizes)
+        ])  # fmt: skip
+        shaped = dataclasses.replace(
+            full, rewards=rewards, advantages=advantages[:, None] * full.loss_mask
+        )
+        return shaped, float(kl.sum())
 
     def step_batch(
         self,
@@ -376,12 +475,20 @@ class Trainer:
         dropped_groups: int = 0,
         started: float | None = None,
         apply: bool = True,
+        kl_ref_sum: float = 0.0,
     ) -> StepStats:
         """One optimiser step on an already built batch (the whole batch on every rank);
-        ``apply=False``: the gradient only (see :meth:`step`)."""
+        ``apply=False``: the gradient only (see :meth:`step`). ``kl_ref_sum``: the KL
+        KL-in-reward took out of the rewards (reported as ``kl_ref``)."""
         cfg = self.config
         started = time.perf_counter() if started is None else started
         total_tokens = full.loss_mask.sum().to(cfg.device)  # of the whole batch, every rank
+        per_sample = full.loss_mask.sum(-1)
+        if cfg.aggregation == "token-mean":
+            normalizer = total_tokens
+        else:  # the step's sequences with a token to train on
+            normalizer = (per_sample > 0).sum().to(cfg.device)
+        norm_tokens = cfg.aggregation_tokens or max(int(per_sample.max()), 1)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
         shard = dist_util.shard_rows(full.size)
         mine = self._micro_batches(full, shard)
@@ -396,14 +503,21 @@ class Trainer:
         # step's token count, so the summed gradient is the full batch's gradient. Under
         # DDP only the last backward all-reduces (the others accumulate under no_sync).
         self.optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(6, dtype=torch.float64)  # loss, clip, ratio, kl, kl_ref, entropy
+        # loss, clip, ratio, kl, kl_ref, entropy, is_clip, mismatch: tokens, k3, ratio
+        sums = torch.zeros(_SUMS, dtype=torch.float64)
+        extremes = torch.full((2,), -math.inf, dtype=torch.float64)  # -min ratio, max ratio
         ddp = self.ddp
         for i, mb in enumerate(mine + padding):
             last = i == passes - 1
             with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
                 weight = 1.0 if i < len(mine) else 0.0
-                sums += self._micro_step(mb.to(cfg.device), total_tokens, clip_high, weight)
+                mb_sums, mb_extremes = self._micro_step(
+                    mb.to(cfg.device), normalizer, clip_high, weight, norm_tokens
+                )
+                sums += mb_sums
+                extremes = torch.maximum(extremes, mb_extremes)
         sums = dist_util.all_reduce_sum(sums)
+        extremes = _all_reduce_max(extremes)
 
         # Clip, then step only with a finite gradient (the same decision on every rank).
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -414,13 +528,19 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"non-finite gradient norm {grad_norm}; weights unchanged")
+        lr = cfg.lr * lr_factor(self.steps, cfg.warmup_steps, cfg.lr_decay,
+                                cfg.lr_decay_steps, cfg.min_lr_ratio)  # fmt: skip
         if apply:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
             self.optimizer.step()
             self.steps += 1
         self.optimizer.zero_grad(set_to_none=True)
 
         tokens = max(float(total_tokens), 1.0)
-        loss_sum, clip, ratio, kl, kl_ref, entropy = sums.tolist()
+        loss_sum, clip, ratio, kl, kl_ref, entropy, is_clip, mis_n, mis_k3, mis_r = sums.tolist()
+        mis_n = max(mis_n, 1.0)
+        seen = bool(sums[7] > 0)
         return StepStats(
             step=self.steps,
             skipped=False,
@@ -429,8 +549,14 @@ class Trainer:
             clip_frac=clip / tokens,
             ratio_mean=ratio / tokens,
             approx_kl=kl / tokens,
-            kl_ref=kl_ref / tokens,
+            kl_ref=(kl_ref + kl_ref_sum) / tokens,
             entropy=entropy / tokens,
+            lr=lr,
+            is_clip_frac=is_clip / tokens,
+            mismatch_kl=mis_k3 / mis_n,
+            mismatch_ratio_min=-float(extremes[0]) if seen else 1.0,
+            mismatch_ratio_mean=mis_r / mis_n if seen else 1.0,
+            mismatch_ratio_max=float(extremes[1]) if seen else 1.0,
             reward_mean=reward_mean,
             groups=groups,
             samples=full.size,
@@ -450,11 +576,13 @@ class Trainer:
         return list(rows.micro_batches(self.config.micro_batch_size))
 
     def _micro_step(
-        self, mb: Batch, total_tokens: Tensor, clip_high: float, weight: float = 1.0
-    ) -> Tensor:
-        """Forward + backward of one micro-batch; returns its token-weighted statistic sums.
-        ``weight`` 0 is a padding micro-batch: it takes part in DDP's backward passes with a
-        zero gradient and adds nothing to the statistics."""
+        self, mb: Batch, normalizer: Tensor, clip_high: float, weight: float = 1.0,
+        norm_tokens: int | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Forward + backward of one micro-batch; returns its token-weighted statistic sums
+        and ``[-min, max]`` of its train-vs-rollout ratio. ``normalizer``: the step's token
+        (token-mean) or sequence count. ``weight`` 0 is a padding micro-batch: it takes part
+        in DDP's backward passes with a zero gradient and adds nothing to the statistics."""
         cfg = self.config
         chunk = cfg.logprob_chunk_tokens
         old, behaviour = mb.old_logprobs, None
@@ -486,19 +614,56 @@ class Trainer:
             clip_eps_high=clip_high,
             tis_cap=cfg.tis_cap,
             behaviour_logprobs=behaviour,
-            normalizer=total_tokens,
-            ref_logprobs=ref,
+            normalizer=normalizer,
+            ref_logprobs=None if cfg.kl_in_reward else ref,
             kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            aggregation=cfg.aggregation,
+            max_tokens=norm_tokens,
+            objective=cfg.objective,
+            is_mode=cfg.is_mode,
+            is_level=cfg.is_level,
+            is_low=cfg.is_low,
+            entropy=entropy,
+            entropy_coef=cfg.entropy_coef,
+            seq_ids=_sequence_ids(mb),
         )
         # DDP and FSDP average the gradients over ranks; the loss is already normalised by the
         # whole batch's tokens, so scaling by the world size makes the average the batch's sum.
         (loss * (weight * dist_util.world_size())).backward()
         if weight == 0:
-            return torch.zeros(6, dtype=torch.float64)
+            return torch.zeros(_SUMS, dtype=torch.float64), torch.full((2,), -math.inf)
         n = stats["tokens"]
-        return torch.tensor(
+        # the trainer's logprobs before the update against the generator's (behaviour)
+        mis = mismatch(new_logprobs, mb.old_logprobs, mb.loss_mask).cpu()
+        sums = torch.tensor(
             [loss.item(), stats["clip_frac"] * n, stats["ratio_mean"] * n,
              stats["approx_kl"] * n, stats["kl_ref"] * n,
-             float((entropy.detach() * mb.loss_mask).sum())],
+             float((entropy.detach() * mb.loss_mask).sum()), stats["is_clip_frac"] * n,
+             float(mis[0]), float(mis[1]), float(mis[2])],
             dtype=torch.float64,
         )  # fmt: skip
+        return sums, torch.stack([-mis[3], mis[4]]).to(torch.float64)
+
+
+_SUMS = 10
+"""Statistics summed over micro-batches and ranks (see :meth:`Trainer.step_batch`)."""
+
+
+def _sequence_ids(mb: Batch) -> Tensor | None:
+    """The sample of each per-token column of a packed micro-batch (None: one per row)."""
+    if not is_packed(mb):
+        return None
+    seg = mb.attention_mask[:, :-1]
+    return torch.arange(seg.shape[0], device=seg.device)[:, None] * (int(seg.max()) + 1) + seg
+
+
+def _all_reduce_max(values: Tensor) -> Tensor:
+    """Element-wise max over the ranks of a small statistics tensor."""
+    if not dist_util.is_distributed():
+        return values
+    import torch.distributed as dist
+
+    out = values.to("cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.cpu()
