@@ -38,8 +38,9 @@ Admission guarantees:
 - quarantine: a domain with ``quarantine_after`` of its last ``quarantine_window`` groups
   dead-lettered (:class:`actors.scheduling.Quarantine`, fed the dead-letter script's
   per-domain counters) is quarantined in Redis (:mod:`protocol.quarantine`, run-global, so a
-  restarted scheduler keeps it) and gets no new training tasks nor evaluation tasks, its share
-  going to the others, until the operator lifts it (``streamrl domains lift``).
+  restarted scheduler keeps it) and gets no new training tasks, its share going to the
+  others, until the operator lifts it (``streamrl domains lift``); its held-out items are
+  still published in every round, so that each round can end.
 Once the run's stop flag is set, no more training tasks are admitted.
 """
 
@@ -147,11 +148,16 @@ def eval_domains(config: Config) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def eval_items(config: Config, name: str) -> list[Any]:
+    """The held-out items of ``name`` in each round: its first ``eval_items`` (the domain's
+    own, else ``scheduler.eval_items``), all it has when it has fewer."""
+    n = config.domain_config(name).eval_items or config.scheduler.eval_items
+    return get_domain(name).load_items("eval")[:n]
+
+
 def eval_round_size(config: Config) -> int:
-    """Tasks in one held-out round (a domain with fewer eval items than eval_items gives
-    all it has)."""
-    n = config.scheduler.eval_items
-    return sum(len(get_domain(d).load_items("eval")[:n]) for d in eval_domains(config))
+    """Tasks in one held-out round."""
+    return sum(len(eval_items(config, d)) for d in eval_domains(config))
 
 
 async def publish_eval_round(
@@ -159,11 +165,10 @@ async def publish_eval_round(
 ) -> int:
     """Publish one held-out evaluation round (none of the ``skip`` domains: quarantined);
     returns the number of tasks."""
-    cfg = ctx.config.scheduler
     tasks = []
     for name in (d for d in eval_domains(ctx.config) if d not in skip):
         sampling = domain_sampling(ctx.config, name, 0.0)
-        items = get_domain(name).load_items("eval")[: cfg.eval_items]
+        items = eval_items(ctx.config, name)
         tasks += [
             make_task(
                 name,

