@@ -25,7 +25,7 @@ from streamrl.cli.up import _children
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import StepMetrics, Task, new_id, now
+from streamrl.protocol.messages import StepMetrics, Task, Trajectory, new_id, now
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer, ensure_group
@@ -159,6 +159,10 @@ async def test_learner_process_metrics_after_a_real_step(
         _group("math", 2, [0.0, 1.0, 1.0]),
         _group("arith", 2, [0.0, 1.0]),
     ]
+    # admitted, as the scheduler records them (a stale drop counts in `dropped_stale` only
+    # for a group its hand-off takes out of the admission record)
+    admitted = [decode(g, Trajectory).episode_id for g in groups]
+    await client.call(client.sync.sadd, names.admitted_groups, *admitted)
     await Producer(client, names).publish(N.TRAJECTORIES, groups)
 
     # When the learner takes its one step (v2 -> v3) and stops
