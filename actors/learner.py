@@ -42,7 +42,7 @@ import structlog
 import torch
 import trio
 
-from streamrl.config.schema import Config
+from streamrl.config.schema import Config, LoraConfig
 from streamrl.learner import distributed as dist_util
 from streamrl.learner.batch import build_batch
 from streamrl.learner.checkpoint import (
@@ -53,6 +53,7 @@ from streamrl.learner.checkpoint import (
     prune_trainer_states,
     save_state_dict,
 )
+from streamrl.learner.lora import LoraExport, LoraSettings
 from streamrl.learner.model import resolve_model
 from streamrl.learner.train import StepStats, TrainConfig, Trainer, rng_state
 from streamrl.learner.weights import latest_version, save_weights, version_dir
@@ -119,7 +120,16 @@ def train_config(config: Config, device: str | None = None) -> TrainConfig:
         lr_decay_steps=cfg.lr_decay_steps or cfg.max_steps,
         min_lr_ratio=cfg.min_lr_ratio,
         device=device or cfg.device,
+        lora=lora_settings(cfg.lora),
     )
+
+
+def lora_settings(cfg: LoraConfig) -> LoraSettings | None:
+    """``[learner.lora]`` as the trainer's settings (None: full fine-tuning)."""
+    if not cfg.enabled:
+        return None
+    return LoraSettings(rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout,
+                        target_modules=tuple(cfg.target_modules), publish=cfg.publish)
 
 
 def open_trainer(config: Config) -> tuple[Trainer, int, bool]:
@@ -133,7 +143,13 @@ def open_trainer(config: Config) -> tuple[Trainer, int, bool]:
     device = config.learner.device
     if device == "cuda" and dist_util.is_distributed():
         device = f"cuda:{torch.cuda.current_device()}"
-    trainer = Trainer.from_dir(start, train_config(config, device), ref_dir=base_dir)
+    settings = train_config(config, device)
+    if settings.lora is None:
+        trainer = Trainer.from_dir(start, settings, ref_dir=base_dir)
+    else:  # the base as loaded, the adapters from the version (adapter/ when merged)
+        trainer = Trainer.from_dir(base_dir, settings)
+        if version:
+            trainer.load_adapter(start)
     state = load_trainer_state(start) if version else None
     if state is not None:
         trainer.load_optimizer_state(state)
@@ -351,9 +367,9 @@ class Learner:
 
     def _snapshot(self) -> dict[str, Any] | None:
         if self.snapshot is None:
-            self.snapshot = Snapshot(self.trainer.model)
+            self.snapshot = Snapshot(self.trainer.policy)
         optimizer = self.trainer.optimizer if self.cfg.checkpoint_optimizer else None
-        return self.snapshot.take(self.trainer.model, optimizer, self.trainer.steps, rng_state())
+        return self.snapshot.take(self.trainer.policy, optimizer, self.trainer.steps, rng_state())
 
     async def _publish_step(
         self,
@@ -430,8 +446,9 @@ class Learner:
             if state is not None:
                 save_state_dict(state, directory)
 
+        lora = self.trainer.config.lora
         path = save_weights(
-            self.snapshot.model,
+            self.snapshot.model if lora is None else LoraExport(self.snapshot.model, lora.publish),
             self.base_dir,
             self.root,
             record.version,

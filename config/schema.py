@@ -510,6 +510,39 @@ class VerifierConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     the message counts as failed (retried, then dead-lettered)."""
 
 
+class LoraConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[learner.lora]``: train low-rank adapters (``peft``) instead of every weight."""
+
+    enabled: bool = False
+    """Train LoRA adapters only: the base is frozen, AdamW state exists for the adapters
+    only, and the KL reference is the base with the adapters disabled (no second copy)."""
+    rank: PosInt = 16
+    """Rank r of each adapter."""
+    alpha: PosInt = 32
+    """The update is B A * alpha / rank."""
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    """Dropout on each adapter's input."""
+    target_modules: list[str] = msgspec.field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Linear layers (last name component) that get an adapter; ["all-linear"]: every
+    linear layer but the output head."""
+    publish: Literal["merged", "adapter"] = "merged"
+    """What each weights version offers the generators: "merged" (a plain Hugging Face model,
+    loaded by every engine as before; the adapter rides along in adapter/ for resuming) or
+    "adapter" (peft's adapter_model.safetensors + adapter_config.json only, the layout
+    SGLang loads as a LoRA adapter). The pipeline's generators load merged weights only
+    today, so "adapter" is refused at start (docs/learner.md)."""
+
+    def __post_init__(self) -> None:
+        if not self.target_modules:
+            raise ValueError("learner.lora.target_modules is empty")
+        if self.enabled and self.publish == "adapter":
+            raise ValueError(
+                "learner.lora.publish = 'adapter': no generator engine loads a LoRA adapter "
+                "yet (the in-process engine and serve-model load full weights, the SGLang "
+                "client does not call /load_lora_adapter); use 'merged'")
+
+
 class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     groups_per_step: PosInt = 4
     """Verified groups per optimiser step."""
@@ -588,6 +621,8 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Where the cosine ends, as a fraction of lr."""
     device: str = "cpu"
     """Torch device of the learner ("cuda" under torchrun: each rank its LOCAL_RANK GPU)."""
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (off by default)."""
 
     def __post_init__(self) -> None:
         steps = self.lr_decay_steps or self.max_steps

@@ -45,7 +45,7 @@ class LoraSettings:
 
     rank: int = 16
     """Rank ``r`` of each adapter's ``B A`` (>= 1)."""
-    alpha: float = 32.0
+    alpha: int = 32
     """Scale numerator: the update is ``B A * alpha / rank`` (> 0)."""
     dropout: float = 0.0
     """Dropout on the adapter's input, in [0, 1)."""
@@ -104,8 +104,9 @@ def merged_state_dict(peft_model: Any) -> dict[str, Tensor]:
             merged[name.replace(".base_layer.", ".")] = tensor
         for name, module in inner.named_modules():
             if isinstance(module, LoraLayer) and ADAPTER_NAME in module.lora_A:
-                base = module.get_base_layer().weight
-                merged[f"{name}.weight"] = base + module.get_delta_weight(ADAPTER_NAME)
+                layer: Any = module  # lora.Linear and kin: get_delta_weight
+                base = layer.get_base_layer().weight
+                merged[f"{name}.weight"] = base + layer.get_delta_weight(ADAPTER_NAME)
     return merged
 
 

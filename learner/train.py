@@ -52,6 +52,7 @@ from streamrl.learner import distributed as dist_util
 from streamrl.learner import fsdp
 from streamrl.learner.batch import Batch, build_batch, has_signal
 from streamrl.learner.logprobs import chunked_logprobs, logit_transform
+from streamrl.learner.lora import LoraSettings, apply_lora, load_adapter
 from streamrl.learner.loss import (
     Aggregation,
     ISLevel,
@@ -174,6 +175,9 @@ class TrainConfig:
     gradients and AdamW state on every rank; ``fsdp`` shards all three (FSDP2,
     :mod:`learner.fsdp`; bf16 compute with fp32 reduction on CUDA when ``bf16``). The step
     is the same either way; ignored in one process."""
+    lora: LoraSettings | None = None
+    """Train LoRA adapters only, the base frozen (:mod:`learner.lora`); the KL reference is
+    then the base with the adapters disabled. None: full fine-tuning."""
 
     def __post_init__(self) -> None:
         checks = {
@@ -200,6 +204,7 @@ class TrainConfig:
             "logprob_chunk_tokens >= 1": self.logprob_chunk_tokens >= 1,
             "max_tokens_per_micro_batch >= 0": self.max_tokens_per_micro_batch >= 0,
             "parallelism in (ddp, fsdp)": self.parallelism in ("ddp", "fsdp"),
+            "lora with parallelism ddp": self.lora is None or self.parallelism == "ddp",
         }
         broken = [rule for rule, ok in checks.items() if not ok]
         if broken:
@@ -329,7 +334,9 @@ class Trainer:
     """The policy in train mode, its AdamW optimiser, and :meth:`step`.
 
     ``ref_model`` is the frozen reference of the KL penalty; with ``kl_coef > 0`` and none
-    given, a frozen copy of ``model`` as passed in is taken.
+    given, a frozen copy of ``model`` as passed in is taken. Under LoRA (``config.lora``)
+    there is no reference model: the reference is ``model`` with its adapters disabled, and
+    ``peft`` is the ``PeftModel`` around ``model`` (None without LoRA).
 
     ``model`` is always the unwrapped Hugging Face model (state dicts keep its parameter
     names); under a process group with more than one rank, ``ddp`` is the
@@ -347,7 +354,13 @@ class Trainer:
         self.model.train()
         self.model.config.use_cache = False
         self.ref_model: Any = None
-        if config.kl_coef > 0:
+        self.peft: Any = None
+        if config.lora is not None:
+            if ref_model is not None:
+                raise ValueError("under LoRA the KL reference is the base with the adapters "
+                                 "disabled: pass no ref_model")
+            self.peft = apply_lora(self.model, config.lora)  # base frozen, adapters trainable
+        elif config.kl_coef > 0:
             ref = copy.deepcopy(self.model) if ref_model is None else ref_model
             self.ref_model = ref.to(config.device).eval().requires_grad_(False)
         if config.grad_checkpointing:
@@ -379,8 +392,30 @@ class Trainer:
         ref_dir: Path | str | None = None,
     ) -> Trainer:  # fmt: skip
         config = config or TrainConfig()
-        ref = load_model(ref_dir) if ref_dir is not None and config.kl_coef > 0 else None
+        wants_ref = config.kl_coef > 0 and config.lora is None  # LoRA: the adapters disabled
+        ref = load_model(ref_dir) if ref_dir is not None and wants_ref else None
         return cls(load_model(model_dir), config, ref)
+
+    @property
+    def policy(self) -> Any:
+        """What a checkpoint saves: the ``PeftModel`` under LoRA, else :attr:`model`."""
+        return self.model if self.peft is None else self.peft
+
+    def base_logprobs(self, batch: Batch) -> Tensor:
+        """Under LoRA, the KL reference: :func:`token_logprobs` of :attr:`model` with its
+        adapters disabled (the base as loaded; no second copy of the model), no gradient."""
+        if self.peft is None:
+            raise ValueError("base_logprobs needs TrainConfig.lora")
+        cfg = self.config
+        with torch.no_grad(), _autocast(cfg), self.peft.disable_adapter():
+            return token_logprobs(self.model, batch, cfg.temperature, cfg.logprob_chunk_tokens)
+
+    def load_adapter(self, directory: Path | str) -> None:
+        """Resume the adapters of a LoRA version directory (:func:`learner.lora.
+        load_adapter`); the base stays as loaded."""
+        if self.peft is None:
+            raise ValueError("load_adapter needs TrainConfig.lora")
+        load_adapter(self.peft, directory)
 
     def state_dict(self) -> dict[str, Any]:
         """Optimiser state, step count and RNG states: what resuming needs besides the weights."""
@@ -441,10 +476,15 @@ class Trainer:
                                kl_ref_sum=kl_sum)  # fmt: skip
 
     def _reference_logprobs(self, mb: Batch) -> Tensor:
-        """The KL reference's logprobs of ``mb`` (the frozen model)."""
+        """The KL reference's logprobs of ``mb`` (a frozen model, or the base under LoRA)."""
         cfg = self.config
         with torch.no_grad(), _autocast(cfg):
-            return token_logprobs(self.ref_model, mb, cfg.temperature, cfg.logprob_chunk_tokens)
+            if self.ref_fsdp is not None:
+                return self.ref_fsdp(mb, cfg.temperature, cfg.logprob_chunk_tokens)[0]
+            if self.ref_model is not None:
+                return token_logprobs(self.ref_model, mb, cfg.temperature,
+                                      cfg.logprob_chunk_tokens)  # fmt: skip
+        return self.base_logprobs(mb)
 
     def _kl_in_reward(self, full: Batch, group_sizes: list[int]) -> tuple[Batch, float]:
         """KL-in-reward: each sample's reward minus ``kl_coef`` times its summed KL
@@ -596,6 +636,8 @@ class Trainer:
                 ref = self.ref_fsdp(mb, cfg.temperature, chunk)[0]
             elif self.ref_model is not None:
                 ref = token_logprobs(self.ref_model, mb, cfg.temperature, chunk)
+            elif self.peft is not None and cfg.kl_coef > 0:
+                ref = self.base_logprobs(mb)
         with _autocast(cfg):
             if self.fsdp is not None:  # through the root's forward: it gathers its weights
                 new_logprobs, entropy = self.fsdp(mb, cfg.temperature, chunk)
