@@ -44,6 +44,7 @@ import trio
 
 from streamrl.config.schema import Config, LoraConfig
 from streamrl.learner import distributed as dist_util
+from streamrl.learner import fsdp
 from streamrl.learner.batch import build_batch
 from streamrl.learner.checkpoint import (
     Ledger,
@@ -120,6 +121,7 @@ def train_config(config: Config, device: str | None = None) -> TrainConfig:
         lr_decay_steps=cfg.lr_decay_steps or cfg.max_steps,
         min_lr_ratio=cfg.min_lr_ratio,
         device=device or cfg.device,
+        parallelism=cfg.parallelism,
         lora=lora_settings(cfg.lora),
     )
 
@@ -150,6 +152,9 @@ def open_trainer(config: Config) -> tuple[Trainer, int, bool]:
         trainer = Trainer.from_dir(base_dir, settings)
         if version:
             trainer.load_adapter(start)
+    if version and (start / fsdp.SHARDED_DIR).is_dir():  # written by FSDP ranks: resharded
+        trainer.load_sharded(start)
+        return trainer, version, True
     state = load_trainer_state(start) if version else None
     if state is not None:
         trainer.load_optimizer_state(state)
@@ -164,12 +169,17 @@ def distributed_step(trainer: Trainer, trajectories: list[Trajectory]) -> StepSt
 
 def follow(config: Config) -> int:
     """Ranks > 0 of a distributed learner: take every step rank 0 takes, on the groups it
-    broadcasts, until it broadcasts an empty step (its end). No Redis, no disk writes.
-    Returns the number of steps taken."""
+    broadcasts, until it broadcasts an empty step (its end). No Redis; under FSDP each rank
+    joins rank 0's snapshot after each step (the gather of the weights, and its own shards
+    of the checkpoint). Returns the number of steps taken."""
     trainer, _, _ = open_trainer(config)
+    snapshot = fsdp.ShardedSnapshot(config.run.path / "weights") if trainer.fsdp else None
+    optimizer = trainer.optimizer if config.learner.checkpoint_optimizer else None
     steps = 0
     while payloads := dist_util.broadcast_payloads(None):
         trainer.step([decode(p, Trajectory) for p in payloads])
+        if snapshot is not None:
+            snapshot.take(trainer.model, optimizer, trainer.steps, rng_state())
         steps += 1
     return steps
 
@@ -189,7 +199,7 @@ class Learner:
         self.trainer, self.version, self.resumed_optimizer = open_trainer(ctx.config)
         self.ledger = Ledger.open(self.root, self.version)
         self.dropped_stale = 0
-        self.snapshot: Snapshot | None = None
+        self.snapshot: Snapshot | fsdp.ShardedSnapshot | None = None
         self.collecting = self.version
         """The version the batch being collected will be trained at."""
         self._refill = trio.Event()
@@ -366,9 +376,14 @@ class Learner:
         ))  # fmt: skip
 
     def _snapshot(self) -> dict[str, Any] | None:
+        optimizer = self.trainer.optimizer if self.cfg.checkpoint_optimizer else None
+        if self.trainer.fsdp is not None:  # a collective: the other ranks take it too
+            if self.snapshot is None:
+                self.snapshot = fsdp.ShardedSnapshot(self.root)
+            self.snapshot.take(self.trainer.model, optimizer, self.trainer.steps, rng_state())
+            return None
         if self.snapshot is None:
             self.snapshot = Snapshot(self.trainer.policy)
-        optimizer = self.trainer.optimizer if self.cfg.checkpoint_optimizer else None
         return self.snapshot.take(self.trainer.policy, optimizer, self.trainer.steps, rng_state())
 
     async def _publish_step(
@@ -443,7 +458,9 @@ class Learner:
 
         def extra(directory: Path) -> None:
             (directory / STEP_METRICS_FILE).write_bytes(encode(metrics))
-            if state is not None:
+            if isinstance(self.snapshot, fsdp.ShardedSnapshot):
+                self.snapshot.move_into(directory)
+            elif state is not None:
                 save_state_dict(state, directory)
 
         lora = self.trainer.config.lora
@@ -456,6 +473,7 @@ class Learner:
             extra=extra,
         )
         prune_trainer_states(self.root, keep=record.version)
+        fsdp.prune_sharded(self.root, keep=record.version)
         return path
 
     async def _announce(

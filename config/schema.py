@@ -621,6 +621,11 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Where the cosine ends, as a fraction of lr."""
     device: str = "cpu"
     """Torch device of the learner ("cuda" under torchrun: each rank its LOCAL_RANK GPU)."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """Under torchrun with more than one rank: "ddp" keeps the whole model, its gradients and
+    AdamW state on every rank; "fsdp" shards all three over the ranks (FSDP2; bf16 compute
+    with fp32 reduction on CUDA) and checkpoints them sharded beside the published weights
+    (docs/learner.md). Ignored in one process."""
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (off by default)."""
 

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from streamrl.learner.weights import save_weights
+from streamrl.learner.weights import list_versions, save_weights, version_dir
 
 SHARDED_DIR = "sharded"
 """In a version directory: the ``torch.distributed.checkpoint`` of model and optimiser."""
@@ -173,6 +173,48 @@ def move_sharded(source: Path, target: Path) -> None:
     directory being assembled by :func:`learner.weights.save_weights`)."""
     for name in (SHARDED_DIR, STEPS_FILE):
         shutil.move(str(Path(source) / name), str(Path(target) / name))
+
+
+class ShardedSnapshot:
+    """The FSDP counterpart of :class:`learner.checkpoint.Snapshot`, taken by every rank after
+    each step (:meth:`take` is a collective): the whole weights gathered into one CPU model
+    on rank 0 (:attr:`model`, for :func:`learner.weights.save_weights`), and, with an
+    optimiser, model and optimiser written as a sharded checkpoint by every rank into
+    ``root/.sharded`` (a disk every rank sees), which rank 0 then moves into the version
+    directory it assembles (:meth:`move_into`). One snapshot at a time: the next
+    :meth:`take` clears the staging directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.staging = Path(root) / ".sharded"
+        self.model: Any = None  # rank 0 only
+
+    def take(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, steps: int,
+        rng: dict[str, Any] | None,
+    ) -> None:  # fmt: skip
+        state = full_state_dict(model)
+        if _rank() == 0:
+            if self.model is None:
+                self.model = export_model(model, state)
+            else:
+                self.model.load_state_dict(state, strict=True)
+            shutil.rmtree(self.staging, ignore_errors=True)
+        _barrier()  # the staging directory is empty before any rank writes into it
+        if optimizer is not None:
+            save_sharded(model, optimizer, self.staging, steps, rng)
+
+    def move_into(self, directory: Path) -> None:
+        """Rank 0: the staged sharded checkpoint (if one was taken) into ``directory``."""
+        if (self.staging / SHARDED_DIR).is_dir():
+            move_sharded(self.staging, directory)
+
+
+def prune_sharded(root: Path, keep: int) -> None:
+    """Delete the sharded checkpoint of every version but ``keep`` (the newest resumes)."""
+    for version in list_versions(root):
+        if version != keep:
+            shutil.rmtree(version_dir(root, version) / SHARDED_DIR, ignore_errors=True)
+            (version_dir(root, version) / STEPS_FILE).unlink(missing_ok=True)
 
 
 def _rank() -> int:

@@ -1,0 +1,71 @@
+"""The learner actor under torchrun with ``learner.parallelism = "fsdp"``: 2 gloo ranks, the
+model sharded; rank 0 publishes the gathered weights, which equal the single-process
+learner's on the same groups; the newest version holds the sharded checkpoint (older ones
+are pruned), and a single-process learner resumes from it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+from safetensors.torch import load_file
+
+from streamrl.actors.learner import open_trainer, serve
+from streamrl.config.schema import load_config
+from streamrl.learner.fsdp import SHARDED_DIR
+from streamrl.protocol import names as N
+from streamrl.protocol.messages import WeightsPublished
+from streamrl.protocol.names import Names
+from streamrl.queues.client import RedisClient
+from streamrl.queues.codec import decode
+from streamrl.queues.streams import Producer
+from streamrl.runtime.context import ActorContext
+from tests.actors.test_learner_torchrun import ROOT, _groups, _overrides
+
+
+@pytest.mark.slow
+async def test_fsdp_learner_publishes_what_one_process_would_and_resumes(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    groups = _groups()
+    # Given the same four groups in two runs
+    solo, multi = Names(names.run + "s"), Names(names.run + "f")
+    for run in (solo, multi):
+        await Producer(client, run).publish(N.TRAJECTORIES, groups)
+    # When one run's learner is a single process, the other's two torchrun ranks under FSDP
+    solo_cfg = load_config(None, _overrides(solo.run, redis_url, tmp_path / "solo"))
+    with trio.fail_after(120):
+        await serve(ActorContext(solo_cfg, client, solo))
+    overrides = [*_overrides(multi.run, redis_url, tmp_path / "multi"), "learner.parallelism=fsdp"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = await trio.run_process(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "streamrl.actors.learner", *[f"--set={o}" for o in overrides]],
+        cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    # Then the FSDP run published versions 1 and 2, once each
+    rows = await client.call(client.sync.xrange, multi.stream(N.WEIGHTS))
+    assert [decode(f[b"d"], WeightsPublished).version for _, f in rows] == [1, 2]
+    # and its gathered weights equal the single process's within float tolerance
+    weights = tmp_path / "multi" / "weights"
+    a = load_file(tmp_path / "solo" / "weights" / "v000002" / "model.safetensors")
+    b = load_file(weights / "v000002" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    # and only the newest version keeps the sharded checkpoint
+    assert (weights / "v000002" / SHARDED_DIR).is_dir()
+    assert not (weights / "v000001" / SHARDED_DIR).exists()
+    # When a single-process learner opens the run
+    trainer, version, resumed = open_trainer(load_config(None, overrides))
+    # Then it resumes version 2 from the shards: the step count, the weights and AdamW moments
+    assert (version, resumed, trainer.steps) == (2, True, 2)
+    state = trainer.model.state_dict()
+    for name in b:
+        torch.testing.assert_close(state[name], b[name], rtol=0, atol=0)
+    assert all(s["exp_avg_sq"].abs().sum() > 0 for s in trainer.optimizer.state.values())
