@@ -22,6 +22,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -175,3 +176,10 @@ class LoraExport:
             adapter = directory
         self.peft_model.save_pretrained(adapter, safe_serialization=safe_serialization)
         (adapter / "README.md").unlink(missing_ok=True)  # peft's model card stub
+        if adapter != directory:  # save_weights fsyncs the top level only
+            for path in [*adapter.iterdir(), adapter]:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
