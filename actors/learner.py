@@ -155,7 +155,9 @@ def open_trainer(config: Config) -> tuple[Trainer, int, bool]:
     if version and (start / fsdp.SHARDED_DIR).is_dir():  # written by FSDP ranks: resharded
         trainer.load_sharded(start)
         return trainer, version, True
-    state = load_trainer_state(start) if version else None
+    # AdamW state saved whole (DDP, one process) does not load into sharded parameters: an
+    # FSDP run resuming such a version starts a fresh optimiser (logged: resumed_optimizer)
+    state = load_trainer_state(start) if version and trainer.fsdp is None else None
     if state is not None:
         trainer.load_optimizer_state(state)
     return trainer, version, state is not None

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,7 +46,7 @@ def _bytes(tensors: Any) -> int:
     return total
 
 
-def measure(parallelism: str, args: argparse.Namespace) -> dict[str, int]:
+def measure(parallelism: Literal["ddp", "fsdp"], args: argparse.Namespace) -> dict[str, int]:
     """This rank's parameter, gradient and optimiser bytes for one step under ``parallelism``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,7 +62,7 @@ def measure(parallelism: str, args: argparse.Namespace) -> dict[str, int]:
     ))  # fmt: skip
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     config = TrainConfig(lr=1e-4, micro_batch_size=2, num_threads=args.threads,
-                         parallelism=parallelism)  # type: ignore[arg-type]  # fmt: skip
+                         parallelism=parallelism)  # fmt: skip
     trainer = Trainer(model, config)
     grads: list[int] = []
     trainer.optimizer.register_step_pre_hook(
@@ -89,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     from streamrl.learner import distributed as dist_util
 
     assert dist_util.init_from_env()
-    counts = {p: measure(p, args) for p in ("ddp", "fsdp")}
+    counts = {"ddp": measure("ddp", args), "fsdp": measure("fsdp", args)}
     Path(args.worker_out, f"rank{dist_util.rank()}.json").write_text(json.dumps(counts))
     dist.destroy_process_group()
 

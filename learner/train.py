@@ -340,7 +340,9 @@ class Trainer:
 
     ``model`` is always the unwrapped Hugging Face model (state dicts keep its parameter
     names); under a process group with more than one rank, ``ddp`` is the
-    ``DistributedDataParallel`` the gradients go through (None in one process).
+    ``DistributedDataParallel`` the gradients go through (None in one process), or, with
+    ``parallelism="fsdp"``, ``fsdp`` is the FSDP2 root that shards it (:mod:`learner.fsdp`;
+    ``model``'s parameters are then DTensor shards).
     """
 
     def __init__(

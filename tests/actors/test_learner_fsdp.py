@@ -69,3 +69,33 @@ async def test_fsdp_learner_publishes_what_one_process_would_and_resumes(
     for name in b:
         torch.testing.assert_close(state[name], b[name], rtol=0, atol=0)
     assert all(s["exp_avg_sq"].abs().sum() > 0 for s in trainer.optimizer.state.values())
+
+
+@pytest.mark.slow
+async def test_fsdp_learner_continues_a_run_saved_without_shards(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given a run whose single-process learner saved versions 1 and 2 (trainer_state.pt)
+    await Producer(client, names).publish(N.TRAJECTORIES, _groups())
+    base = _overrides(names.run, redis_url, tmp_path)
+    with trio.fail_after(120):
+        await serve(ActorContext(load_config(None, base), client, names))
+    before = load_file(tmp_path / "weights" / "v000002" / "model.safetensors")
+    # When two FSDP ranks continue it for one more step
+    await Producer(client, names).publish(N.TRAJECTORIES, _groups()[:2])
+    overrides = [*base, "learner.max_steps=3", "learner.parallelism=fsdp"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = await trio.run_process(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "streamrl.actors.learner", *[f"--set={o}" for o in overrides]],
+        cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False,
+    )  # fmt: skip
+    # Then they start from version 2's weights with a fresh AdamW state (whole AdamW state
+    # does not load into shards) and publish version 3 with its shards
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    assert b"resumed_optimizer" in proc.stdout + proc.stderr
+    rows = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
+    assert [decode(f[b"d"], WeightsPublished).version for _, f in rows] == [1, 2, 3]
+    after = load_file(tmp_path / "weights" / "v000003" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert (tmp_path / "weights" / "v000003" / SHARDED_DIR).is_dir()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -24,14 +24,15 @@ from streamrl.testing.messages import make_trajectory
 from tests.learner.test_distributed import CASES, fixed_groups
 
 ROOT = Path(__file__).resolve().parents[2]
+Parallelism = Literal["ddp", "fsdp"]
 
 
 def run_case(
-    name: str, model: Any, groups: list[Trajectory], parallelism: str = "fsdp"
+    name: str, model: Any, groups: list[Trajectory], parallelism: Parallelism = "fsdp"
 ) -> tuple[Trainer, StepStats]:
     """One step of test_distributed's case ``name``, on one thread (see its ``run_case``)."""
     fields, rows = CASES[name]
-    config = TrainConfig(lr=1e-3, num_threads=1, parallelism=parallelism, **fields)  # type: ignore[arg-type]
+    config = TrainConfig(lr=1e-3, num_threads=1, parallelism=parallelism, **fields)
     trainer = Trainer(model, config)
     if rows is None:
         return trainer, trainer.step(groups)
