@@ -204,6 +204,8 @@ class TrainConfig:
             "logprob_chunk_tokens >= 1": self.logprob_chunk_tokens >= 1,
             "max_tokens_per_micro_batch >= 0": self.max_tokens_per_micro_batch >= 0,
             "parallelism in (ddp, fsdp)": self.parallelism in ("ddp", "fsdp"),
+            "lora with parallelism ddp (FSDP publishes whole models only)": self.lora is None
+            or self.parallelism == "ddp",
             "lora with parallelism ddp": self.lora is None or self.parallelism == "ddp",
         }
         broken = [rule for rule, ok in checks.items() if not ok]

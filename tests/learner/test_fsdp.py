@@ -16,6 +16,7 @@ import torch
 
 from streamrl.learner.batch import build_batch
 from streamrl.learner.fsdp import SHARDED_DIR
+from streamrl.learner.lora import LoraSettings
 from streamrl.learner.model import load_model
 from streamrl.learner.train import StepStats, TrainConfig, Trainer
 from streamrl.learner.weights import version_dir
@@ -38,6 +39,13 @@ def run_case(
         return trainer, trainer.step(groups)
     batch = build_batch(groups, pad_id=trainer.pad_id).rows(slice(0, rows))
     return trainer, trainer.step_batch(batch)
+
+
+def test_fsdp_with_lora_is_refused() -> None:
+    """The FSDP snapshot publishes whole models; LoRA's adapters and merge are not wired to it."""
+    with pytest.raises(ValueError, match="lora with parallelism ddp"):
+        TrainConfig(parallelism="fsdp", lora=LoraSettings())
+    TrainConfig(parallelism="ddp", lora=LoraSettings())
 
 
 def next_groups() -> list[Trajectory]:
