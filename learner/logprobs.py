@@ -46,12 +46,21 @@ def logit_transform(config: Any) -> Transform:
 
 
 def _chunk(
-    head: torch.nn.Module, transform: Transform, hidden: Tensor, targets: Tensor, inv_t: Tensor
+    head: torch.nn.Module,
+    transform: Transform,
+    hidden: Tensor,
+    targets: Tensor,
+    inv_t: Tensor,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     logits = transform(head(hidden).float()) * inv_t[:, None]  # [n, V] fp32
     log_z = torch.logsumexp(logits, dim=-1)
     picked = logits.gather(-1, targets[:, None]).squeeze(-1) - log_z
-    entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    # Without a gradient the entropy saves nothing for backward: a recomputed chunk's saved
+    # tensors that no backward consumes would stay alive until the end of the backward pass,
+    # every chunk's ``[n, V]`` softmax at once.
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return picked, entropy
 
 
@@ -62,15 +71,17 @@ def chunked_logprobs(
     temperature: Tensor,
     transform: Transform = lambda x: x,
     chunk_tokens: int = 1024,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``log_softmax(transform(head(hidden)) / T)[target]`` and the entropy of that
     distribution, per token. ``hidden`` is ``[N, H]``, ``targets`` and ``temperature``
-    ``[N]``; returns two fp32 ``[N]`` tensors that carry the graph when grad is enabled."""
+    ``[N]``; returns two fp32 ``[N]`` tensors; the logprobs carry the graph when grad is
+    enabled, the entropies only with ``entropy_grad`` (an entropy bonus)."""
     inv_t = 1.0 / temperature.to(device=hidden.device, dtype=torch.float32)
     lps, ents = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
         part = slice(start, start + chunk_tokens)
-        args = (head, transform, hidden[part], targets[part], inv_t[part])
+        args = (head, transform, hidden[part], targets[part], inv_t[part], entropy_grad)
         if torch.is_grad_enabled():
             lp, ent = checkpoint(_chunk, *args, use_reentrant=False)
         else:

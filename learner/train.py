@@ -251,9 +251,14 @@ def token_logprobs(
 
 
 def token_logprobs_and_entropy(
-    model: Any, batch: Batch, temperature: float | None = None, chunk_tokens: int = 1024
+    model: Any,
+    batch: Batch,
+    temperature: float | None = None,
+    chunk_tokens: int = 1024,
+    entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """:func:`token_logprobs` and the entropy of each predicted distribution (same layout).
+    """:func:`token_logprobs` and the entropy of each predicted distribution (same layout;
+    with a gradient only if ``entropy_grad``: an entropy bonus).
 
     The logits are the model's own (``model(...).logits``: soft-capping and logit scaling
     respected, :func:`learner.logprobs.logit_transform`), computed only on the loss
@@ -273,7 +278,7 @@ def token_logprobs_and_entropy(
         per_token = torch.full((int(keep.sum()),), temperature, device=hidden.device)
     picked, entropy = chunked_logprobs(
         model.get_output_embeddings(), hidden[:, :-1][keep], batch.target_ids[keep],
-        per_token, logit_transform(model.config), chunk_tokens,
+        per_token, logit_transform(model.config), chunk_tokens, entropy_grad,
     )  # fmt: skip
     zeros = torch.zeros(keep.shape, dtype=torch.float32, device=hidden.device)
     return zeros.masked_scatter(keep, picked), zeros.masked_scatter(keep, entropy)
@@ -327,9 +332,12 @@ class _PolicyLogprobs(torch.nn.Module):
         self.policy = policy
 
     def forward(
-        self, batch: Batch, temperature: float | None, chunk_tokens: int
-    ) -> tuple[Tensor, Tensor]:
-        return token_logprobs_and_entropy(self.policy, batch, temperature, chunk_tokens)
+        self, batch: Batch, temperature: float | None, chunk_tokens: int,
+        entropy_grad: bool = False,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        return token_logprobs_and_entropy(
+            self.policy, batch, temperature, chunk_tokens, entropy_grad
+        )
 
 
 class Trainer:
@@ -629,6 +637,7 @@ class Trainer:
         in DDP's backward passes with a zero gradient and adds nothing to the statistics."""
         cfg = self.config
         chunk = cfg.logprob_chunk_tokens
+        bonus = cfg.entropy_coef > 0  # the entropy needs a gradient only for the bonus
         old, behaviour = mb.old_logprobs, None
         ref = None
         with torch.no_grad(), _autocast(cfg):
@@ -644,12 +653,12 @@ class Trainer:
                 ref = self.base_logprobs(mb)
         with _autocast(cfg):
             if self.fsdp is not None:  # through the root's forward: it gathers its weights
-                new_logprobs, entropy = self.fsdp(mb, cfg.temperature, chunk)
+                new_logprobs, entropy = self.fsdp(mb, cfg.temperature, chunk, bonus)
             elif self.ddp is not None:  # through DDP's forward: it arms the gradient all-reduce
-                new_logprobs, entropy = self.ddp(mb, cfg.temperature, chunk)
+                new_logprobs, entropy = self.ddp(mb, cfg.temperature, chunk, bonus)
             else:
                 new_logprobs, entropy = token_logprobs_and_entropy(
-                    self.model, mb, cfg.temperature, chunk
+                    self.model, mb, cfg.temperature, chunk, bonus
                 )
         loss, stats = policy_loss(
             new_logprobs,

@@ -60,7 +60,8 @@ def _group(rewards: list[float], completions: list[list[int]]) -> Trajectory:
 def _with_sample(traj: Trajectory, i: int, **changes: object) -> Trajectory:
     samples = list(traj.rollout.samples)
     samples[i] = msgspec.structs.replace(samples[i], **changes)
-    return msgspec.structs.replace(traj, rollout=msgspec.structs.replace(traj.rollout, samples=samples))
+    rollout = msgspec.structs.replace(traj.rollout, samples=samples)
+    return msgspec.structs.replace(traj, rollout=rollout)
 
 
 def test_overlong_filter_masks_samples_that_hit_the_token_limit() -> None:
@@ -200,3 +201,30 @@ def test_a_cosine_schedule_needs_a_length() -> None:
         LearnerConfig(lr_decay="cosine", warmup_steps=10)
     with pytest.raises(ValueError, match="cosine"):
         TrainConfig(lr_decay="cosine", warmup_steps=10, lr_decay_steps=10)
+
+
+def test_entropy_bonus_through_a_step(tiny_dir: Path) -> None:
+    # Given a group with equal rewards kept in the step: every advantage is 0
+    completions = [[5, 6, 7], [9, 10]]
+    flat = [make_trajectory([1, 2, 3], completions, [[-5.0] * len(c) for c in completions],
+                            [1.0, 1.0], temperature=0.7)]  # fmt: skip
+    base = {"drop_zero_advantage": False, "max_grad_norm": 1e9}
+    # When the step has an entropy bonus, and when it has none
+    bonus = Trainer(load_model(tiny_dir), TrainConfig(entropy_coef=0.1, **base)).step(flat)  # type: ignore[arg-type]
+    plain = Trainer(load_model(tiny_dir), TrainConfig(**base)).step(flat)  # type: ignore[arg-type]
+    # Then the loss is -coef * mean entropy, with a gradient; without it, no loss, no gradient
+    assert bonus.loss == pytest.approx(-0.1 * bonus.entropy, rel=1e-5)
+    assert bonus.grad_norm > 0
+    assert plain.loss == 0.0 and plain.grad_norm == 0.0 and plain.entropy == bonus.entropy
+
+
+def test_the_entropy_carries_a_graph_only_for_the_bonus(tiny_model: object) -> None:
+    from streamrl.learner.train import token_logprobs_and_entropy
+
+    # A graph through the entropy that the loss does not use is never consumed by the
+    # backward pass: every recomputed chunk's [n, V] softmax would stay alive until its end.
+    batch = build_batch(_groups())
+    lp, ent = token_logprobs_and_entropy(tiny_model, batch, chunk_tokens=4)
+    assert lp.requires_grad and not ent.requires_grad
+    lp, ent = token_logprobs_and_entropy(tiny_model, batch, chunk_tokens=4, entropy_grad=True)
+    assert ent.requires_grad
