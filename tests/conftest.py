@@ -15,6 +15,28 @@ from streamrl.queues.server import ClusterProcess, ServerProcess
 from tests.helpers import open_roles, redis_server_for_tests
 
 
+@pytest.fixture(autouse=True)
+def _domain_declarations_isolated() -> Iterator[None]:
+    """Each test starts with the domain registry and the exported declarations
+    ($STREAMRL_DECLARED_DOMAINS) of the session, not those a test before it declared in the
+    same worker: a ``[domain.code]`` table with feedback turns ``get_domain("code")`` into a
+    multi-turn domain for every later test otherwise."""
+    from streamrl.domains import registry
+    from streamrl.domains.declared import ENV
+
+    factories, instances = dict(registry._factories), dict(registry._instances)
+    declared = os.environ.get(ENV)
+    yield
+    registry._factories.clear()
+    registry._factories.update(factories)
+    registry._instances.clear()
+    registry._instances.update(instances)
+    if declared is None:
+        os.environ.pop(ENV, None)
+    else:
+        os.environ[ENV] = declared
+
+
 @pytest.fixture(scope="session")
 def redis_session_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis: the one CI started ($STREAMRL_TEST_REDIS_URL), else one started here

@@ -157,6 +157,12 @@ async def trajectory(client: RedisClient, names: N.Names) -> Trajectory:
     return decode(raw, Trajectory)
 
 
+NOT_SANDBOX = ("redis", "valkey", "multiprocessing.resource_tracker", "multiprocessing.forkserver")
+"""Descendants of the test process that are no sandbox's: the session's Redis, and the
+helpers Python's multiprocessing starts once per process (an earlier test in the same worker
+that used a process pool, e.g. the verifier's scorer workers, leaves its resource tracker)."""
+
+
 def sandbox_processes(commands_only: bool = False) -> list[str]:
     """Live processes descended from this one that belong to a sandbox: what a released
     session must not leave behind. ``commands_only``: leave out the sandboxes themselves
@@ -182,7 +188,7 @@ def sandbox_processes(commands_only: bool = False) -> list[str]:
         p = pid
         while p in parents and p not in (0, 1, me):
             p = parents[p]
-        if p == me and pid != me and "redis" not in cmd and "valkey" not in cmd:
+        if p == me and pid != me and not any(k in cmd for k in NOT_SANDBOX):
             if commands_only and ("bwrap" in cmd or "sandbox" in cmd or (parents[pid] != me
                                   and "bwrap" in cmdlines.get(parents[pid], ""))):
                 continue
