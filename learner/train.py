@@ -25,8 +25,10 @@ Guarantees:
   every rank's shards; each backward pass reduce-scatters, so no rank holds a whole gradient.
 
 Simplifications: data parallel only (no tensor or pipeline parallelism: with FSDP a layer
-must fit on one device), no entropy bonus; zero-advantage groups are dropped rather than
-re-sampled.
+must fit on one device); zero-advantage groups are dropped rather than re-sampled. The loss
+menu (objective, aggregation, off-policy correction, KL, entropy bonus, reward shaping, LR
+schedule) is one function each in :mod:`learner.loss` and :mod:`learner.shaping`, composed by
+:meth:`Trainer.step`.
 The Redis actor loop (staleness policy, publishing weights, metrics) lives in the learner
 actor; this module only does the math.
 """
