@@ -288,10 +288,13 @@ def _assert_nothing_left(project: str, owners: set[str]) -> None:
     assert _docker("network", "ls", "-q", "--filter", label).split() == []
 
     def ours() -> list[str]:
+        # a container whose removal the engine has begun ("removing": AutoRemove under load
+        # can take minutes, and it has no name by then) is not left behind
         out = _docker("ps", "-a", "--filter", "label=streamrl.sandbox", "--format",
-                      '{{.Names}} {{.Label "streamrl.owner"}}')  # fmt: skip
+                      '{{.State}} {{.Label "streamrl.owner"}} {{.Names}}')  # fmt: skip
         return [line for line in out.splitlines()
-                if line.split(" ", 1)[-1].split("/", 1)[0] in owners]  # fmt: skip
+                if not line.startswith("removing ")
+                and line.split(" ")[1].split("/", 1)[0] in owners]  # fmt: skip
 
     with contextlib.suppress(TimeoutError):  # AutoRemove of the sandboxes of killed executors
         wait_until_sync(lambda: not ours(), 20, 0.5)
