@@ -647,12 +647,8 @@ class Trainer:
                 old, behaviour = self.fsdp(mb, cfg.temperature, chunk)[0], old
             elif cfg.recompute_old_logprobs:
                 old, behaviour = token_logprobs(self.model, mb, cfg.temperature, chunk), old
-            if self.ref_fsdp is not None:
-                ref = self.ref_fsdp(mb, cfg.temperature, chunk)[0]
-            elif self.ref_model is not None:
-                ref = token_logprobs(self.ref_model, mb, cfg.temperature, chunk)
-            elif self.peft is not None and cfg.kl_coef > 0:
-                ref = self.base_logprobs(mb)
+            if cfg.kl_coef > 0 and not cfg.kl_in_reward:  # (KL-in-reward took it before)
+                ref = self._reference_logprobs(mb)
         with _autocast(cfg):
             if self.fsdp is not None:  # through the root's forward: it gathers its weights
                 new_logprobs, entropy = self.fsdp(mb, cfg.temperature, chunk, bonus)
@@ -672,7 +668,7 @@ class Trainer:
             tis_cap=cfg.tis_cap,
             behaviour_logprobs=behaviour,
             normalizer=normalizer,
-            ref_logprobs=None if cfg.kl_in_reward else ref,
+            ref_logprobs=ref,
             kl_coef=cfg.kl_coef,
             kl_estimator=cfg.kl_estimator,
             aggregation=cfg.aggregation,
