@@ -445,6 +445,10 @@ class Learner:
             loss=stats.loss,
             reward_mean=stats.reward_mean,
             grad_norm=stats.grad_norm,
+            entropy=round(stats.entropy, 4),
+            mismatch_kl=round(stats.mismatch_kl, 6),
+            mismatch_ratio=(round(stats.mismatch_ratio_min, 4), round(stats.mismatch_ratio_max, 4)),
+            clip_frac=round(stats.clip_frac, 4),
             step_s=round(stats.seconds, 2),
             wait_s=round(waited, 2),
         )

@@ -73,6 +73,10 @@ async def test_learner_drops_stale_groups_and_steps_atomically(
     [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.METRICS))
     metrics = decode(fields[b"d"], StepMetrics)
     assert (metrics.step, metrics.groups, metrics.dropped_stale) == (4, 2, 2)
+    # with what the loss saw: learning rate, entropy, train-vs-rollout mismatch
+    assert metrics.lr == pytest.approx(1e-4) and metrics.entropy > 0
+    assert metrics.mismatch_ratio_min <= metrics.mismatch_ratio_mean <= metrics.mismatch_ratio_max
+    assert metrics.mismatch_kl >= 0 and metrics.mismatch_ratio_max != 1.0
     assert int(await client.call(client.sync.get, names.counter("dropped_stale"))) == 2
     events = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
     published = [decode(f[b"d"], WeightsPublished) for _, f in events]
