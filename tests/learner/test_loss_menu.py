@@ -228,3 +228,24 @@ def test_the_entropy_carries_a_graph_only_for_the_bonus(tiny_model: object) -> N
     assert lp.requires_grad and not ent.requires_grad
     lp, ent = token_logprobs_and_entropy(tiny_model, batch, chunk_tokens=4, entropy_grad=True)
     assert ent.requires_grad
+
+
+def test_the_entropy_gradient_of_the_bonus_is_the_unchunked_one() -> None:
+    from streamrl.learner.train import token_logprobs_and_entropy
+    from tests.learner.test_logprobs import batch, reference, tiny
+
+    # Given a soft-capped model and a batch of two temperatures
+    model, b = tiny("gemma2"), batch()
+    grads = []
+    for chunked in (False, True):
+        model.zero_grad(set_to_none=True)
+        if chunked:  # 3 tokens at a time, the entropy with its graph
+            ent = token_logprobs_and_entropy(model, b, chunk_tokens=3, entropy_grad=True)[1]
+        else:
+            ent = reference(model, b)[1]
+        ent.sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    # Then every parameter's entropy gradient is the full-logits one within 1e-5
+    assert len(grads[0]) == len(grads[1]) > 0
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
