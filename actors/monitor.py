@@ -30,6 +30,7 @@ from streamrl.queues.streams import EventReader
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.policies import Reject
 from streamrl.runtime.serve import Result
+from streamrl.runtime.tracking import Trackers, open_trackers
 
 
 @dataclass
@@ -170,6 +171,27 @@ def eval_series(rounds: list[EvalRound]) -> dict[str, list[dict[str, Any]]]:
     return series
 
 
+def step_scalars(m: StepMetrics, health: dict[str, DomainHealth]) -> dict[str, float]:
+    """What a tracker records at a learner step: every numeric field of ``m`` (``learner/``),
+    and each trained domain's train reward (once it has one) and trained groups so far."""
+    scalars = {f"learner/{k}": float(v) for k, v in msgspec.structs.asdict(m).items()
+               if isinstance(v, (int, float)) and not isinstance(v, bool)
+               and k not in ("step", "v", "attempt", "created_at")}
+    for d, h in sorted(health.items()):
+        scalars[f"domain/{d}/trained_groups"] = float(h.trained)
+        if h.train_reward is not None:
+            scalars[f"domain/{d}/train_reward"] = h.train_reward
+    return scalars
+
+
+def round_scalars(r: EvalRound) -> dict[str, float]:
+    """What a tracker records for a completed held-out round (at its policy version)."""
+    scalars = {f"eval/{d}/reward": m for d, m in r.domain_means().items()}
+    if r.rewards:
+        scalars["eval/reward"] = r.mean
+    return scalars
+
+
 class Monitor:
     stage = "monitor"
     input_stream = N.EVALS
@@ -193,6 +215,8 @@ class Monitor:
         self.started = time.monotonic()
         self._round_changed = trio.Event()
         self._seen: set[tuple[int, str, str]] = set()  # (round, domain, item id) recorded
+        self.trackers = Trackers([])  # open while the metrics are followed (config.tracking)
+        self._tracked_rounds: set[int] = set()
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -283,18 +307,44 @@ class Monitor:
                 + "\n"
             )
         if r.done:
-            self._round_changed.set()
-            self._round_changed = trio.Event()
+            self._round_done()
+
+    def _round_done(self) -> None:
+        self._round_changed.set()
+        self._round_changed = trio.Event()
+        self._track_rounds()
+
+    def _track_rounds(self) -> None:
+        """Give the trackers each completed round not given yet, at its policy version."""
+        for r in self.completed_rounds():
+            if r.round not in self._tracked_rounds and self.trackers.trackers:
+                self._tracked_rounds.add(r.round)
+                self.trackers.log(min(r.versions) if r.versions else 0, round_scalars(r))
 
     async def _serve_metrics(self) -> None:
+        """Follow the learner's steps; with ``tracking.backends``, forward each step, the
+        domains' figures and each completed round to the trackers (:mod:`runtime.tracking`:
+        one that fails is logged and dropped, the monitor carries on)."""
         reader = EventReader(self.ctx.client, self.ctx.names, N.METRICS)
+        if self.ctx.config.tracking.backends:
+            hparams = msgspec.to_builtins(self.ctx.config)
+            hparams["run"].pop("redis_url", None)  # it may hold a password
+            self.trackers = await trio.to_thread.run_sync(open_trackers, self.ctx.config,
+                                                          hparams)
+            self._track_rounds()
         try:
             while True:
                 # an undecodable (forged) metrics event is logged and passed over: an event
                 # stream has no dead letters, and the monitor must not crash-loop on it
-                self.steps.extend(await reader.read_events(StepMetrics))
+                steps = await reader.read_events(StepMetrics)
+                self.steps.extend(steps)
+                for m in steps:
+                    self.trackers.log(m.step, step_scalars(m, self.health))
         finally:
             reader.close()
+            trackers, self.trackers = self.trackers, Trackers([])
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(trackers.close)
 
     async def _serve_dead_letters(self, layout: N.Names) -> None:
         """Count the held-out items dead-lettered on their way as lost in their round, so a
@@ -333,8 +383,7 @@ class Monitor:
         r = self.rounds.setdefault(task.eval_round, EvalRound(task.eval_round, self.eval_items))
         r.lost += max(1, task.group_size)
         if r.done:
-            self._round_changed.set()
-            self._round_changed = trio.Event()
+            self._round_done()
         return True
 
     async def wait_round(self, round_no: int) -> EvalRound:

@@ -9,6 +9,7 @@ at start, never a surprise mid-run. Every field documents itself in ``docs/confi
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import tomllib
@@ -672,6 +673,39 @@ class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where the archiver writes trajectory Parquet files (empty: ``<work_dir>/archive``)."""
 
 
+TRACKING_PACKAGES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb",
+                                     "trackio": "trackio"}
+"""Backend -> the package it needs (all three in the ``tracking`` extra)."""
+
+
+class TrackingConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Experiment tracking: the monitor forwards the learner's metrics stream (every
+    ``StepMetrics`` field at its step), each domain's train reward and trained groups, and
+    each completed evaluation round's held-out reward (overall and per domain, at the round's
+    policy version) to these backends. Local files only, never the network."""
+
+    backends: list[Literal["tensorboard", "wandb", "trackio"]] = []
+    """Any of ``tensorboard``, ``wandb`` (always offline: ``wandb sync`` uploads later),
+    ``trackio`` (its local SQLite store). Each needs its package: ``pip install
+    'streamrl[tracking]'``. Empty: no tracking."""
+    log_dir: str = ""
+    """Where the backends write (``tensorboard/``, ``wandb/``, ``trackio/`` below it); empty:
+    ``<work_dir>/tracking``."""
+    project: str = "streamrl"
+    """Project name (wandb, trackio)."""
+    run_name: str = ""
+    """Name of the tracked run (wandb, trackio; the TensorBoard subfolder); empty: ``run.name``."""
+
+    def __post_init__(self) -> None:
+        missing = [b for b in self.backends
+                   if importlib.util.find_spec(TRACKING_PACKAGES[b]) is None]
+        if missing:
+            raise ValueError(f"tracking.backends {missing}: package not installed "
+                             f"(pip install 'streamrl[tracking]')")
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError(f"tracking.backends lists a backend twice: {self.backends}")
+
+
 class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
@@ -685,6 +719,7 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     up: UpConfig = msgspec.field(default_factory=UpConfig)
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
+    tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
     domain: dict[str, DomainConfig] = msgspec.field(default_factory=dict)
     """Per-domain settings, ``[domain.math]``; a domain without a table gets the defaults."""
 
