@@ -34,6 +34,8 @@ from tests.chaos.harness import (
     wait_finished,
 )
 
+pytestmark = pytest.mark.serial  # alone, after the parallel run (pyproject's markers)
+
 SEED = int(os.environ.get("STREAMRL_CHAOS_SEED", "20261202"))
 
 

@@ -19,6 +19,8 @@ from streamrl.queues.server import ClusterProcess
 from tests.chaos.harness import check_run
 from tests.chaos.test_chaos import describe, run_chaos
 
+pytestmark = pytest.mark.serial  # alone, after the parallel run (pyproject's markers)
+
 
 @pytest.mark.slow
 async def test_sigkill_chaos_on_a_sharded_run(

