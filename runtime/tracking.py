@@ -81,7 +81,10 @@ class WandbTracker:
         self.run.log({"policy_step": step, **scalars})
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        wandb.teardown()  # its service process (wandb-core) ends with the run, not the process
 
 
 class TrackioTracker:

@@ -5,6 +5,7 @@ what each library wrote; a backend that fails is logged and the monitor keeps fo
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import struct
 from collections.abc import Iterator
@@ -27,6 +28,31 @@ from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
 from streamrl.testing.wait import wait_until
 from tests.helpers import run_config
+
+
+def _descendants() -> list[str]:
+    """Command lines of this process's live descendants."""
+    parents, cmdlines = {}, {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                with open(f"{entry.path}/stat") as f:
+                    stat = f.read()
+                with open(f"{entry.path}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                cmdlines[int(entry.name)] = cmd
+            except OSError:
+                continue
+            if ") Z " not in stat:
+                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found = []
+    for pid in parents:
+        p = pid
+        while p in parents and p not in (0, 1, os.getpid()):
+            p = parents[p]
+        if p == os.getpid() and pid != p:
+            found.append(cmdlines.get(pid, ""))
+    return found
 
 
 def _step(step: int, reward: float) -> bytes:
@@ -106,6 +132,8 @@ async def test_the_monitor_tracks_steps_domains_and_rounds_in_every_backend(
         await monitor.handle(_held_out(0, "math", "m", 0.5, 2))
         nursery.cancel_scope.cancel()
     assert monitor.trackers.trackers == []  # closed
+    # and nothing they started outlives them (wandb's service process ends with its run)
+    assert not [p for p in _descendants() if "wandb-core" in p], _descendants()
     # Then TensorBoard has every step's fields, arith's figures and the round at v2
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
