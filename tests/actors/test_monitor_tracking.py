@@ -5,7 +5,6 @@ what each library wrote; a backend that fails is logged and the monitor keeps fo
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import struct
 from collections.abc import Iterator
@@ -26,33 +25,9 @@ from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
+from streamrl.testing.processes import descendants
 from streamrl.testing.wait import wait_until
 from tests.helpers import run_config
-
-
-def _descendants() -> list[str]:
-    """Command lines of this process's live descendants."""
-    parents, cmdlines = {}, {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"{entry.path}/stat") as f:
-                    stat = f.read()
-                with open(f"{entry.path}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-                cmdlines[int(entry.name)] = cmd
-            except OSError:
-                continue
-            if ") Z " not in stat:
-                parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found = []
-    for pid in parents:
-        p = pid
-        while p in parents and p not in (0, 1, os.getpid()):
-            p = parents[p]
-        if p == os.getpid() and pid != p:
-            found.append(cmdlines.get(pid, ""))
-    return found
 
 
 def _step(step: int, reward: float) -> bytes:
@@ -133,7 +108,8 @@ async def test_the_monitor_tracks_steps_domains_and_rounds_in_every_backend(
         nursery.cancel_scope.cancel()
     assert monitor.trackers.trackers == []  # closed
     # and nothing they started outlives them (wandb's service process ends with its run)
-    assert not [p for p in _descendants() if "wandb-core" in p], _descendants()
+    left = [d.cmdline for d in descendants()]
+    assert not [c for c in left if "wandb-core" in c], left
     # Then TensorBoard has every step's fields, arith's figures and the round at v2
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -45,6 +45,7 @@ from streamrl.queues.streams import FIELD, ConsumerSettings, Producer, open_stre
 from streamrl.runtime.policies import Policies, Reject, RetryPolicy
 from streamrl.runtime.serve import Actor, ActorRuntime, RuntimeSettings
 from streamrl.sandbox import ExecRequest, Limits, SandboxUnavailable, open_sandbox, opened
+from streamrl.testing.processes import descendants
 from streamrl.testing.wait import wait_until
 from tests.domains.test_terminal import fence, item_of, solution
 
@@ -168,31 +169,15 @@ def sandbox_processes(commands_only: bool = False) -> list[str]:
     session must not leave behind. ``commands_only``: leave out the sandboxes themselves
     (bubblewrap and the resident runner a warm pool keeps), count only what commands
     started."""
-    parents: dict[int, int] = {}
-    cmdlines: dict[int, str] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    stat = f.read()
-                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
+    found = []
+    procs = descendants()
+    cmdlines = {d.pid: d.cmdline for d in procs}
+    for d in procs:
+        if not any(k in d.cmdline for k in NOT_SANDBOX):
+            if commands_only and ("bwrap" in d.cmdline or "sandbox" in d.cmdline or (
+                    d.parent != os.getpid() and "bwrap" in cmdlines.get(d.parent, ""))):
                 continue
-            if ") Z " in stat:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            cmdlines[int(entry.name)] = cmd
-    me, found = os.getpid(), []
-    for pid, cmd in cmdlines.items():
-        p = pid
-        while p in parents and p not in (0, 1, me):
-            p = parents[p]
-        if p == me and pid != me and not any(k in cmd for k in NOT_SANDBOX):
-            if commands_only and ("bwrap" in cmd or "sandbox" in cmd or (parents[pid] != me
-                                  and "bwrap" in cmdlines.get(parents[pid], ""))):
-                continue
-            found.append(f"{pid} {cmd[:120]}")
+            found.append(f"{d.pid} {d.cmdline[:120]}")
     return found
 
 
