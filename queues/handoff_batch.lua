@@ -8,9 +8,10 @@
 --            counter keys, its s hash keys, its d keys to delete
 -- ARGV[1]    consumer group of the input stream
 -- ARGV[2]    dedup key TTL in seconds
--- ARGV[3..]  for each hand-off, in order: entry id, k, c, s, d, its k payloads (field "d"),
+-- ARGV[3..]  for each hand-off, in order: entry id, its shape, its k payloads (field "d"),
 --            its c increments (INCRBY, one per counter key), then for each hash key: field,
---            value, TTL in seconds (HSET, EXPIRE)
+--            value, TTL in seconds (HSET, EXPIRE). The shape is k alone when c = s = d = 0
+--            (the common hand-off: two header arguments), else -1, k, c, s, d
 --
 -- A hand-off with none of those is only acknowledged (no dedup key). One whose dedup key
 -- exists (its outputs were published by an earlier delivery) publishes, counts, stores and
@@ -54,10 +55,16 @@ end
 while a_at <= n_args do
   local id = ARGV[a_at]
   local k = tonumber(ARGV[a_at + 1])
-  local c = tonumber(ARGV[a_at + 2])
-  local s = tonumber(ARGV[a_at + 3])
-  local d = tonumber(ARGV[a_at + 4])
-  a_at = a_at + 5
+  local c, s, d = 0, 0, 0
+  if k < 0 then
+    k = tonumber(ARGV[a_at + 2])
+    c = tonumber(ARGV[a_at + 3])
+    s = tonumber(ARGV[a_at + 4])
+    d = tonumber(ARGV[a_at + 5])
+    a_at = a_at + 6
+  else
+    a_at = a_at + 2
+  end
   if k + c + s + d > 0 then
     local dedup = KEYS[k_at]
     if redis.call('SET', dedup, '1', 'NX', 'EX', ttl) then

@@ -17,6 +17,7 @@ net, for blobs whose hand-off turned out to be a duplicate and was never publish
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ def prepare(stream_key: str, payload: bytes, limits: PayloadLimits) -> tuple[byt
 
 
 def prepare_many(
-    outputs: list[tuple[str, bytes]], limits: PayloadLimits
+    outputs: Sequence[tuple[str, bytes]], limits: PayloadLimits
 ) -> tuple[list[tuple[str, bytes]], list[Blob]]:
     """:func:`prepare` for [(stream key, payload)]; all are checked before any is written."""
     prepared: list[tuple[str, bytes]] = []

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
@@ -125,7 +125,7 @@ class ShardedConsumer:
         return out
 
     def _localize(
-        self, shard: int, dedup_id: str, outputs: list[tuple[str, bytes]]
+        self, shard: int, dedup_id: str, outputs: Sequence[tuple[str, bytes]]
     ) -> tuple[str, list[tuple[str, bytes]]]:
         """A dedup key and outputs named by the unsharded layout, moved into ``shard``."""
         local = self.names.in_shard(shard)
@@ -198,7 +198,7 @@ class ShardedConsumer:
                                           fields)
 
     def _localize_counters(
-        self, shard: int, counters: list[tuple[str, int]] | None
+        self, shard: int, counters: Sequence[tuple[str, int]] | None
     ) -> list[tuple[str, int]]:
         """Counter keys named by the unsharded layout, moved into ``shard`` (the counters of
         the work path are per shard: :meth:`queues.keys.Layout.counter`)."""

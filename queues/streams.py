@@ -82,23 +82,23 @@ class Delivery:
     past_limit: bool = False  # delivered more than max_deliveries times: payload not resolved
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: a frozen init costs a setattr call per field (hot path)
 class Handoff:
     """Acknowledge ``entry_id`` after publishing ``outputs`` [(stream key, payload)] once."""
 
     entry_id: str
     dedup_id: str
-    outputs: list[tuple[str, bytes]] = field(default_factory=list)
-    counters: list[tuple[str, int]] = field(default_factory=list)
+    outputs: Sequence[tuple[str, bytes]] = ()
+    counters: Sequence[tuple[str, int]] = ()
     """[(counter key, increment)] added in the same script as the outputs, under the same
     dedup key: only by the delivery that publishes them, so a replayed hand-off counts once.
     The keys must be in the slot of the input stream (:meth:`queues.keys.Layout.counter`)."""
-    stores: list[tuple[str, str, bytes]] = field(default_factory=list)
+    stores: Sequence[tuple[str, str, bytes]] = ()
     """[(hash key, field, value)] set (HSET, the key's expiry renewed to ``blob_ttl_s``) in
     the same script as the outputs, under the same dedup key: a replayed hand-off stores
     nothing (no orphan field). Keys in the slot of the input stream
     (:meth:`queues.keys.Layout.context`)."""
-    deletes: list[str] = field(default_factory=list)
+    deletes: Sequence[str] = ()
     """Keys deleted (DEL) in the same script as the outputs, under the same dedup key (the
     stored context of an episode that ends with this hand-off); same slot."""
 
@@ -409,19 +409,27 @@ class StreamConsumer:
         args: list[Any] = [self.group, self.settings.dedup_ttl_s]
         ttl = self.settings.limits.blob_ttl_s
         for h in batch:
-            args += (h.entry_id, len(h.outputs), len(h.counters), len(h.stores), len(h.deletes))
-            if h.outputs or h.counters or h.stores or h.deletes:
-                keys.append(h.dedup_id)
-                for stream, payload in h.outputs:
-                    keys.append(stream)
-                    args.append(payload)
-                for counter, increment in h.counters:
-                    keys.append(counter)
-                    args.append(increment)
-                for key, name, value in h.stores:
-                    keys.append(key)
-                    args += (name, value, ttl)
-                keys += h.deletes
+            if not (h.counters or h.stores or h.deletes):  # the common shape: 2 arguments
+                args += (h.entry_id, len(h.outputs))
+                if h.outputs:
+                    keys.append(h.dedup_id)
+                    for stream, payload in h.outputs:
+                        keys.append(stream)
+                        args.append(payload)
+                continue
+            args += (h.entry_id, -1, len(h.outputs), len(h.counters), len(h.stores),
+                     len(h.deletes))  # fmt: skip
+            keys.append(h.dedup_id)
+            for stream, payload in h.outputs:
+                keys.append(stream)
+                args.append(payload)
+            for counter, increment in h.counters:
+                keys.append(counter)
+                args.append(increment)
+            for key, name, value in h.stores:
+                keys.append(key)
+                args += (name, value, ttl)
+            keys += h.deletes
         return self._handoff_batch(keys=keys, args=args)  # type: ignore[no-any-return]
 
     async def _store_blobs(self, blobs: list[Blob]) -> None:
