@@ -31,17 +31,20 @@ being trained again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import structlog
 import torch
 import trio
 
+from streamrl.actors.weight_sync import ServerSync
 from streamrl.config.schema import Config, LoraConfig
 from streamrl.learner import distributed as dist_util
 from streamrl.learner import fsdp
@@ -209,6 +212,8 @@ class Learner:
         """Episodes of the steps collected, training or being checkpointed (not yet in the
         ledger)."""
         self.duplicates_skipped = 0
+        self.server_sync: ServerSync | None = None
+        """Set while :meth:`serve` runs with ``weight_sync = "broadcast"``."""
         self.batches: BatchRuntime[Trajectory]
         """Set while :meth:`serve` runs."""
 
@@ -226,10 +231,26 @@ class Learner:
         return open_batches(self.consumer, STAGE, Trajectory, policies, settings)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        async with self.batch_runtime() as self.batches:
+        async with self.batch_runtime() as self.batches, self._server_sync():
             await self._serve(task_status)
         if self.distributed:  # the end: release the other ranks
             await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
+
+    @contextlib.asynccontextmanager
+    async def _server_sync(self) -> AsyncIterator[None]:
+        """``learner.weight_sync = "broadcast"``: the weight-update group with the inference
+        servers, for the time the learner serves (:mod:`actors.weight_sync`)."""
+        if self.cfg.weight_sync != "broadcast" or not self.ctx.config.generator.server_urls:
+            yield
+            return
+        timeout = httpx.Timeout(self.cfg.broadcast_timeout_s, connect=10.0)
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            self.server_sync = ServerSync(self.ctx.config, client)
+            await self.server_sync.open()
+            try:
+                yield
+            finally:
+                self.server_sync = None
 
     async def _serve(self, task_status: Any) -> None:
         await self._finish_interrupted_step()
@@ -431,6 +452,9 @@ class Learner:
             mismatch_ratio_max=stats.mismatch_ratio_max,
         )
         path = await trio.to_thread.run_sync(self._checkpoint, record, metrics, state)
+        if self.server_sync is not None:  # the servers on this version before it is announced
+            assert self.snapshot is not None and self.snapshot.model is not None
+            await self.server_sync.push(self.snapshot.model, str(path), version)
         await self._announce(version, str(path), record.entry_ids, metrics, record.episode_ids)
         record_learner_step(
             self.ctx.names.run, metrics, trajectories, staleness,

@@ -629,6 +629,23 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     (docs/learner.md). Ignored in one process."""
     lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (off by default)."""
+    weight_sync: Literal["disk", "broadcast"] = "disk"
+    """How a new version reaches the inference servers. "disk": the generators have each
+    server load the saved version (``update_weights_from_disk``). "broadcast": the learner
+    also forms a weight-update group with ``generator.server_urls`` (or ``up``'s
+    serve-models) and sends every version over it, bucketed, before announcing it (gloo on
+    CPU, NCCL on CUDA); the generators then find each server on the version already. Every
+    version is still saved: a server that joins late, restarts, or misses a failed broadcast
+    loads it from disk (docs/learner.md)."""
+    broadcast_bucket_mb: PosInt = 512
+    """weight_sync = "broadcast": at most this many MB of tensors per
+    ``update_weights_from_distributed`` call."""
+    broadcast_master_address: str = "127.0.0.1"
+    """weight_sync = "broadcast": the learner's address the servers connect to (the group's
+    store; its port is a free one)."""
+    broadcast_timeout_s: PosFloat = 120.0
+    """weight_sync = "broadcast": forming the group, and each broadcast, fail after this long
+    (then the servers load that version from disk and the rest of the run syncs by disk)."""
 
     def __post_init__(self) -> None:
         steps = self.lr_decay_steps or self.max_steps
@@ -734,6 +751,22 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 raise ValueError(f"[domain.{name}]: {error}")
         if error := self.scheduling_error():
             raise ValueError(error)
+        if error := self.weight_sync_error():
+            raise ValueError(error)
+
+    def weight_sync_error(self) -> str | None:
+        """``learner.weight_sync = "broadcast"`` without servers to broadcast to, if so."""
+        if self.learner.weight_sync != "broadcast":
+            return None
+        servers = self.generator.engine == "sglang" and self.generator.server_urls
+        if not (servers or self.up.serve_models):
+            return ("learner.weight_sync = 'broadcast' needs the inference servers' URLs: "
+                    "generator.engine = 'sglang' with generator.server_urls (a router alone "
+                    "cannot join a weight-update group), or up.serve_models > 0")
+        if self.learner.lora.enabled:
+            return ("learner.weight_sync = 'broadcast' with [learner.lora]: not supported "
+                    "(LoRA versions are published by disk); use weight_sync = 'disk'")
+        return None
 
     def scheduling_error(self) -> str | None:
         """Scheduling settings that cannot mean what they say, if any."""

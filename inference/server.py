@@ -92,6 +92,8 @@ class ServerState:
     aborted: set[str] = field(default_factory=set)
     waiting: int = 0
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update process groups
+    updates: dict[str, int] = field(default_factory=lambda: {"disk": 0, "distributed": 0})
+    """Weight updates applied, by route (``/server_info``'s ``weight_updates``)."""
     resumed: trio.Event = field(default_factory=trio.Event)
 
     def __post_init__(self) -> None:
@@ -348,7 +350,8 @@ async def server_info(request: Request) -> Response:
         "version": PROTOCOL_VERSION,
         "backend": "streamrl serve-model (transformers, CPU)",
         "internal_states": [{"batches": stats.batches, "rows": stats.rows,
-                             "tokens": stats.tokens, "busy_s": stats.busy_s}],
+                             "tokens": stats.tokens, "busy_s": stats.busy_s,
+                             "weight_updates": dict(state.updates)}],
     })
 
 
@@ -386,6 +389,7 @@ async def update_weights_from_disk(request: Request) -> Response:
                              "num_paused_requests": 0}, status_code=400)
     state.weight_version = state.labels[version]
     state.model_path = path
+    state.updates["disk"] += 1
     message = "Succeeded to update model weights."
     if label is not None:
         message += f" Weight version updated to {label}."
@@ -461,8 +465,10 @@ async def init_weights_update_group(request: Request) -> Response:
 
 
 async def update_weights_from_distributed(request: Request) -> Response:
-    """Receive every named tensor from rank 0 of the group, then apply them between batches.
-    (The tensors pass through a safetensors file in /dev/shm to reuse the engine's loader.)"""
+    """Receive the named tensors from rank 0 of the group, then apply them between batches:
+    all of the model's, or some (one bucket of a bucketed broadcast; the others keep their
+    values, as in SGLang). (The tensors pass through a safetensors file in /dev/shm to reuse
+    the engine's loader.)"""
     import torch
     from safetensors.torch import save_file
 
@@ -495,10 +501,11 @@ async def update_weights_from_distributed(request: Request) -> Response:
         label = body.get("weight_version")
         state.labels[version] = str(label) if label is not None else state.weight_version
         try:
-            await state.engine.update_weights(file, version)
+            await state.engine.update_weights(file, version, partial=True)
         except (ValueError, KeyError, EngineClosed) as exc:
             return _fail(f"Failed to update parameter online: {exc}")
     state.weight_version = state.labels[version]
+    state.updates["distributed"] += 1
     log.info("weights updated from the group", weight_version=state.weight_version,
              tensors=len(specs))
     return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})

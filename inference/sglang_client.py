@@ -307,19 +307,32 @@ class SGLangEngine:
             server.healthy = False
             server.weight_version = None
             return
-        if self._target is not None and server.weight_version != self._target[1]:
+        if self._target is not None and server.weight_version < self._target[1]:
+            # behind (a restart serves its initial weights); one ahead of the target got a
+            # version the learner broadcast before its event reached us: fine
             await self._sync_one(server)
         elif not server.healthy:
             server.healthy = True
             log.info("server up", url=server.url, weight_version=server.weight_version)
 
     async def _sync_one(self, server: Server) -> None:
-        """pause -> update_weights_from_disk -> continue; marks the server healthy iff it
-        ends up serving the target version."""
+        """pause -> update_weights_from_disk -> continue, unless the server serves the
+        target version or a newer one already (the learner broadcast it:
+        :class:`WeightBroadcaster`); marks the server healthy iff it ends up serving the
+        target version or a newer one."""
         assert self._target is not None
         path, version = self._target
         server.syncing = True
         try:
+            with trio.fail_after(10):
+                info = await self.get_json(server, "/model_info")
+            serving = parse_version(info.get("weight_version"))
+            if serving >= version:
+                server.weight_version = serving
+                server.healthy = True
+                log.info("server serves the version already", url=server.url,
+                         weight_version=serving)
+                return
             await self._post(server, "/pause_generation", {"mode": self.pause_mode})
             try:
                 if self.interrupt == "resubmit":  # answered with their tokens so far
@@ -333,7 +346,8 @@ class SGLangEngine:
                     await self._post(server, "/continue_generation", {})
             if not answer.get("success"):
                 raise ProtocolError(f"update refused: {answer.get('message')}")
-        except (httpx.HTTPError, ServerUnavailable, ProtocolError, ValueError) as exc:
+        except (httpx.HTTPError, ServerUnavailable, ProtocolError, ValueError,
+                trio.TooSlowError) as exc:
             log.warning("weight update failed", url=server.url, version=version, error=str(exc))
             server.healthy = False
             server.weight_version = None
@@ -439,16 +453,22 @@ async def open_sglang_engine(
 
 
 def open_process_group(address: str, port: int, rank: int, world_size: int, group_name: str,
-                       timeout_s: float = 120.0) -> Any:
-    """A standalone gloo group (no global ``init_process_group``): rank 0 hosts the store.
-    Blocks until every rank has joined."""
+                       timeout_s: float = 120.0, backend: str = "gloo") -> Any:
+    """A standalone process group (no global ``init_process_group``): rank 0 hosts the
+    store. Blocks until every rank has joined. ``backend``: "gloo" (CPU tensors) or "nccl"
+    (CUDA tensors; the learner on a GPU)."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout)
-    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
 def broadcast_tensor(group: Any, tensor: Any) -> None:
@@ -459,21 +479,53 @@ def broadcast_tensor(group: Any, tensor: Any) -> None:
     group.broadcast([tensor], options).wait()
 
 
+def buckets(tensors: dict[str, Any], bucket_bytes: int) -> list[list[str]]:
+    """The names of ``tensors`` in order, cut into buckets of at most ``bucket_bytes`` (a
+    tensor larger than that is a bucket of its own)."""
+    out: list[list[str]] = []
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if not out or (size + n > bucket_bytes and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return out
+
+
+class BroadcastFailed(RuntimeError):
+    """A broadcast did not reach every server; they stay paused until a reload from disk."""
+
+
 class WeightBroadcaster:
     """The learner's side (rank 0) of SGLang's weight-update group: ``init`` has every server
-    join (``/init_weights_update_group``, server ``i`` is rank ``1 + i``), ``broadcast``
-    pauses them, sends every tensor while they receive
-    (``/update_weights_from_distributed``) and lets them continue. gloo here (CPU, tests);
-    on GPUs the same calls with ``backend="nccl"`` and CUDA tensors."""
+    join (``/init_weights_update_group``, server ``i`` is rank ``1 + i``); ``broadcast``
+    pauses them (``pause_mode``; with ``abort``, running requests are aborted and answered
+    with their tokens so far, for the client to resubmit), then sends the tensors bucket by
+    bucket (one ``/update_weights_from_distributed`` per bucket of at most ``bucket_bytes``,
+    the version label on the last one), and lets them continue. gloo on CPU; on GPUs the same
+    calls with ``backend="nccl"`` and CUDA tensors.
+
+    A failed broadcast (a server gone, an error, ``timeout_s`` passed) raises
+    :class:`BroadcastFailed` and leaves the servers paused (some may hold part of the new
+    weights under the old label): the generators' reload from disk
+    (:meth:`SGLangEngine.update_weights`) pauses, loads and continues each of them. The group
+    is then unusable (``usable`` False)."""
 
     def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], *, master_port: int,
                  master_address: str = "127.0.0.1", group_name: str = "weight_update_group",
-                 backend: str = "gloo") -> None:
+                 backend: str = "gloo", bucket_bytes: int = 512 << 20,
+                 pause_mode: str = "in_place", abort: bool = False,
+                 timeout_s: float = 120.0) -> None:
         self.client = client
         self.urls = [u.rstrip("/") for u in urls]
         self.master_address, self.master_port = master_address, master_port
         self.group_name, self.backend = group_name, backend
+        self.bucket_bytes, self.pause_mode, self.abort = bucket_bytes, pause_mode, abort
+        self.timeout_s = timeout_s
         self.group: Any = None
+        self.usable = False
 
     async def _post(self, url: str, body: dict[str, Any]) -> None:
         response = await self.client.post(url, json=body)
@@ -482,46 +534,102 @@ class WeightBroadcaster:
             raise ProtocolError(f"{url}: HTTP {response.status_code} {data}")
 
     async def init(self) -> None:
+        """Form the group with every server; raises (and stays unusable) if one cannot join
+        within ``timeout_s``."""
         world = 1 + len(self.urls)
 
         def join() -> None:
             self.group = open_process_group(self.master_address, self.master_port, 0, world,
-                                            self.group_name)
+                                            self.group_name, self.timeout_s, self.backend)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(partial(trio.to_thread.run_sync, join, abandon_on_cancel=True))
-            for i, url in enumerate(self.urls):
-                nursery.start_soon(self._post, url + "/init_weights_update_group", {
-                    "master_address": self.master_address, "master_port": self.master_port,
-                    "rank_offset": 1 + i, "world_size": world, "group_name": self.group_name,
-                    "backend": self.backend,
-                })
+        with trio.fail_after(self.timeout_s + 5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(trio.to_thread.run_sync, join, abandon_on_cancel=True))
+                for i, url in enumerate(self.urls):
+                    nursery.start_soon(self._post, url + "/init_weights_update_group", {
+                        "master_address": self.master_address, "master_port": self.master_port,
+                        "rank_offset": 1 + i, "world_size": world, "group_name": self.group_name,
+                        "backend": self.backend,
+                    })
+        self.usable = True
 
     async def broadcast(self, tensors: dict[str, Any], version: int) -> None:
-        if self.group is None:
-            raise RuntimeError("call init() first")
-        names = list(tensors)
-        body = {
-            "names": names, "dtypes": [str(tensors[n].dtype).removeprefix("torch.")
-                                       for n in names],
-            "shapes": [list(tensors[n].shape) for n in names], "group_name": self.group_name,
-            "weight_version": str(version), "flush_cache": True,
-        }
+        """Every server serves ``tensors`` as ``version`` when this returns."""
+        if not self.usable:
+            raise RuntimeError("no usable weight-update group: call init() first")
+        parts = buckets(tensors, self.bucket_bytes)
+        try:
+            with trio.fail_after(self.timeout_s):
+                async with trio.open_nursery() as nursery:
+                    for url in self.urls:
+                        nursery.start_soon(self._pause, url)
+                for i, names in enumerate(parts):
+                    await self._send(tensors, names, version if i == len(parts) - 1 else None)
+        except (httpx.HTTPError, ProtocolError, RuntimeError, trio.TooSlowError) as exc:
+            self.usable = False
+            raise BroadcastFailed(f"weights version {version}: {exc!r}") from exc
+        except BaseExceptionGroup as group:
+            self.usable = False
+            raise BroadcastFailed(f"weights version {version}: {group!r}") from group
+        await self._continue_all()
 
-        def send() -> None:
-            for n in names:
-                broadcast_tensor(self.group, tensors[n].detach().contiguous())
+    async def _continue_all(self) -> None:
+        async def one(url: str) -> None:
+            try:
+                with trio.fail_after(10):
+                    await self._post(url + "/continue_generation", {})
+            except (httpx.HTTPError, ProtocolError, trio.TooSlowError) as exc:
+                log.warning("continue_generation failed", url=url, error=repr(exc))
 
         async with trio.open_nursery() as nursery:
             for url in self.urls:
-                nursery.start_soon(self._post, url + "/pause_generation", {"mode": "in_place"})
-        try:
-            async with trio.open_nursery() as nursery:
-                for url in self.urls:
-                    nursery.start_soon(self._post, url + "/update_weights_from_distributed", body)
-                nursery.start_soon(partial(trio.to_thread.run_sync, send, abandon_on_cancel=True))
-        finally:
-            with trio.CancelScope(shield=True):
-                async with trio.open_nursery() as nursery:
-                    for url in self.urls:
-                        nursery.start_soon(self.client.post, url + "/continue_generation")
+                nursery.start_soon(one, url)
+
+    async def reload_from_disk(self, path: str, version: int) -> list[str]:
+        """After a failed broadcast: have every server load ``path`` as ``version`` and
+        continue (the servers it cannot reach load it from disk when they are back, as any
+        late joiner does); returns the URLs that did."""
+        done: list[str] = []
+
+        async def one(url: str) -> None:
+            try:
+                with trio.fail_after(self.timeout_s):
+                    await self._post(url + "/update_weights_from_disk", {
+                        "model_path": path, "weight_version": str(version), "flush_cache": True,
+                    })
+                done.append(url)
+            except (httpx.HTTPError, ProtocolError, trio.TooSlowError) as exc:
+                log.warning("reload from disk failed", url=url, error=repr(exc))
+
+        async with trio.open_nursery() as nursery:
+            for url in self.urls:
+                nursery.start_soon(one, url)
+        await self._continue_all()
+        return done
+
+    async def _pause(self, url: str) -> None:
+        await self._post(url + "/pause_generation", {"mode": self.pause_mode})
+        if self.abort:
+            await self._post(url + "/abort_request", {"abort_all": True})
+
+    async def _send(self, tensors: dict[str, Any], names: list[str], version: int | None) -> None:
+        body: dict[str, Any] = {
+            "names": names, "dtypes": [str(tensors[n].dtype).removeprefix("torch.")
+                                       for n in names],
+            "shapes": [list(tensors[n].shape) for n in names], "group_name": self.group_name,
+            "flush_cache": version is not None,
+        }
+        if version is not None:
+            body["weight_version"] = str(version)
+
+        def send() -> None:
+            for n in names:
+                tensor = tensors[n].detach()
+                if self.backend == "nccl":  # NCCL sends CUDA tensors (the snapshot is on CPU)
+                    tensor = tensor.to("cuda")
+                broadcast_tensor(self.group, tensor.contiguous())
+
+        async with trio.open_nursery() as nursery:
+            for url in self.urls:
+                nursery.start_soon(self._post, url + "/update_weights_from_distributed", body)
+            nursery.start_soon(partial(trio.to_thread.run_sync, send, abandon_on_cancel=True))

@@ -86,6 +86,7 @@ class _Update:
 
     state: dict[str, torch.Tensor]
     version: int
+    partial: bool = False  # some of the model's tensors only (a bucket of a broadcast)
     done: trio.Event = field(default_factory=trio.Event)
     error: BaseException | None = None
 
@@ -195,13 +196,16 @@ class TransformersEngine:
             raise EngineClosed("engine stopped before answering") from request.error
         return [c for c in request.results if c is not None]
 
-    async def update_weights(self, path: str | Path, version: int) -> None:
+    async def update_weights(self, path: str | Path, version: int, *,
+                             partial: bool = False) -> None:
         """Load ``path`` and have the batcher apply it at its next decoding step (a running
         batch goes on under it) or before its next batch; returns once applied (or
-        superseded by a newer update). A checkpoint that does not fit raises ValueError."""
+        superseded by a newer full update). A checkpoint that does not fit raises
+        ValueError; with ``partial`` it may hold some of the model's tensors only (each
+        must fit; the others keep their values: one bucket of a broadcast)."""
         state = await trio.to_thread.run_sync(read_safetensors, path)
-        await trio.to_thread.run_sync(self._check_state, state)
-        update = _Update(state, version)
+        await trio.to_thread.run_sync(self._check_state, state, partial)
+        update = _Update(state, version, partial)
         with self._update_lock:
             self._pending.append(update)
         try:
@@ -311,11 +315,11 @@ class TransformersEngine:
             for r in results
         ]
 
-    def _check_state(self, state: dict[str, torch.Tensor]) -> None:
+    def _check_state(self, state: dict[str, torch.Tensor], partial: bool = False) -> None:
         """Refuse a checkpoint that does not fit the model, before anything is changed."""
         own = self.model.state_dict()
         tied = {"lm_head.weight"} if self.model.config.tie_word_embeddings else set()
-        missing = set(own) - set(state) - tied
+        missing = set() if partial else set(own) - set(state) - tied
         unexpected = set(state) - set(own)
         wrong = [k for k in set(state) & set(own) if state[k].shape != own[k].shape]
         if missing or unexpected or wrong:
@@ -330,9 +334,13 @@ class TransformersEngine:
         with self._update_lock:
             updates, self._pending = self._pending, []
         if updates:
-            newest = max(updates, key=lambda u: u.version)
-            self.model.load_state_dict(newest.state, strict=False)
-            self._version = newest.version
+            # In version order from the newest full update (it supersedes the ones before
+            # it); partial updates after it each add their tensors.
+            updates.sort(key=lambda u: u.version)
+            full = [i for i, u in enumerate(updates) if not u.partial]
+            for update in updates[full[-1] if full else 0:]:
+                self.model.load_state_dict(update.state, strict=False)
+            self._version = updates[-1].version
             trio.from_thread.run_sync(_set_all, updates)
         return self._version
 
