@@ -307,7 +307,7 @@ class SGLangEngine:
             server.healthy = False
             server.weight_version = None
             return
-        if self._target is not None and server.weight_version < self._target[1]:
+        if self._target is not None and (server.weight_version or 0) < self._target[1]:
             # behind (a restart serves its initial weights); one ahead of the target got a
             # version the learner broadcast before its event reached us: fine
             await self._sync_one(server)
