@@ -65,6 +65,7 @@ from streamrl.actors.scheduling import (
 )
 from streamrl.config.schema import Config
 from streamrl.domains.registry import get_domain
+from streamrl.learner.model import load_tokenizer, model_limits
 from streamrl.protocol import names as N
 from streamrl.protocol import quarantine as Q
 from streamrl.protocol.admission import (
@@ -148,11 +149,58 @@ def eval_domains(config: Config) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+_BUDGETS: dict[str, tuple[Any, int]] = {}
+_FITTING: dict[tuple[str, str, str, int, int], list[Any]] = {}
+
+
+def fitting_items(config: Config, name: str, items: list[Any], what: str) -> list[Any]:
+    """``items`` of domain ``name`` without those whose first prompt (rendered with the
+    model's chat template) plus the domain's ``max_new_tokens`` is over the model's positions
+    (``scheduler.drop_overlong``; the dropped ones are logged). ``what``: which items (the
+    split, or a curriculum level), for the log and the cache."""
+    if not config.scheduler.drop_overlong or not items:
+        return items
+    spec = config.model.spec
+    max_new = domain_sampling(config, name, 0.0).max_new_tokens
+    key = (spec, name, what, len(items), max_new)
+    if key not in _FITTING:
+        if spec not in _BUDGETS:
+            tokenizer_dir, positions = model_limits(spec)
+            _BUDGETS[spec] = (load_tokenizer(tokenizer_dir), positions)
+        tokenizer, positions = _BUDGETS[spec]
+        domain = get_domain(name)
+        keep = [it for it in items
+                if len(domain.render_prompt(it, tokenizer)) + max_new <= positions]  # fmt: skip
+        if len(keep) < len(items):
+            log.warning("items dropped: prompt + max_new_tokens over the model's positions",
+                        domain=name, items=what, dropped=len(items) - len(keep),
+                        kept=len(keep), positions=positions, max_new_tokens=max_new)  # fmt: skip
+        _FITTING[key] = keep
+    return _FITTING[key]
+
+
 def eval_items(config: Config, name: str) -> list[Any]:
     """The held-out items of ``name`` in each round: its first ``eval_items`` (the domain's
-    own, else ``scheduler.eval_items``), all it has when it has fewer."""
+    own, else ``scheduler.eval_items``) of those that fit the model, all it has when it has
+    fewer."""
     n = config.domain_config(name).eval_items or config.scheduler.eval_items
-    return get_domain(name).load_items("eval")[:n]
+    return fitting_items(config, name, get_domain(name).load_items("eval"), "eval")[:n]
+
+
+def train_items(config: Config, name: str, level: int | None = None) -> list[Any]:
+    """The train items of ``name`` (of curriculum ``level`` when given) that fit the model;
+    raises ValueError when none does."""
+    domain = get_domain(name)
+    if level is None:
+        items, what = domain.load_items("train"), "train"
+    else:
+        items, what = domain.level_items(level), f"train level {level}"  # type: ignore[attr-defined]
+    kept = fitting_items(config, name, items, what)
+    if items and not kept:
+        raise ValueError(f"domain {name!r}: none of its {len(items)} {what} items fits the "
+                         f"model ({config.model.spec}) with max_new_tokens; shorten its "
+                         f"prompts (max_prompt_chars) or lower its max_new_tokens")
+    return kept
 
 
 def eval_round_size(config: Config) -> int:
@@ -195,7 +243,7 @@ class Scheduler:
     def __init__(self, ctx: ActorContext) -> None:
         self.ctx = ctx
         self.cfg = ctx.config.scheduler
-        self.items = {d: get_domain(d).load_items("train") for d in self.cfg.domains}
+        self.items = {d: train_items(ctx.config, d) for d in self.cfg.domains}
         self.orders = {d: self._order(d) for d in self.cfg.domains}
         self.climbs = climbs(ctx.config)
         self.next_climb_check = 0.0
@@ -246,7 +294,14 @@ class Scheduler:
             groups = await self.counted(groups_counter)
             reward = await self.counted(reward_counter) / 1000
             if climb.observe(groups, reward):
-                self.items[name] = get_domain(name).level_items(climb.level)  # type: ignore[attr-defined]
+                try:
+                    self.items[name] = train_items(self.ctx.config, name, climb.level)
+                except ValueError as exc:  # its items outgrew the model: it stays, for good
+                    log.warning("curriculum level not taken", domain=name, level=climb.level,
+                                reason=str(exc))  # fmt: skip
+                    climb.level -= 1
+                    climb.levels = climb.level + 1
+                    continue
                 self.orders[name] = self._order(name)
                 log.info("curriculum level up", domain=name, level=climb.level)
 

@@ -150,6 +150,11 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     """Completions per prompt (the GRPO group)."""
     max_new_tokens: PosInt = 64
     """Generation budget per completion (per turn) unless the domain sets its own."""
+    drop_overlong: bool = True
+    """Drop (and log, per domain) the train and held-out items whose first prompt, rendered
+    with the model's chat template, plus the domain's max_new_tokens does not fit the model's
+    positions: such a task could only fail in the generator. A domain left with no train
+    item is refused at start."""
     temperature: PosFloat = 1.0
     """Sampling temperature of training tasks (evaluation is greedy)."""
     max_backlog: PosInt = 16

@@ -17,6 +17,7 @@ Conversion results are cached under ``$STREAMRL_CACHE`` (default ``~/.cache/stre
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import shutil
 import uuid
@@ -151,6 +152,27 @@ def resolve_model(spec: str) -> Path:
     if (path / "config.json").exists():
         return path
     raise ValueError(f"unknown model spec {spec!r}: use 'smollm2-135m', 'tiny' or a HF directory")
+
+
+def model_limits(spec: str) -> tuple[Path, int]:
+    """(a directory holding the model's tokenizer, its maximum positions), without building
+    or loading its weights (for the scheduler's check that a prompt fits the model)."""
+    if spec == "smollm2-135m":
+        def build(out: Path) -> None:
+            from transformers import AutoConfig
+            route_transformers_logging()
+
+            gguf = locate_gguf()
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            limits = {"max_position_embeddings": int(config.max_position_embeddings)}
+            (out / "limits.json").write_text(json.dumps(limits))
+
+        limits = _atomic_dir(cache_dir() / "smollm2-limits", build, marker="limits.json")
+        positions = json.loads((limits / "limits.json").read_text())["max_position_embeddings"]
+        return _smollm2_tokenizer_dir(), int(positions)
+    model_dir = resolve_model(spec)
+    config = json.loads((model_dir / "config.json").read_text())
+    return model_dir, int(config.get("max_position_embeddings") or 1 << 30)
 
 
 def load_tokenizer(model_dir: Path | str) -> Any:
