@@ -2,8 +2,9 @@
 machine: every trained domain gets trained groups, the configured shares are met, nothing is
 dead-lettered, and (with the real model, 20 minutes) the held-out reward rises on the mix.
 
-Runs ``streamrl up --config configs/gym.toml --max-minutes M --summary-json S`` (the real CLI,
-embedded Redis, every actor a process) with ``--set`` overrides, then checks its summary:
+Runs ``streamrl up --config configs/gym.toml --fresh --max-minutes M --summary-json S`` (the
+real CLI, embedded Redis, every actor a process; a fresh run, never a resumed one) with
+``--set`` overrides, then checks its summary:
 
 - ``domains``: the trained domains (``scheduler.domains``) that have at least one trained
   group, out of how many; the eval-only domains (``scheduler.eval_domains``) are left out;
@@ -41,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def run_up(config: Path, minutes: float, sets: list[str], summary: Path, log: Path) -> float:
     """``streamrl up`` for ``minutes``; returns its wall time. Its output goes to ``log``."""
-    argv = [sys.executable, "-m", "streamrl", "up", "--config", str(config),
+    argv = [sys.executable, "-m", "streamrl", "up", "--config", str(config), "--fresh",
             "--max-minutes", str(minutes), "--summary-json", str(summary)]  # fmt: skip
     for s in sets:
         argv += ["--set", s]
