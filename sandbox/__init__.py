@@ -49,16 +49,23 @@ def open_sandbox(backend: str, **options: Any) -> Sandbox:
 @asynccontextmanager
 async def opened(box: S) -> AsyncIterator[S]:
     """``box`` for the ``async with``: its ``serve`` task (if it has one) started in a nursery
-    of its own, and the backend closed on every exit path."""
-    async with trio.open_nursery() as nursery:
-        serve = getattr(box, "serve", None)
-        try:
-            if serve is not None:
-                await nursery.start(serve)
-            yield box
-        finally:
-            with trio.CancelScope(shield=True):
-                await box.aclose()
+    of its own, and the backend closed on every exit path. A lone exception (from the body,
+    or from starting ``serve``) comes out as itself, not inside the nursery's
+    ExceptionGroup, so ``except SandboxUnavailable`` around the block catches it."""
+    try:
+        async with trio.open_nursery() as nursery:
+            serve = getattr(box, "serve", None)
+            try:
+                if serve is not None:
+                    await nursery.start(serve)
+                yield box
+            finally:
+                with trio.CancelScope(shield=True):
+                    await box.aclose()
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1 and not isinstance(group.exceptions[0], BaseExceptionGroup):
+            raise group.exceptions[0] from group.exceptions[0].__cause__
+        raise
 
 
 __all__ = [

@@ -20,13 +20,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_up_starts_serve_model_and_the_generator_uses_it(redis_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("weight_sync", ["disk", "broadcast"])
+def test_up_starts_serve_model_and_the_generator_uses_it(
+    redis_url: str, tmp_path: Path, weight_sync: str
+) -> None:
     run = f"srv{tmp_path.name[-6:]}".replace("-", "")
     summary_path = tmp_path / "summary.json"
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
          "--set", f"run.name={run}", "--set", f"run.work_dir={tmp_path / 'run'}",
          "--set", "up.serve_models=1", "--set", "learner.max_steps=2",
+         "--set", f"learner.weight_sync={weight_sync}",
          "--max-minutes", "5", "--summary-json", str(summary_path)],
         cwd=REPO,
         env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
@@ -37,11 +41,18 @@ def test_up_starts_serve_model_and_the_generator_uses_it(redis_url: str, tmp_pat
     assert summary["steps"] >= 2 and summary["dead_letters"] == 0
     assert summary["eval_reward_after"] is not None
     logs = tmp_path / "run" / "logs"
-    # The serve-model process served the generator and loaded the published weights
+    # The serve-model process served the generator and loaded the published weights: from
+    # disk through the generator, or over the learner's weight-update group
     served = (logs / "serve-model-0.log").read_text()
-    assert '"weights updated"' in served or "weights updated" in served
     generator = (logs / "generator-0.log").read_text()
-    assert "server weights updated" in generator
+    if weight_sync == "disk":
+        assert '"weights updated"' in served or "weights updated" in served
+        assert "server weights updated" in generator
+    else:
+        assert "weights updated from the group" in served
+        assert "weights broadcast" in (logs / "learner-0.log").read_text()
+        assert "server serves the version already" in generator
+        assert "server weights updated" not in generator
     # Every trained group carries per-token versions that agree with its samples
     r = redis.Redis.from_url(redis_url)
     groups = [decode(f[b"d"], Trajectory) for _, f in r.xrange(N.Names(run).stream(N.TRAJECTORIES))]

@@ -113,14 +113,11 @@ async def _probe(name: str) -> str | None:
         box = open_backend(name)
     except (ValueError, ImportError, SandboxUnavailable) as exc:
         return f"{type(exc).__name__}: {exc}"
-    problem, result = None, None
     try:  # an engine that is installed but down (or absent: no socket) shows only when used
         async with opened(box):
             result = await box.run(ExecRequest(["true"], limits=Limits(timeout_s=60)))
-    except* SandboxUnavailable as group:  # raised in opened()'s nursery: inside a group
-        problem = f"SandboxUnavailable: {group.exceptions[0]}"
-    if problem is not None:
-        return problem
+    except SandboxUnavailable as exc:
+        return f"SandboxUnavailable: {exc}"
     assert result is not None and result.exit_code == 0, f"{name}: `true` failed: {result}"
     return None
 

@@ -182,3 +182,27 @@ def test_no_system_task_in_the_sandbox_package() -> None:
     # Every background task of a backend runs in its owner's nursery
     for source in SANDBOX_DIR.glob("*.py"):
         assert "spawn_system_task" not in source.read_text(), source
+
+
+async def test_an_exception_leaves_opened_as_itself() -> None:
+    # Given a served sandbox, and a body that raises SandboxUnavailable
+    box = _resident(pool_size=1)
+    cause = RunnerGone("planted")
+    # When it leaves the block
+    with pytest.raises(SandboxUnavailable, match="planted") as raised:
+        async with opened(box):
+            raise SandboxUnavailable("planted") from cause
+    # Then it is the exception itself (not inside the nursery's ExceptionGroup), cause kept,
+    # and the backend is closed
+    assert type(raised.value) is SandboxUnavailable and raised.value.__cause__ is cause
+    assert box._closed  # type: ignore[attr-defined]
+    # And a failure to start serving comes out as itself too
+    failing = _resident(pool_size=1)
+
+    async def serve(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        raise SandboxUnavailable("cannot start (planted)")
+
+    failing.serve = serve  # type: ignore[method-assign]
+    with pytest.raises(SandboxUnavailable, match="cannot start"):
+        async with opened(failing):
+            pytest.fail("the block ran without its backend")
