@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,8 @@ REPO = Path(__file__).resolve().parents[2]
 def test_up_starts_serve_model_and_the_generator_uses_it(
     redis_url: str, tmp_path: Path, weight_sync: str
 ) -> None:
-    run = f"srv{tmp_path.name[-6:]}".replace("-", "")
+    # a name of its own: the parametrized runs share the session's Redis (and its ACL users)
+    run = f"srv{weight_sync[:4]}{uuid.uuid4().hex[:6]}"
     summary_path = tmp_path / "summary.json"
     proc = subprocess.run(
         [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
