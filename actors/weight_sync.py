@@ -19,7 +19,6 @@ loads the current version from disk through its generator, as with ``weight_sync
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import httpx
 import structlog
@@ -62,8 +61,6 @@ class ServerSync:
             abort=generator.interrupt == "resubmit",
             timeout_s=learner.broadcast_timeout_s,
         )
-        self.broadcasts = 0
-        self.seconds: list[float] = []
 
     @property
     def active(self) -> bool:
@@ -95,12 +92,6 @@ class ServerSync:
             done = await self.broadcaster.reload_from_disk(path, version)
             log.info("servers reloaded from disk", policy_version=version, servers=done)
             return "disk"
-        self.broadcasts += 1
-        self.seconds.append(time.perf_counter() - started)
         log.info("weights broadcast", policy_version=version, servers=len(self.urls),
-                 seconds=round(self.seconds[-1], 3))  # fmt: skip
+                 seconds=round(time.perf_counter() - started, 3))  # fmt: skip
         return "broadcast"
-
-    def statistics(self) -> dict[str, Any]:
-        return {"broadcasts": self.broadcasts, "active": self.active,
-                "seconds_last": self.seconds[-1] if self.seconds else None}

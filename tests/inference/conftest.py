@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
+import torch
 
 from streamrl.learner.model import resolve_model
 from streamrl.net import free_port
@@ -45,3 +48,28 @@ def one_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeModel]
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        yield client
+
+
+async def assert_serves(client: httpx.AsyncClient, url: str, model: Any, prompt: list[int],
+                        version: str | None = None) -> None:  # fmt: skip
+    """The server's greedy tokens and their logprobs are ``model``'s (and its answer is
+    stamped ``version`` when given)."""
+    answer = (await client.post(url + "/generate", json={
+        "input_ids": prompt, "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+    })).json()  # fmt: skip
+    if version is not None:
+        assert answer["meta_info"]["weight_version"] == version
+    ids = torch.tensor([prompt + answer["output_ids"]])
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+    assert answer["output_ids"] == logits.argmax(-1).tolist()
+    ref = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+    got = torch.tensor([t[0] for t in answer["meta_info"]["output_token_logprobs"]])
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)

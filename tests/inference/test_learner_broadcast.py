@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 import trio
 from structlog.testing import capture_logs
 
@@ -30,8 +29,9 @@ from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
+from streamrl.testing.wait import wait_until
 from tests.helpers import run_config
-from tests.inference.conftest import ServeModel
+from tests.inference.conftest import ServeModel, assert_serves
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356]
 
@@ -65,59 +65,9 @@ async def _info(client: httpx.AsyncClient, url: str) -> tuple[str, dict[str, int
     return version, state["weight_updates"]
 
 
-async def _assert_serves(client: httpx.AsyncClient, url: str, weights: Path) -> None:
-    """The server's greedy tokens and logprobs are those of the saved version ``weights``."""
-    model = load_model(weights).eval()
-    answer = (await client.post(url + "/generate", json={
-        "input_ids": PROMPT, "return_logprob": True,
-        "sampling_params": {"max_new_tokens": 4, "temperature": 0},
-    })).json()  # fmt: skip
-    ids = torch.tensor([PROMPT + answer["output_ids"]])
-    with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0, len(PROMPT) - 1 : -1]
-    assert answer["output_ids"] == logits.argmax(-1).tolist()
-    ref = torch.log_softmax(logits, -1).gather(1, ids[0, len(PROMPT) :, None])[:, 0]
-    got = torch.tensor([t[0] for t in answer["meta_info"]["output_token_logprobs"]])
-    torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
-
-
-async def _until(check: Callable[[], Any], timeout: float = 60) -> None:
-    with trio.fail_after(timeout):
-        while not await check():
-            await trio.sleep(0.05)
-
-
-async def test_each_version_is_broadcast_and_the_generators_load_nothing(
-    serve_models: Callable[[int], list[ServeModel]], client: RedisClient, names: N.Names,
-    redis_url: str, tmp_path: Path,
-) -> None:
-    # Given two servers and the learner set to broadcast, the generator's follower running
-    servers = serve_models(2)
-    urls = [s.url for s in servers]
-    ctx = ActorContext(_config(tmp_path, redis_url, names.run, urls, steps=3), client, names)
-    http = httpx.AsyncClient(timeout=60)
-    with trio.fail_after(240), capture_logs() as logs:
-        async with open_sglang_engine(urls) as engine, trio.open_nursery() as nursery:
-            await nursery.start(serve_weight_updates, ctx, engine)
-            # When it trains three steps
-            await _publish_groups(ctx, 3)
-            await learner_actor.serve(ctx)
-            await _until(lambda: _all_at(http, urls, "3"))
-            nursery.cancel_scope.cancel()
-    # Then every server got every version over the group, in several buckets each, and
-    # none from disk (the follower found each server on the announced version)
-    weights = ctx.config.run.path / "weights"
-    model = load_model(version_dir(weights, 3))
-    n_buckets = len(buckets(named_tensors(model), 1 << 20))
-    assert n_buckets > 1
-    for url in urls:
-        version, updates = await _info(http, url)
-        assert (version, updates) == ("3", {"disk": 0, "distributed": 3 * n_buckets})
-        # And it serves exactly the weights the learner saved as version 3
-        await _assert_serves(http, url, version_dir(weights, 3))
-    sent = [e for e in logs if e["event"] == "weights broadcast"]
-    assert [e["policy_version"] for e in sent] == [1, 2, 3]
-    await http.aclose()
+def _context(tmp_path: Path, redis_url: str, client: RedisClient, names: N.Names,
+             urls: list[str], steps: int) -> ActorContext:  # fmt: skip
+    return ActorContext(_config(tmp_path, redis_url, names.run, urls, steps), client, names)
 
 
 async def _all_at(http: httpx.AsyncClient, urls: list[str], version: str) -> bool:
@@ -127,15 +77,51 @@ async def _all_at(http: httpx.AsyncClient, urls: list[str], version: str) -> boo
         return False
 
 
+async def _serves_saved(http: httpx.AsyncClient, url: str, ctx: ActorContext, v: int) -> None:
+    """The server serves exactly the weights the learner saved as version ``v``."""
+    model = load_model(version_dir(ctx.config.run.path / "weights", v)).eval()
+    await assert_serves(http, url, model, PROMPT)
+
+
+async def test_each_version_is_broadcast_and_the_generators_load_nothing(
+    serve_models: Callable[[int], list[ServeModel]], client: RedisClient, names: N.Names,
+    redis_url: str, tmp_path: Path, http: httpx.AsyncClient,
+) -> None:
+    # Given two servers and the learner set to broadcast, the generator's follower running
+    servers = serve_models(2)
+    urls = [s.url for s in servers]
+    ctx = _context(tmp_path, redis_url, client, names, urls, steps=3)
+    with trio.fail_after(240), capture_logs() as logs:
+        async with open_sglang_engine(urls) as engine, trio.open_nursery() as nursery:
+            await nursery.start(serve_weight_updates, ctx, engine)
+            # When it trains three steps
+            await _publish_groups(ctx, 3)
+            await learner_actor.serve(ctx)
+            await wait_until(lambda: _all_at(http, urls, "3"), timeout=60)
+            nursery.cancel_scope.cancel()
+    # Then every server got every version over the group, in several buckets each, and
+    # none from disk (the follower found each server on the announced version)
+    model = load_model(version_dir(ctx.config.run.path / "weights", 3))
+    n_buckets = len(buckets(named_tensors(model), 1 << 20))
+    assert n_buckets > 1
+    for url in urls:
+        version, updates = await _info(http, url)
+        assert (version, updates) == ("3", {"disk": 0, "distributed": 3 * n_buckets})
+        # And it serves exactly the weights the learner saved as version 3
+        await _serves_saved(http, url, ctx, 3)
+    sent = [e for e in logs if e["event"] == "weights broadcast"]
+    assert [e["policy_version"] for e in sent] == [1, 2, 3]
+
+
+
 async def test_a_server_lost_mid_run_falls_back_to_disk(
     serve_models: Callable[[int], list[ServeModel]], client: RedisClient, names: N.Names,
-    redis_url: str, tmp_path: Path,
+    redis_url: str, tmp_path: Path, http: httpx.AsyncClient,
 ) -> None:
     # Given two servers in the group, and the generator's follower
     servers = serve_models(2)
     urls = [s.url for s in servers]
-    ctx = ActorContext(_config(tmp_path, redis_url, names.run, urls, steps=3), client, names)
-    http = httpx.AsyncClient(timeout=60)
+    ctx = _context(tmp_path, redis_url, client, names, urls, steps=3)
     with trio.fail_after(240), capture_logs() as logs:
         async with (
             open_sglang_engine(urls, health_interval_s=0.5) as engine,
@@ -151,45 +137,42 @@ async def test_a_server_lost_mid_run_falls_back_to_disk(
             nursery.start_soon(learn)
             # When version 1 went out over the group ...
             await _publish_groups(ctx, 1)
-            await _until(lambda: _all_at(http, urls, "1"))
+            await wait_until(lambda: _all_at(http, urls, "1"), timeout=60)
             # ... and then one server dies before version 2
             servers[1].kill()
             await _publish_groups(ctx, 2)
             await learner_done.wait()
             # Then the run goes on: the other server serves the last version
-            await _until(lambda: _all_at(http, urls[:1], "3"))
+            await wait_until(lambda: _all_at(http, urls[:1], "3"), timeout=60)
             nursery.cancel_scope.cancel()
     # having got version 1 over the group, and the later ones from disk
     version, updates = await _info(http, urls[0])
     assert version == "3" and updates["disk"] == 2, updates
-    await _assert_serves(http, urls[0], version_dir(ctx.config.run.path / "weights", 3))
+    await _serves_saved(http, urls[0], ctx, 3)
     events = [e["event"] for e in logs]
     assert "weight broadcast failed: reloading from disk, syncing by disk from now" in events
-    await http.aclose()
 
 
 async def test_a_server_that_cannot_join_costs_only_the_broadcast(
     serve_models: Callable[[int], list[ServeModel]], client: RedisClient, names: N.Names,
-    redis_url: str, tmp_path: Path,
+    redis_url: str, tmp_path: Path, http: httpx.AsyncClient,
 ) -> None:
     # Given one live server and one URL nothing listens on
     [server] = serve_models(1)
     urls = [server.url, f"http://127.0.0.1:{free_port()}"]
-    ctx = ActorContext(_config(tmp_path, redis_url, names.run, urls, steps=2), client, names)
-    http = httpx.AsyncClient(timeout=60)
+    ctx = _context(tmp_path, redis_url, client, names, urls, steps=2)
     with trio.fail_after(240), capture_logs() as logs:
         async with open_sglang_engine(urls) as engine, trio.open_nursery() as nursery:
             await nursery.start(serve_weight_updates, ctx, engine)
             # When the learner starts (the group cannot form) and trains
             await _publish_groups(ctx, 2)
             await learner_actor.serve(ctx)
-            await _until(lambda: _all_at(http, urls[:1], "2"))
+            await wait_until(lambda: _all_at(http, urls[:1], "2"), timeout=60)
             nursery.cancel_scope.cancel()
     # Then it said so and the live server got every version from disk
     assert "weight broadcast unavailable: syncing by disk" in [e["event"] for e in logs]
     version, updates = await _info(http, urls[0])
     assert (version, updates["distributed"]) == ("2", 0) and updates["disk"] >= 1
-    await http.aclose()
 
 
 def test_broadcast_without_servers_is_refused_at_load() -> None:
