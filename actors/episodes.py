@@ -57,12 +57,14 @@ import structlog
 import trio
 
 from streamrl.domains.base import chat_observation_ids
+from streamrl.inference.chat import ToolResult, tool_results_ids
 from streamrl.protocol.messages import (
     Episode,
     ExecOutcome,
     Sample,
     Sampling,
     Task,
+    ToolReply,
     Turn,
     bytes_to_floats,
     bytes_to_ids,
@@ -140,6 +142,16 @@ class Context:
         )
 
 
+def observation_ids(tokenizer: Any, domain: Any, turn: Turn, closed: bool) -> list[int]:
+    """The tokens after a model turn, up to the next assistant header: its tool results as
+    ``tool`` messages (a domain with tools), else its observation as a user message."""
+    if turn.tools:
+        results = [ToolResult(call_id=r.call_id, name=r.name, content=r.content, error=r.error)
+                   for r in turn.tools]
+        return tool_results_ids(tokenizer, results, closed, getattr(domain, "tools", ()))
+    return chat_observation_ids(tokenizer, turn.observation, closed=closed)
+
+
 class Generate(Protocol):
     async def __call__(
         self, prompts: list[list[int]], sampling: Sampling, session: str
@@ -169,8 +181,8 @@ async def generate_turn(
         if ended[i]:
             continue
         if ctx.turns:  # the observation of the previous turn
-            obs = chat_observation_ids(tokenizer, ctx.turns[-1].observation,
-                                       closed=ctx.finish_reason == "stop")
+            obs = observation_ids(tokenizer, domain, ctx.turns[-1],
+                                  closed=ctx.finish_reason == "stop")
             left = budget - len(prompt) - ctx.length - len(obs) if budget else math.inf
             if left < 1:
                 ended[i] = "budget"
@@ -344,9 +356,10 @@ class TurnState:
         return all(o is not None for o in self.outcomes)
 
 
-def observed(sample: Sample, observation: str, result: ExecResult | None) -> Sample:
+def observed(sample: Sample, observation: str, result: ExecResult | None,
+             tools: Sequence[ToolReply] = ()) -> Sample:
     turns = list(sample.turns)
     if turns:
-        turns[-1] = replace(turns[-1], observation=observation,
+        turns[-1] = replace(turns[-1], observation=observation, tools=list(tools),
                             exit_code=None if result is None else result.exit_code)
     return replace(sample, turns=turns)

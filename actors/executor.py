@@ -389,25 +389,35 @@ class Executor:
         except SandboxUnavailable as exc:
             st.unavailable.append(str(exc))
             return
-        request = None
         try:
             async with held.lock:
+                changed = False
                 if not st.ended[i]:
                     text = st.samples[i].text
-                    request = domain.exec_request(item, text)
-                    held.turn = -1  # until this turn's command has run to the end
-                    result = await held.session.run(request) if request else None
-                    held.turn = ep.turn
-                    observation = domain.render_observation(item, result)
-                    st.samples[i] = observed(st.samples[i], observation, result)
-                    if domain.is_done(item, text, result):
+                    held.turn = -1  # until this turn's commands have run to the end
+                    act = getattr(domain, "act", None)
+                    if act is not None:  # a domain with tools (domains/agentic.py)
+                        action = await act(item, text, held.session)
+                        held.turn = ep.turn
+                        changed, done = action.changed, action.done
+                        st.samples[i] = observed(st.samples[i], action.observation, None,
+                                                 action.results)
+                    else:
+                        request = domain.exec_request(item, text)
+                        result = await held.session.run(request) if request else None
+                        held.turn = ep.turn
+                        changed = request is not None
+                        observation = domain.render_observation(item, result)
+                        st.samples[i] = observed(st.samples[i], observation, result)
+                        done = domain.is_done(item, text, result)
+                    if done:
                         st.ended[i] = "done"
                     else:  # max_turns, max_tool_calls, the episode's wall clock
                         st.ended[i] = self.budget_end(domain, item, ep, st.samples[i])
                 if st.ended[i]:
                     check = domain.final_request(item)
                     st.outcomes[i] = to_outcome(await held.session.run(check) if check else None)
-                elif request is not None or ep.turn <= 1:
+                elif changed or ep.turn <= 1:
                     st.snapshots[i] = await self.sessions.snapshot(held)
                 # else: nothing ran this turn, the previous turn's snapshot still holds
         except SandboxUnavailable as exc:

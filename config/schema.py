@@ -305,6 +305,35 @@ class FeedbackConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     """Subtracted per model turn after the first (the reward is kept in [0, 1])."""
 
 
+TOOL_TURNS = 8
+"""Model turns of an episode with the standard tools when ``max_turns`` is not set."""
+
+
+class ToolsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[domain.<name>.tools]``: the model works on the item's sandbox session with the
+    standard tool set (read_file, write_file, apply_patch, list_files, run, run_tests,
+    finish; domains/agentic.py): declared domains of the ``repo_tests`` kind. Every turn the
+    reply's tool calls run in order and their results go back as ``tool`` messages, up to
+    ``max_turns``; then the kind's final check judges the work dir as the model left it."""
+
+    enabled: bool = False
+    """Make the domain multi-turn with the standard tools."""
+    system: str = ""
+    """System message (empty: a default one saying how to work with the tools); the tools
+    are declared by the chat template (``tools=``) or, where it has none, the hermes-style
+    block after this message."""
+    test_command: list[str] = msgspec.field(
+        default_factory=lambda: ["python3", "-m", "pytest", "-q"])
+    """What ``run_tests`` runs in the work dir (pytest: its JUnit report gives the results
+    per test)."""
+    output_chars: Annotated[int, Meta(ge=200)] = 8000
+    """Most characters of one tool result (the rest cut, with a marker)."""
+    run_timeout_s: PosFloat = 10.0
+    """``run``'s default and longest timeout per command."""
+    test_timeout_s: PosFloat = 60.0
+    """``run_tests``'s timeout."""
+
+
 class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[domain.<name>]``: how one domain of scheduler.domains is scheduled and run; with
     ``kind``, a domain declared as data (domains/declared.py)."""
@@ -352,7 +381,8 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     max_new_tokens: NonNegInt = 0
     """Generation budget per turn (0: scheduler.max_new_tokens)."""
     max_turns: NonNegInt = 0
-    """Model turns per episode for a multi-turn domain (0: the domain's own; feedback: 4)."""
+    """Model turns per episode for a multi-turn domain (0: the domain's own; feedback: 4;
+    tools: 8)."""
     max_total_tokens: NonNegInt = 0
     """Multi-turn: tokens of an episode's context (prompt, turns, observations) a member may
     reach; no room for another turn ends it (0: the domain's own, terminal 2,048)."""
@@ -364,6 +394,8 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     turn (0: none)."""
     feedback: FeedbackConfig = msgspec.field(default_factory=FeedbackConfig)
     """``code`` with test feedback, and its reward options."""
+    tools: ToolsConfig = msgspec.field(default_factory=ToolsConfig)
+    """Repository tasks worked with the standard tool set."""
     timeout_s: float = 0.0
     """Sandbox wall-clock limit per run (0: the domain's own)."""
     memory_mb: NonNegInt = 0
@@ -372,7 +404,7 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     def shapes_episode(self) -> bool:
         """This table changes the domain's episode (turns, budgets, feedback)."""
         return bool(self.max_turns or self.max_total_tokens or self.max_tool_calls
-                    or self.episode_timeout_s or self.feedback.enabled)
+                    or self.episode_timeout_s or self.feedback.enabled or self.tools.enabled)
 
     def budget_error(self) -> str | None:
         """What is inconsistent among this table's episode budgets, if anything."""
@@ -385,6 +417,12 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
                     f"episode_timeout_s ({self.episode_timeout_s}, the whole episode)")
         if not fb.enabled and fb != FeedbackConfig():
             return "feedback options need feedback.enabled = true"
+        if not self.tools.enabled and self.tools != ToolsConfig():
+            return "tools options need tools.enabled = true"
+        if fb.enabled and self.tools.enabled:
+            return "feedback.enabled and tools.enabled are two episode shapes: choose one"
+        if self.tools.enabled and not self.tools.test_command:
+            return "tools.test_command is empty"
         if fb.enabled:
             turns = self.max_turns or FEEDBACK_TURNS
             if turns == 1 or self.max_tool_calls == 1:

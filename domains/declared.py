@@ -329,14 +329,22 @@ class PluginOverData:
 def build_domain(name: str, cfg: DomainConfig) -> Domain:
     """The domain ``name`` as its table makes it: declared (``cfg.kind`` set) or the
     installed one of that name, with test feedback (``feedback.enabled``: domains/feedback.py)
-    and the episode budgets of the table (:func:`with_budgets`); :class:`DeclarationError`
-    if its kind is unknown or its options are refused."""
+    or the standard tools (``tools.enabled``: domains/agentic.py), and the episode budgets
+    of the table (:func:`with_budgets`); :class:`DeclarationError` if its kind is unknown or
+    its options are refused."""
     domain = _declared(name, cfg) if cfg.kind else _installed(name)
     if cfg.feedback.enabled:
         from streamrl.domains.feedback import feedback_domain
 
         try:
             domain = feedback_domain(domain, cfg)  # type: ignore[assignment]
+        except ValueError as exc:
+            raise DeclarationError(f"domain {name!r}: {exc}") from None
+    if cfg.tools.enabled:
+        from streamrl.domains.agentic import tools_domain
+
+        try:
+            domain = tools_domain(domain, cfg)  # type: ignore[assignment]
         except ValueError as exc:
             raise DeclarationError(f"domain {name!r}: {exc}") from None
     return with_budgets(name, domain, cfg)

@@ -112,12 +112,24 @@ class Task(Message, frozen=True, kw_only=True):
         return self.episode.id if self.episode is not None else self.id
 
 
+class ToolReply(msgspec.Struct, frozen=True, kw_only=True):
+    """The result of one tool call of a turn, fed back as a ``tool`` message."""
+
+    call_id: str
+    name: str
+    content: str
+    error: bool = False
+
+
 class Turn(msgspec.Struct, frozen=True, kw_only=True):
-    """One model turn of a multi-turn episode and what the environment answered."""
+    """One model turn of a multi-turn episode and what the environment answered: one
+    ``observation`` (a user message), or, for a domain with tools, the ``tools`` results
+    (``tool`` messages; ``observation`` then renders them for people: replay, logs)."""
 
     text: str  # what the model wrote
     observation: str = ""  # the domain's rendering of the sandbox result ("" before it ran)
     exit_code: int | None = None
+    tools: list[ToolReply] = msgspec.field(default_factory=list)
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):
