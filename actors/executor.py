@@ -37,7 +37,7 @@ the next turn (``tasks``) or, once every member ended, the whole episode (``exec
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import replace as dc_replace
 from typing import Any
 
@@ -45,12 +45,21 @@ import msgspec
 import structlog
 import trio
 
+from streamrl.actors.agents import AgentRunner, open_agent_runner
 from streamrl.actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed
 from streamrl.config.schema import Config, DomainConfig, DomainSandboxConfig
-from streamrl.domains.base import NO_SANDBOX, is_multi_turn, tool_calls
+from streamrl.domains.base import NO_SANDBOX, is_agent_driven, is_multi_turn, tool_calls
 from streamrl.domains.registry import get_domain
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import Episode, ExecOutcome, Executed, Rollout, new_id, now
+from streamrl.protocol.messages import (
+    Episode,
+    ExecOutcome,
+    Executed,
+    Rollout,
+    ids_to_bytes,
+    new_id,
+    now,
+)
 from streamrl.runtime.context import ActorContext, domain_item
 from streamrl.runtime.policies import Reject, Unavailable
 from streamrl.runtime.serve import Output
@@ -277,10 +286,12 @@ class Executor:
         sandboxes: Sandboxes,
         sessions: EpisodeSessions | None = None,
         domain_config: dict[str, DomainConfig] | None = None,
+        agents: AgentRunner | None = None,
     ) -> None:
         self.sandboxes = sandboxes
         self.sessions = sessions if sessions is not None else EpisodeSessions(sandboxes)
         self.domain_config = domain_config or {}
+        self.agents = agents  # runs agent-driven domains (actors/agents.py)
 
     def max_turns(self, domain: Any) -> int:
         configured = self.domain_config.get(domain.name, DomainConfig()).max_turns
@@ -297,6 +308,8 @@ class Executor:
     async def handle(self, rollout: Rollout) -> list[Output]:
         task = rollout.task
         domain, item = domain_item(task)
+        if is_agent_driven(domain):
+            return await self.handle_agents(rollout, domain, item)
         if is_multi_turn(domain):
             return await self.handle_turn(rollout, domain, item)
         results: list[ExecResult | None] = [None] * len(rollout.samples)
@@ -335,6 +348,35 @@ class Executor:
                 ),
             )
         ]
+
+    # -- agent-driven episodes (actors/agents.py) -------------------------------------------
+
+    async def handle_agents(self, rollout: Rollout, domain: Any, item: Any) -> list[Output]:
+        """Every member's agent, each on its sandbox session and endpoint session; out: the
+        whole episode (``executed``)."""
+        task = rollout.task
+        if self.agents is None:
+            raise Reject(f"domain {domain.name!r} is agent-driven, and this executor serves no "
+                         f"OpenAI endpoint (executor.agent_port, generator.engine = 'sglang')")
+        try:
+            prompt, samples, ended, results = await self.agents.run_group(
+                domain, item, task, self.sandboxes)
+        except SandboxUnavailable as exc:
+            raise Unavailable(f"sandbox unavailable: {exc}") from exc
+        except ValueError as exc:  # the members' prompts cannot form one group
+            raise Reject(str(exc)) from exc
+        outcomes = [to_outcome(r) for r in results]
+        ep = Episode(id=task.episode_id, turn=max(len(s.turns) for s in samples),
+                     prompt_ids=ids_to_bytes(prompt), ended=ended, outcomes=list(outcomes),
+                     started_at=task.created_at)
+        trained = [s.weight_version for s in samples if s.tokens]
+        version = min(trained) if trained else rollout.policy_version
+        final = replace(rollout, task=replace(task, episode=ep), prompt_ids=ids_to_bytes(prompt),
+                        samples=samples, policy_version=version)
+        log.info("agent episode executed", members=len(samples), ended=ended)
+        return [Output(N.EXECUTED, Executed(
+            id=new_id(), created_at=now(), policy_version=version, attempt=rollout.attempt,
+            rollout=final, outcomes=outcomes))]
 
     # -- multi-turn episodes (actors/episodes.py) -------------------------------------------
 
@@ -466,13 +508,17 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
     sandboxes = sandboxes_for(ctx.config)
     sessions = EpisodeSessions(sandboxes, snapshots=cfg.episode_snapshots,
                                idle_s=cfg.session_idle_s)
-    async with sandboxes.opened():  # the backends' serve tasks; all closed on exit
+    async with sandboxes.opened(), AsyncExitStack() as stack:  # all closed on exit
         try:
-            sandboxes.open_for(run_domains(ctx.config))  # refuses to start below min_isolation
+            domains = run_domains(ctx.config)
+            sandboxes.open_for(domains)  # refuses to start below min_isolation
+            agents = None
+            if any(is_agent_driven(d) for d in domains):
+                agents = await stack.enter_async_context(open_agent_runner(ctx.config))
             async with trio.open_nursery() as nursery:
                 await nursery.start(sessions.serve_idle_release)
                 await ctx.serve(
-                    Executor(sandboxes, sessions, ctx.config.domain),
+                    Executor(sandboxes, sessions, ctx.config.domain, agents),
                     concurrency=cfg.concurrency,
                     time_limit_s=cfg.time_limit_s,
                     task_status=task_status,

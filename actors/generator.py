@@ -24,7 +24,7 @@ import trio
 
 from streamrl.actors.episodes import generate_turn
 from streamrl.config.schema import GeneratorConfig
-from streamrl.domains.base import is_multi_turn
+from streamrl.domains.base import is_agent_driven, is_multi_turn
 from streamrl.inference.engine import Completion, Engine
 from streamrl.inference.sglang_client import ServerUnavailable, SGLangEngine
 from streamrl.protocol import names as N
@@ -105,6 +105,10 @@ class Generator:
         if wait is not None and self.gate is not None:
             await self.gate.wait_for(wait)
         domain, item = domain_item(task)
+        if is_agent_driven(domain):  # its executor runs the agents (actors/agents.py)
+            return [Output(N.ROLLOUTS, Rollout(
+                id=new_id(), created_at=now(), policy_version=task.policy_version,
+                attempt=task.attempt, task=task, prompt_ids=b"", samples=[]))]
         if is_multi_turn(domain):
             return await self.handle_turn(task, domain, item)
         prompt = domain.render_prompt(item, self.tokenizer)

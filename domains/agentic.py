@@ -35,7 +35,13 @@ from streamrl.config.schema import TOOL_TURNS, DomainConfig
 from streamrl.domains.base import EpisodePolicy
 from streamrl.domains.template import chat_messages
 from streamrl.domains.tools.standard import TOOLS, StandardTools, ToolLimits
-from streamrl.inference.chat import ParsedReply, parse_tool_calls, prompt_ids, tool_format
+from streamrl.inference.chat import (
+    ParsedReply,
+    ToolCall,
+    parse_tool_calls,
+    prompt_ids,
+    tool_format,
+)
 from streamrl.protocol.messages import ToolReply
 from streamrl.sandbox.base import ExecRequest, ExecResult, SandboxSession
 
@@ -137,11 +143,50 @@ class ToolDomain:
         return float(self.verifier.score_final(item, result))
 
 
+class ToolBox:
+    """The standard tools of one member's session, called by name over HTTP (the OpenAI
+    endpoint's ``/sessions/<id>/tools``: inference/openai_api.py) by an external agent."""
+
+    def __init__(self, tools: StandardTools) -> None:
+        self.tools = tools
+        self.calls = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.tools.finished
+
+    def specs(self) -> list[dict[str, Any]]:
+        return [t.spec() for t in self.tools.tools]
+
+    async def call(self, name: str, arguments: Any) -> dict[str, Any]:
+        self.calls += 1
+        call = ToolCall(id=f"http_{self.calls}", name=name,
+                        arguments=arguments if isinstance(arguments, dict) else {})
+        result = await self.tools.call(call)
+        return {"content": result.content, "error": result.error,
+                "finished": self.tools.finished}
+
+
+class AgentDomain(ToolDomain):
+    """A tool domain whose episodes an external agent drives (``[domain.<name>.agent]``):
+    the executor runs each member's agent against the OpenAI endpoint and the tools over
+    HTTP (actors/agents.py); the generator passes its tasks through untouched."""
+
+    def __init__(self, base: Any, cfg: DomainConfig) -> None:
+        super().__init__(base, cfg)
+        self.agent = cfg.agent
+
+    def toolbox(self, session: SandboxSession) -> ToolBox:
+        return ToolBox(StandardTools(session, test_command=self.opts.test_command,
+                                     limits=self.limits))
+
+
 def tools_domain(domain: Any, cfg: DomainConfig) -> ToolDomain:
-    """``domain`` (a declared ``repo_tests`` one) worked with the standard tools;
-    ``ValueError`` for any other."""
+    """``domain`` (a declared ``repo_tests`` one) worked with the standard tools, by the
+    built-in turn loop or (``agent.command``) an external agent; ``ValueError`` for any
+    other domain."""
     from streamrl.domains.kinds.repo_tests import RepoTests
 
     if not isinstance(getattr(domain, "verifier", None), RepoTests):
         raise ValueError("tools.enabled needs a declared domain of kind 'repo_tests'")
-    return ToolDomain(domain, cfg)
+    return AgentDomain(domain, cfg) if cfg.agent.command else ToolDomain(domain, cfg)

@@ -141,6 +141,12 @@ def is_multi_turn(domain: Any) -> bool:
     return bool(getattr(getattr(domain, "episode", None), "multi_turn", False))
 
 
+def is_agent_driven(domain: Any) -> bool:
+    """An external agent drives this domain's episodes (``[domain.<name>.agent]``:
+    actors/agents.py), not the generator's turn loop."""
+    return bool(getattr(getattr(domain, "agent", None), "command", None))
+
+
 def tool_calls(domain: Any, item: Any, texts: list[str]) -> int:
     """The sandbox calls the turns ``texts`` of one member made (``episode.max_tool_calls``)."""
     count = getattr(domain, "tool_calls", None)

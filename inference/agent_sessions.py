@@ -71,6 +71,7 @@ class Budget(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_calls: Annotated[int, msgspec.Meta(ge=0)] = 0
     wall_clock_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     max_new_tokens: Annotated[int, msgspec.Meta(ge=1)] = 1024  # per call: caps max_tokens
+    max_tool_calls: Annotated[int, msgspec.Meta(ge=0)] = 0  # calls of the session's tools
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,8 @@ class Session:
     closed: bool = False
     started_calls: int = 0
     reserved_tokens: int = 0
+    tools: Any = None  # the episode's tool set over HTTP (ToolBox), if it has one
+    tool_calls: int = 0
 
     @property
     def deadline(self) -> float:
@@ -169,7 +172,27 @@ class Session:
 
     def summary(self) -> dict[str, Any]:
         return {"id": self.id, "closed": self.closed, "calls": len(self.calls),
-                "tokens": self.used_tokens(), "budget": msgspec.to_builtins(self.budget)}
+                "tokens": self.used_tokens(), "tool_calls": self.tool_calls,
+                "budget": msgspec.to_builtins(self.budget)}
+
+    async def call_tool(self, name: str, arguments: Any) -> dict[str, Any]:
+        """Run one call of the session's tool set (``tools.call(name, arguments)``, which
+        answers ``{"content", "error"}`` and never raises for what the agent sent)."""
+        if self.tools is None:
+            raise InvalidRequest(f"session {self.id!r} has no tools", code="no_tools",
+                                 status=404)
+        if self.closed:
+            raise InvalidRequest(f"session {self.id!r} is closed", code="session_closed")
+        if trio.current_time() >= self.deadline:
+            raise _budget("wall_clock_exceeded", f"the session's {self.budget.wall_clock_s} s "
+                          "are spent")
+        if self.budget.max_tool_calls and self.tool_calls >= self.budget.max_tool_calls:
+            raise _budget("max_tool_calls_exceeded", f"the session's "
+                          f"{self.budget.max_tool_calls} tool calls are spent")
+        self.tool_calls += 1
+        with trio.move_on_at(self.deadline):
+            return await self.tools.call(name, arguments)  # type: ignore[no-any-return]
+        raise _budget("wall_clock_exceeded", "the session's time ran out during the tool call")
 
 
 class Sessions:

@@ -21,7 +21,13 @@ Guarantees:
 - the session API for the executor: ``POST /sessions`` ``{"id", "budget": {max_total_tokens,
   max_calls, wall_clock_s, max_new_tokens}}`` (201, answers the ``base_url``), ``GET
   /sessions/<id>`` and ``POST /sessions/<id>/close`` (the record: ``calls`` and ``chains``,
-  see :meth:`Session.chains`), ``DELETE /sessions/<id>``.
+  see :meth:`Session.chains`), ``DELETE /sessions/<id>``;
+- a session with a tool set (the episode's sandbox, set by the executor that runs the
+  agent: actors/agents.py) serves it next to the model: ``GET /sessions/<id>/tools`` (the
+  tools in OpenAI's ``{"type": "function", "function": ...}`` form, ready for ``tools=``)
+  and ``POST /sessions/<id>/tools/<name>`` with the arguments as the JSON body, answering
+  ``{"content", "error"}`` (a refused call is ``error: true``, status 200: what the agent
+  sends back to the model); counted against ``budget.max_tool_calls`` and the wall clock.
 
 Not supported (400): ``n`` > 1, ``tool_choice`` ``required`` or a named function,
 ``top_logprobs``, penalties, ``logit_bias``, ``response_format`` other than text, non-text
@@ -226,6 +232,25 @@ class Endpoint:
         except InvalidRequest as exc:
             return _error(exc)
 
+    async def tool_specs(self, request: Request) -> Response:
+        try:
+            session = self.sessions.get(request.path_params["sid"])
+            if session.tools is None:
+                raise InvalidRequest(f"session {session.id!r} has no tools", code="no_tools",
+                                     status=404)
+        except InvalidRequest as exc:
+            return _error(exc)
+        return JSONResponse({"object": "list", "data": session.tools.specs()})
+
+    async def tool_call(self, request: Request) -> Response:
+        try:
+            session = self.sessions.get(request.path_params["sid"])
+            arguments = await _json(request)
+            answer = await session.call_tool(request.path_params["name"], arguments)
+        except InvalidRequest as exc:
+            return _error(exc)
+        return JSONResponse(answer)
+
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
@@ -261,6 +286,8 @@ def build_app(sessions: Sessions, model: str) -> Starlette:
         Route("/sessions/{sid}/v1/models", e.models, methods=["GET"]),
         Route("/sessions/{sid}/v1/models/{model:path}", e.model, methods=["GET"]),
         Route("/sessions/{sid}/v1/chat/completions", e.chat, methods=["POST"]),
+        Route("/sessions/{sid}/tools", e.tool_specs, methods=["GET"]),
+        Route("/sessions/{sid}/tools/{name}", e.tool_call, methods=["POST"]),
     ]
     app = Starlette(routes=routes)
     app.state.endpoint = e
