@@ -21,7 +21,9 @@ member the executor (:class:`AgentRunner`)
    final check in the sandbox (the hidden tests over the work dir as the agent left it)
    and takes the member's sample from the session's record.
 
-The sample is exactly what the engine produced: the longest chain of the session's calls
+Every call samples at the task's ``temperature`` and ``top_p`` (the session pins them; what
+the agent asks for is not used), since the learner recomputes the policy's logprobs at
+those. The sample is exactly what the engine produced: the longest chain of the session's calls
 (:meth:`~streamrl.inference.agent_sessions.Session.chains`: the first prompt, each
 completion with its logprobs and versions, mask 1, and the tokens each later call added,
 mask 0); a member's prompt beyond the group's common prefix (``Rollout.prompt_ids``) leads
@@ -116,6 +118,7 @@ class AgentRunner:
             await box.put_files({**source.staged_files(domain), **domain.session_files(item)})
             sid = f"{task.episode_id}-{i}-{secrets.token_hex(8)}"  # unguessable by the others
             session = self.sessions.create(sid, self.budget(domain, task))
+            session.pin = task.sampling  # what the learner assumes the samples were drawn at
             toolbox = domain.toolbox(box)
             session.tools = toolbox
             try:

@@ -835,6 +835,14 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
                 f"agent-driven domains {agents} need inference servers the executor's OpenAI "
                 f"endpoint can call: generator.engine = 'sglang' (SGLang servers, or "
                 f"streamrl serve-model), or up.serve_models > 0")
+        for name in agents:
+            wall = self.domain[name].episode_timeout_s or self.domain[name].agent.timeout_s
+            if self.executor.time_limit_s <= wall:
+                raise ValueError(
+                    f"[domain.{name}]: its agents' wall clock ({wall:g} s: episode_timeout_s or "
+                    f"agent.timeout_s) must be below executor.time_limit_s "
+                    f"({self.executor.time_limit_s:g} s): a group's agents run in one executor "
+                    f"step")
 
     def weight_sync_error(self) -> str | None:
         """``learner.weight_sync = "broadcast"`` without servers to broadcast to, if so."""

@@ -135,6 +135,7 @@ class Session:
     reserved_tokens: int = 0
     tools: Any = None  # the episode's tool set over HTTP (ToolBox), if it has one
     tool_calls: int = 0
+    pin: Sampling | None = None  # temperature and top_p every call samples at (training)
 
     @property
     def deadline(self) -> float:
@@ -309,6 +310,9 @@ class Sessions:
             raise _budget(code, f"no room for a completion: prompt of {len(prompt)} tokens, "
                           f"{session.used_tokens()} of the session's "
                           f"{b.max_total_tokens or 'unlimited'} tokens used")
+        if session.pin is not None:  # the learner recomputes logprobs at these
+            sampling = msgspec.structs.replace(sampling, temperature=session.pin.temperature,
+                                               top_p=session.pin.top_p)
         session.started_calls += 1
         session.reserved_tokens += room
         try:

@@ -9,7 +9,10 @@ every member's trajectory is exactly the tokens (and logprobs) the engine produc
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from pathlib import Path
@@ -18,6 +21,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+import redis
 import trio
 
 from streamrl.actors.agents import AgentRunner, common_prefix
@@ -44,7 +48,7 @@ from streamrl.queues.streams import Producer
 from testing.processes import descendants
 from testing.wait import wait_until
 from tests.actors.test_multiturn import Replica, entries
-from tests.actors.test_repo_tools import ROW, table, write_rows
+from tests.actors.test_repo_tools import REPO, ROW, table, write_rows
 from tests.domains.test_kinds_repo_tests import SANDBOX_PYTEST
 
 pytestmark = pytest.mark.skipif(not SANDBOX_PYTEST, reason="the sandbox's python3 has no "
@@ -59,6 +63,7 @@ class Recording:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.outputs: list[tuple[str, list[int], Completion]] = []
+        self.temperatures: list[float] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -67,6 +72,7 @@ class Recording:
                        ) -> list[Completion]:
         out = await self.engine.generate(prompts, sampling)
         self.outputs += [(session, p, c) for p, c in zip(prompts, out, strict=True)]
+        self.temperatures.append(sampling.temperature)
         return out  # type: ignore[no-any-return]
 
 
@@ -121,7 +127,7 @@ async def test_agent_episodes_score_the_fix_and_record_the_engines_tokens(
         for name in agent_domains:
             [item] = registry.get_domain(name).load_items("train")
             task = make_task(name, item, split="train", group_size=2,
-                             sampling=Sampling(max_new_tokens=16), version=0)
+                             sampling=Sampling(max_new_tokens=16, temperature=0.7), version=0)
             await Producer(client, names).publish(N.TASKS, [encode(task)])
 
         async def both() -> bool:
@@ -136,6 +142,8 @@ async def test_agent_episodes_score_the_fix_and_record_the_engines_tokens(
     assert by_domain["agent_fix_test"].rewards == [1.0, 1.0]
     assert by_domain["agent_idle_test"].rewards == [0.0, 0.0]
     assert recording.outputs  # every model call went through the engine
+    # at the task's temperature (the agent asks for 1.0): what the learner recomputes at
+    assert set(recording.temperatures) == {0.7}
 
     for traj in found:
         ep = traj.rollout.task.episode
@@ -181,8 +189,12 @@ def test_agent_tables_are_checked_at_load() -> None:
              "agent": {"command": ["a"]}}
     with pytest.raises(msgspec.ValidationError, match="need inference servers"):
         msgspec.convert({"scheduler": {"domains": ["r"]}, "domain": {"r": table}}, Config)
+    servers = {"engine": "sglang", "server_urls": ["http://h:1"]}
+    with pytest.raises(msgspec.ValidationError, match=r"below executor\.time_limit_s"):
+        msgspec.convert({"scheduler": {"domains": ["r"]}, "domain": {"r": table},
+                         "generator": servers}, Config)
     msgspec.convert({"scheduler": {"domains": ["r"]}, "domain": {"r": table},
-                     "generator": {"engine": "sglang", "server_urls": ["http://h:1"]}}, Config)
+                     "generator": servers, "executor": {"time_limit_s": 900}}, Config)
 
 
 async def test_an_agent_past_its_wall_clock_is_killed_and_scores_zero(
@@ -223,3 +235,53 @@ async def test_an_agent_past_its_wall_clock_is_killed_and_scores_zero(
         for name in tables:
             registry._factories.pop(name, None)
             registry._instances.pop(name, None)
+
+
+@pytest.mark.slow
+def test_up_runs_agent_episodes_against_serve_model(redis_url: str, tmp_path: Path) -> None:
+    """The whole path under ``streamrl up``: serve-model (``up.serve_models``), the
+    executor's endpoint over it (the SGLang client), the scripted agent with the fix, the
+    verifier and a learner step on what the agent's calls recorded."""
+    run = f"ag{uuid.uuid4().hex[:8]}"
+    write_rows(tmp_path / "data")
+    patch = tmp_path / "fix.diff"
+    patch.write_text(ROW["solution"])
+    name = "repo_agent"
+    command = json.dumps([*AGENT[:-1], "2", "--patch", str(patch)])
+    overrides = {
+        "run.name": run, "run.work_dir": str(tmp_path / "run"), "up.serve_models": "1",
+        "scheduler.domains": f'["{name}"]', "scheduler.group_size": "2",
+        "scheduler.max_new_tokens": "16", "scheduler.eval_items": "1",
+        "scheduler.eval_every": "0", "executor.time_limit_s": "300",
+        f"domain.{name}.kind": "repo_tests", f"domain.{name}.data": str(tmp_path / "data"),
+        f"domain.{name}.split.by": "files", f"domain.{name}.split.train": "train.jsonl",
+        f"domain.{name}.split.eval": "eval.jsonl", f"domain.{name}.tools.enabled": "true",
+        f"domain.{name}.agent.command": command, f"domain.{name}.agent.timeout_s": "120",
+        "learner.max_steps": "1", "learner.groups_per_step": "1",
+    }
+    sets = [arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")]
+    env = {"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml", *sets,
+         "--max-minutes", "5", "--summary-json", str(tmp_path / "summary.json")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] >= 1 and summary["dead_letters"] == 0
+
+    r = redis.Redis.from_url(redis_url)
+    found = [decode(f[b"d"], Trajectory)
+             for _, f in r.xrange(N.Names(run).stream(N.TRAJECTORIES))]
+    assert found
+    for t in found:
+        assert t.rewards == [1.0, 1.0]  # the agent's fix, judged by the hidden tests
+        ep = t.rollout.task.episode
+        assert ep is not None and ep.ended == ["done", "done"]
+        for s in t.rollout.samples:
+            assert len(s.turns) == 2  # two model calls through the endpoint, one chain
+            mask = np.frombuffer(s.mask, np.uint8)
+            versions = s.token_versions()
+            assert 0 < mask.sum() < len(mask)  # the calls' completions, between the turns
+            assert int(versions[mask == 1].min()) == s.weight_version
+    executor_log = (tmp_path / "run" / "logs" / "executor-0.log").read_text()
+    assert "serving the OpenAI endpoint" in executor_log
