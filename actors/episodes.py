@@ -57,7 +57,7 @@ import structlog
 import trio
 
 from streamrl.domains.base import chat_observation_ids
-from streamrl.inference.chat import ToolResult, tool_results_ids
+from streamrl.inference.chat import ToolResult, tool_format, tool_results_ids
 from streamrl.protocol.messages import (
     Episode,
     ExecOutcome,
@@ -169,8 +169,10 @@ async def generate_turn(
     ep = task.episode
     if ep is None:
         prompt = domain.render_prompt(item, tokenizer)
+        # a domain with tools: the executor parses the replies in the model's own format
+        fmt = tool_format(tokenizer) if getattr(domain, "tools", None) else ""
         ep = Episode(id=task.id, prompt_ids=ids_to_bytes(prompt), ended=[""] * g,
-                     outcomes=[None] * g, snapshots=[b""] * g)
+                     outcomes=[None] * g, snapshots=[b""] * g, tool_format=fmt)
         contexts = [Context() for _ in range(g)]
     else:
         prompt = bytes_to_ids(ep.prompt_ids).tolist()

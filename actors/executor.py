@@ -301,8 +301,12 @@ class Executor:
         """Why a live member must end after this turn ("" if it goes on): the domain's
         episode policy, with this executor's ``max_turns`` (domains/base.py)."""
         policy = dc_replace(domain.episode, max_turns=self.max_turns(domain))
-        calls = tool_calls(domain, item, [t.text for t in sample.turns]) if (
-            policy.max_tool_calls) else 0
+        if not policy.max_tool_calls:
+            calls = 0
+        elif hasattr(domain, "act"):  # a domain with tools: one result per call made
+            calls = sum(len(t.tools) for t in sample.turns)
+        else:
+            calls = tool_calls(domain, item, [t.text for t in sample.turns])
         return policy.ended_by(ep.turn, calls, now() - ep.started_at if ep.started_at else 0.0)
 
     async def handle(self, rollout: Rollout) -> list[Output]:
@@ -439,7 +443,8 @@ class Executor:
                     held.turn = -1  # until this turn's commands have run to the end
                     act = getattr(domain, "act", None)
                     if act is not None:  # a domain with tools (domains/agentic.py)
-                        action = await act(item, text, held.session)
+                        action = await act(item, text, held.session,
+                                           ep.tool_format or "hermes")
                         held.turn = ep.turn
                         changed, done = action.changed, action.done
                         st.samples[i] = observed(st.samples[i], action.observation, None,

@@ -7,9 +7,11 @@
 - the prompt: the table's conversation (``[domain.<name>.prompt]``, with ``tools.system``
   or :data:`DEFAULT_SYSTEM` as its system message) with the standard tools declared through
   ``inference.chat.prompt_ids``: the chat template's own ``tools=`` where it renders tools,
-  else the documented hermes-style system prompt. Calls are parsed in the hermes format
-  (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``); a model whose template
-  writes calls in another format (mistral, llama3) is refused at its first prompt;
+  else the documented hermes-style system prompt. Calls are parsed in the model's format
+  (``inference.chat.tool_format``, found by the generator at turn 1 and carried in
+  ``Episode.tool_format``): hermes ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+  (also wherever the fallback prompt is used) or llama3's JSON reply; mistral's, whose
+  marker is a special token the decoded reply drops, is refused at the first prompt;
 - a member's session starts with the item's repository (``session_files``) and nothing
   else: no harness, no hidden test is ever in the work dir before the final check;
 - every turn (:meth:`ToolDomain.act`, run by the executor in the member's session): the
@@ -38,6 +40,7 @@ from streamrl.domains.tools.standard import TOOLS, StandardTools, ToolLimits
 from streamrl.inference.chat import (
     ParsedReply,
     ToolCall,
+    ToolFormat,
     parse_tool_calls,
     prompt_ids,
     tool_format,
@@ -95,27 +98,25 @@ class ToolDomain:
         return self.base.load_items(split)  # type: ignore[no-any-return]
 
     def render_prompt(self, item: Any, tokenizer: Any) -> list[int]:
-        fmt = tool_format(tokenizer)
-        if fmt != "hermes":
-            raise ValueError(f"domain {self.name!r}: this model's chat template writes tool "
-                             f"calls in the {fmt} format; tool domains parse the hermes one")
+        if tool_format(tokenizer) == "mistral":
+            raise ValueError(f"domain {self.name!r}: this model writes tool calls after the "
+                             f"special token [TOOL_CALLS], which the decoded replies drop; "
+                             f"tool domains parse the hermes and llama3 formats")
         messages = chat_messages(self.cfg.prompt, item, self.opts.system or DEFAULT_SYSTEM)
         return prompt_ids(tokenizer, messages, self.tools)
 
     def session_files(self, item: Any) -> dict[str, bytes]:
         return self.verifier.session_files(item)  # type: ignore[no-any-return]
 
-    def parse(self, text: str) -> ParsedReply:
-        return parse_tool_calls(text, self.tools, "hermes")
+    def parse(self, text: str, fmt: ToolFormat = "hermes") -> ParsedReply:
+        return parse_tool_calls(text, self.tools, fmt)
 
-    def tool_calls(self, item: Any, text: str) -> int:
-        """Calls the reply made, refused ones included (``max_tool_calls``)."""
-        return len(self.parse(text).calls)
-
-    async def act(self, item: Any, text: str, session: SandboxSession) -> Action:
-        """Run the reply's calls in ``session``. Raises only what the sandbox raises
-        (``SandboxUnavailable``)."""
-        reply = self.parse(text)
+    async def act(self, item: Any, text: str, session: SandboxSession,
+                  fmt: ToolFormat = "hermes") -> Action:
+        """Run the reply's calls (written in ``fmt``: the model's, ``Episode.tool_format``)
+        in ``session``. Raises only what the sandbox raises (``SandboxUnavailable``).
+        Every call, refused ones too, gets one result: ``max_tool_calls`` counts them."""
+        reply = self.parse(text, fmt)
         if not reply.calls:
             return Action([], NO_CALL, done=False, changed=False)
         tools = StandardTools(session, test_command=self.opts.test_command, limits=self.limits)

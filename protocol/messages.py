@@ -193,6 +193,7 @@ class Episode(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     outcomes: list[ExecOutcome | None] = []  # per member: the final check, once it ended
     snapshots: list[bytes] = []  # per member: its sandbox work dir after the last turn
     started_at: float = 0.0  # the first task's created_at (episode wall clock); 0: not yet
+    tool_format: str = ""  # a domain with tools: how the model writes calls (the generator's)
     context: list[str] = []
     """The stored parts of every member's context, oldest first (fields of the hash
     ``Names.context(id)``, protocol/contexts.py): the message's own samples (``samples``

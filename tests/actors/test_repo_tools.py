@@ -44,6 +44,7 @@ from streamrl.protocol.messages import Sampling, StepMetrics, Trajectory, bytes_
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.sandbox import ProcessSandbox, opened
 from tests.actors.test_multiturn import Replica, ScriptedEngine, trajectory
 from tests.domains.test_kinds_repo_tests import SANDBOX_PYTEST
 
@@ -77,7 +78,7 @@ def write_rows(data: Path) -> None:
 def repo_domain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DomainConfig]:
     """``[domain.repo_tools_test]`` declared in this process, gone afterwards."""
     write_rows(tmp_path / "data")
-    cfg = table(tmp_path / "data")
+    cfg = table(tmp_path / "data", max_tool_calls=5)
     monkeypatch.delenv(ENV, raising=False)
     declare_domains({NAME: cfg})
     yield cfg
@@ -135,10 +136,12 @@ async def test_repo_episode_with_tools_through_the_actors(
     await sandboxes.aclose()
 
     ep = traj.rollout.task.episode
-    assert ep is not None and ep.ended == ["done", "done", "max_turns"]
+    # the attacker's 4 calls of turn 1 and its test rewrite of turn 3 reach max_tool_calls
+    assert ep is not None and ep.ended == ["done", "done", "tool_calls"]
+    assert ep.tool_format == "hermes"  # SmolLM2's template renders no tools: the fallback
     assert traj.rewards == [1.0, 0.0, 0.0]
     solver, quitter, attacker = traj.rollout.samples
-    assert [len(s.turns) for s in traj.rollout.samples] == [4, 1, 4]
+    assert [len(s.turns) for s in traj.rollout.samples] == [4, 1, 3]
 
     # the solver's tool results, each a tool message
     listing, source = solver.turns[0].tools
@@ -231,3 +234,21 @@ def test_repo_tasks_with_tools_run_with_the_tiny_model(redis_url: str, tmp_path:
     metrics: list[Any] = [decode(f[b"d"], StepMetrics) for _, f in r.xrange(
         names.stream(N.METRICS))]
     assert metrics and metrics[0].groups >= 1
+
+
+async def test_act_reads_the_models_format(repo_domain: DomainConfig) -> None:
+    domain = registry.get_domain(NAME)
+    [item] = domain.load_items("train")
+    box = ProcessSandbox()
+    async with opened(box), box.session(domain.sandbox.limits, label="act") as session:
+        await session.put_files(domain.session_files(item))
+        text = '{"name": "list_files", "parameters": {}}'  # a llama3-style reply
+        action = await domain.act(item, text, session, "llama3")
+        assert not action.results[0].error and MODULE in action.results[0].content
+        assert not action.changed and not action.done
+        hermes = await domain.act(item, text, session, "hermes")  # no call in that format
+        assert hermes.results == [] and hermes.observation == NO_CALL
+        # the session holds the repository and nothing else (no harness, no hidden test)
+        listing = action.results[0].content.splitlines()
+        assert sorted(line.split(" ")[0] for line in listing if not line.endswith("/")) == \
+            sorted(ROW["repo"])
