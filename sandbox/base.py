@@ -6,6 +6,8 @@ Guarantees every backend keeps:
 - a failure of the infrastructure itself (cannot create the sandbox, engine down) raises
   :class:`SandboxUnavailable`, which is retryable: the caller's message is retried later
   with a fresh sandbox;
+- a backend may give sessions a wall-clock budget: past it, every call on the session raises
+  :class:`SessionExpired` (not retryable: what the session served ends);
 - nothing the backend started for the code outlives the call (single runs) or the session
   (sessions); a backend with a warm pool keeps clean, reset sandboxes between calls;
 - every backend says how strongly it isolates (``isolation``, one of :data:`ISOLATION_LEVELS`,
@@ -42,6 +44,12 @@ NOT_ISOLATED: dict[str, str] = {
 
 class SandboxUnavailable(RuntimeError):
     """The sandbox could not be provided (infrastructure failure, retryable)."""
+
+
+class SessionExpired(RuntimeError):
+    """A session is past its backend's wall-clock budget (the Docker backend's
+    ``session_max_s``) and is refused from now on. Not retryable: whatever the session served
+    ends (the executor ends the episode's member, ``"expired"``, with no final check)."""
 
 
 class IsolationTooWeak(RuntimeError):

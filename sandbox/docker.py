@@ -27,6 +27,29 @@ Guarantees (on top of :mod:`sandbox.base`):
   ``name_runs_after_s`` (concurrently with it: short runs cost no engine call); the pool
   gives it its neutral name back before reusing it.
 
+Fleet controls (agentic RL at scale breaks sandbox fleets in known ways: containers piling
+up while they are created, the engine's creation-rate limits, containers leaked by dead
+workers):
+- at most ``max_containers`` containers live at once, and at most ``max_starting`` of them
+  being created (create, start, runner ready) at once; the rest wait their turn;
+- at most ``create_rate_per_s`` creates a second (0: unlimited), ``create_burst`` at once
+  after a quiet spell (a :class:`TokenBucket` before each create, first come first served);
+- a session older than ``session_max_s`` (0: no limit) is refused: each call raises
+  :class:`~sandbox.base.SessionExpired` (a command already running finishes), and the next
+  sweep removes its container unless a call holds it. It is the backend's safety net for
+  sessions whose episode was abandoned; the episode's own wall clock is the domain's
+  (``EpisodePolicy.timeout_s``, ended by the executor after a turn);
+- every ``sweep_interval_s`` (0: only at start) a sweep reaps what other executors left:
+  ``reap_orphans(max_age_s=leak_age_s)``. With ``leak_age_s`` (0: age is no criterion) a
+  container of ANY live executor that old would be reaped, so this backend never keeps one
+  that long: it reuses a container only until ``leak_age_s / 2`` (then removes it when it
+  is idle or given back) and removes any container at ``leak_age_s - 2 * sweep_interval_s``,
+  in use or not (the run in it gets a lost result, a session ``SandboxUnavailable``);
+  ``leak_age_s`` must be at least ``4 * sweep_interval_s`` (:func:`fleet_problem`);
+- :meth:`DockerSandbox.statistics` counts it: ``starting`` and ``running`` containers now,
+  the ``max_starting_seen``, ``leaked`` containers found by sweeps and ``reaped`` by them,
+  ``expired`` sessions.
+
 What it does NOT isolate: the kernel is shared (default seccomp, no gVisor unless
 ``runtime="runsc"``); the code runs as the same uid as its runner (it can kill or stop it:
 that costs the code its run, it cannot forge a reply, see :mod:`sandbox.runner`); tmpfs pages
@@ -75,6 +98,7 @@ from streamrl.sandbox.base import (
     IsolationLevel,
     Limits,
     SandboxUnavailable,
+    SessionExpired,
 )
 from streamrl.sandbox.runner_channel import RunnerChannel, RunnerGone, lost_result
 
@@ -95,8 +119,71 @@ class DockerStatistics:
     reused: int
     replaced: int
     removed: int
+    reaped: int
+    """Containers of other executors removed by a sweep (at start, every sweep_interval_s)."""
+    leaked: int
+    """Containers of other executors a sweep found left over (reaped, or failed to)."""
+    expired: int
+    """Sessions refused for their age (session_max_s)."""
+    max_starting_seen: int
+    """The most containers ever being created at once (never above max_starting)."""
     ready: int
     busy: int
+    starting: int
+    """Containers being created now (create, start, runner ready)."""
+    running: int
+    """Live containers now (ready + busy)."""
+
+
+def fleet_problem(sweep_interval_s: float, leak_age_s: float) -> str | None:
+    """Why a sweep with these settings could reap a live executor's container, or None.
+
+    A sweep reaps containers older than ``leak_age_s``, whoever owns them; each backend
+    removes its own at ``leak_age_s - 2 * sweep_interval_s`` at the latest (found by its own
+    sweep, so up to one interval late) and stops reusing them at half the age, which needs
+    ``leak_age_s >= 4 * sweep_interval_s``."""
+    if not leak_age_s:
+        return None
+    if not sweep_interval_s:
+        return "leak_age_s needs sweep_interval_s (nothing would retire old containers)"
+    if leak_age_s < 4 * sweep_interval_s:
+        return (f"leak_age_s ({leak_age_s:g} s) must be at least 4 * sweep_interval_s "
+                f"({4 * sweep_interval_s:g} s): a live backend retires its containers "
+                f"before they are that old, a sweep interval ahead")
+    return None
+
+
+class TokenBucket:
+    """``await take()`` lets ``burst`` callers through at once, then ``rate_per_s`` a second,
+    first come first served (0: unlimited, never waits). In any span of ``t`` seconds at
+    most ``burst + t * rate_per_s`` get through. Trio's clock, so tests may jump it."""
+
+    def __init__(self, rate_per_s: float, burst: int = 1) -> None:
+        if rate_per_s < 0 or burst < 1:
+            raise ValueError(f"a token bucket needs rate_per_s >= 0 and burst >= 1, "
+                             f"not {rate_per_s} and {burst}")
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._tokens = float(burst)
+        self._at: float | None = None  # when _tokens was last brought up to date
+        self._lock = trio.Lock()  # fair: waiters get their tokens in the order they came
+
+    async def take(self) -> None:
+        if not self.rate_per_s:
+            await trio.lowlevel.checkpoint()
+            return
+        async with self._lock:
+            self._refill()
+            if self._tokens < 1:
+                await trio.sleep((1 - self._tokens) / self.rate_per_s)
+                self._refill()
+            self._tokens -= 1
+
+    def _refill(self) -> None:
+        now = trio.current_time()
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate_per_s)
+        self._at = now
 
 
 class DockerSandbox:
@@ -107,6 +194,9 @@ class DockerSandbox:
     process limit differs updates its container's cgroup before running.
     ``name_runs_after_s``: a labelled one-shot ``run`` still running after this long has its
     container renamed after the label (0: at once, still concurrently with the command).
+    ``max_containers``, ``max_starting``, ``create_rate_per_s``, ``create_burst``,
+    ``session_max_s``, ``sweep_interval_s``, ``leak_age_s``: the fleet controls (see the
+    module docstring).
     """
 
     name = "docker"
@@ -130,7 +220,17 @@ class DockerSandbox:
         python: str = "python3",
         reap_at_start: bool = True,
         name_runs_after_s: float = 0.2,
+        max_starting: int = 8,
+        create_rate_per_s: float = 0.0,
+        create_burst: int = 4,
+        session_max_s: float = 0.0,
+        sweep_interval_s: float = 60.0,
+        leak_age_s: float = 0.0,
     ) -> None:
+        problem = fleet_problem(sweep_interval_s, leak_age_s)
+        if problem or max_starting < 1 or min(session_max_s, sweep_interval_s) < 0:
+            raise ValueError(problem or "max_starting must be >= 1; session_max_s and "
+                             "sweep_interval_s >= 0")
         self.image = image
         self.pool_size = pool_size
         self.limits = limits or Limits()
@@ -138,6 +238,13 @@ class DockerSandbox:
         self._cpus = cpus
         self._mounts = (work_mb, tmp_mb, shm_mb)
         self._slots = trio.Semaphore(max_containers)
+        self._starting_slots = trio.Semaphore(max_starting)
+        self._create_rate = TokenBucket(create_rate_per_s, create_burst)
+        self._starting = 0
+        self._session_max = session_max_s
+        self._sweep_interval = sweep_interval_s
+        self._leak_age = leak_age_s
+        self._sessions: set[DockerSession] = set()
         self._grace = host_grace_s
         self._start_timeout = start_timeout_s
         self._url = docker_url
@@ -148,7 +255,8 @@ class DockerSandbox:
         self._pools: dict[str, _Pool] = {}
         self._boxes: dict[str, _Box] = {}
         self._seq = itertools.count(1)
-        self._counts = dict.fromkeys(("created", "reused", "replaced", "removed"), 0)
+        self._counts = dict.fromkeys(("created", "reused", "replaced", "removed", "reaped",
+                                      "leaked", "expired", "max_starting_seen"), 0)
         self._started = False
         self._ready = trio.Event()
         self._closing = trio.Event()
@@ -182,9 +290,11 @@ class DockerSandbox:
         session = DockerSession(self, limits, label)
         with self._call():
             await session.open()
+        self._sessions.add(session)
         try:
             yield session
         finally:
+            self._sessions.discard(session)
             await session.aclose()
 
     @property
@@ -209,26 +319,38 @@ class DockerSandbox:
     def statistics(self) -> DockerStatistics:
         ready = sum(1 for pool in self._pools.values() for box in pool.ready if box.gone is None)
         live = sum(1 for box in self._boxes.values() if box.gone is None)
-        return DockerStatistics(**self._counts, ready=ready, busy=live - ready)
+        return DockerStatistics(**self._counts, ready=ready, busy=live - ready,
+                                starting=self._starting, running=live)
 
     async def reap_orphans(self, max_age_s: float | None = None) -> list[str]:
         """Remove sandbox containers of executors that died: not running, owned by a dead
-        process of this host, or (with ``max_age_s``) older than that. Returns their names."""
+        process of this host, or (with ``max_age_s``) older than that. Returns their names.
+        Counts them as ``leaked`` (and ``reaped`` once removed); one already being removed
+        (by Docker's auto-remove or its owner) is no leak."""
         await self._start()
         found = await self._aio(
             self._docker.containers.list(all=True, filters=json.dumps({"label": [LABEL]}))
         )
-        removed = []
+        removed, failed = [], []
         for item in found:
             labels = item["Labels"] or {}
             if labels.get("streamrl.instance") == self.instance:
                 continue
             too_old = max_age_s is not None and time.time() - item["Created"] > max_age_s
             ended = item["State"] in ("exited", "dead")
-            if ended or too_old or _owner_dead(labels.get("streamrl.owner")):
-                with contextlib.suppress(Exception):
-                    await self._aio(item.delete(force=True, v=True))
-                    removed.append(item["Names"][0].lstrip("/"))
+            if not (ended or too_old or _owner_dead(labels.get("streamrl.owner"))):
+                continue
+            name = item["Names"][0].lstrip("/")
+            try:
+                await self._aio(item.delete(force=True, v=True))
+            except Exception as exc:  # the engine's answer becomes a count and a log line
+                if getattr(exc, "status", None) not in (404, 409):  # (gone, being removed)
+                    failed.append(name)
+                    log.warning("sandbox.orphan_remove_failed", container=name, error=repr(exc))
+                continue
+            removed.append(name)
+        self._counts["leaked"] += len(removed) + len(failed)
+        self._counts["reaped"] += len(removed)
         if removed:
             log.warning("sandbox.orphans_removed", containers=removed)
         return removed
@@ -269,8 +391,7 @@ class DockerSandbox:
                         self._nursery = nursery
                         self._ready.set()
                         task_status.started()
-                        if self._reap_at_start:
-                            nursery.start_soon(self._reap_quietly)
+                        nursery.start_soon(self._serve_sweeps)
                         await self._closing.wait()
                         nursery.cancel_scope.cancel()
                 finally:
@@ -354,11 +475,51 @@ class DockerSandbox:
             raise SandboxUnavailable("Docker sandbox loop is not running")
         return await self._loop.run_aio_coroutine(coro)  # type: ignore[no-any-return]
 
-    async def _reap_quietly(self) -> None:
+    async def _serve_sweeps(self) -> None:
+        """Reap orphans at start (``reap_at_start``), then sweep every ``sweep_interval_s``:
+        expired sessions' containers, this backend's containers past their age, and what
+        other executors left (``reap_orphans(leak_age_s)``)."""
+        if self._reap_at_start:
+            await self._reap_quietly(None)
+        if not self._sweep_interval:
+            return
+        while True:
+            await trio.sleep(self._sweep_interval)
+            for session in list(self._sessions):
+                await session.drop_if_expired()
+            await self._retire_old()
+            await self._reap_quietly(self._leak_age or None)
+
+    async def _reap_quietly(self, max_age_s: float | None) -> None:
         try:
-            await self.reap_orphans()
-        except Exception as exc:
+            await self.reap_orphans(max_age_s)
+        except Exception as exc:  # the next sweep tries again
             log.warning("sandbox.reap_failed", error=repr(exc))
+
+    def _worn(self, box: _Box) -> bool:
+        """Too old to serve another run (``leak_age_s / 2``): removed instead of reused."""
+        return bool(self._leak_age) and trio.current_time() - box.born > self._leak_age / 2
+
+    async def _retire_old(self) -> None:
+        """Remove this backend's containers before another's sweep would take them for
+        leaks: idle ones past ``leak_age_s / 2``, any past ``leak_age_s - 2 *
+        sweep_interval_s`` (in use too: the run in it loses its container)."""
+        if not self._leak_age:
+            return
+        limit = trio.current_time() - (self._leak_age - 2 * self._sweep_interval)
+        idle = [box for pool in self._pools.values() for box in pool.ready if self._worn(box)]
+        old = [box for box in self._boxes.values() if box.born < limit and box not in idle]
+        for box in idle:
+            self._pools[box.image].ready.remove(box)
+        async with trio.open_nursery() as nursery:
+            for box in idle + old:
+                nursery.start_soon(self._retire, box)
+
+    async def _retire(self, box: _Box) -> None:
+        log.info("sandbox.container_retired", container=box.name,
+                 age_s=round(trio.current_time() - box.born, 1))
+        await box.remove()
+        self._pools[box.image].changed()
 
     async def _remove_all(self) -> None:
         for pool in self._pools.values():
@@ -384,8 +545,14 @@ class DockerSandbox:
         pool = self._pool(image)
         while not pool.ready and pool.resetting:
             await pool.wait_changed()
-        if pool.ready:
+        box = None
+        while pool.ready and box is None:
             box = pool.ready.pop()
+            if self._worn(box):
+                assert self._nursery is not None
+                self._nursery.start_soon(self._retire, box)
+                box = None
+        if box is not None:
             self._counts["reused"] += 1
         else:
             box = await self._create(image)
@@ -406,7 +573,7 @@ class DockerSandbox:
     async def _recycle(self, box: _Box) -> None:
         pool = self._pools[box.image]
         surplus = self._count(box.image) > self.pool_size
-        if box.gone is None and not surplus:
+        if box.gone is None and not surplus and not self._worn(box):
             pool.resetting += 1
             try:
                 await box.renamed()  # a run's label rename still on its way lands first
@@ -448,10 +615,29 @@ class DockerSandbox:
             await pool.wait_changed()
 
     async def _create(self, image: str) -> _Box:
+        """A started container of ``image`` whose runner answered, within the fleet's
+        bounds: a slot of ``max_containers`` (held until it is removed), one of
+        ``max_starting`` while it starts, and a token of the creation rate."""
+        await self._slots.acquire()
+        try:
+            async with self._starting_slots:
+                await self._create_rate.take()
+                self._starting += 1
+                counts = self._counts
+                counts["max_starting_seen"] = max(counts["max_starting_seen"], self._starting)
+                try:
+                    return await self._start_container(image)
+                finally:
+                    self._starting -= 1
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def _start_container(self, image: str) -> _Box:
         import aiodocker
 
-        await self._slots.acquire()
         name = f"streamrl-sbx-{self.instance}-{next(self._seq)}"
+        born = trio.current_time()  # before the engine's own creation time
         container = stream = None
         try:
             # shielded: a create cut short on our side may still complete in the engine,
@@ -464,7 +650,7 @@ class DockerSandbox:
             stream = created.attach(stdin=True, stdout=True, stderr=True)
             await self._aio(stream.__aenter__())
             await self._aio(created.start())
-            box = _Box(self, created, stream, name, image, self.limits)
+            box = _Box(self, created, stream, name, image, self.limits, born)
             hello = await box.channel.wait_ready(self._start_timeout)
         except BaseException as exc:
             with trio.CancelScope(shield=True):
@@ -475,7 +661,6 @@ class DockerSandbox:
                     container = self._docker.containers.container(name)
                 with contextlib.suppress(Exception), trio.move_on_after(10):
                     await self._aio(container.delete(force=True, v=True))
-            self._slots.release()
             if isinstance(exc, (aiodocker.DockerError, RunnerGone, trio.TooSlowError, OSError)):
                 raise SandboxUnavailable(f"cannot start a container of {image}: {exc}") from exc
             raise
@@ -579,7 +764,8 @@ class DockerSession:
 
     Every ``run`` uses the session's limits. Host-side file access never follows what the code
     planted: ``get_files`` reads regular files only (a link, fifo or directory maps to None),
-    ``put_files`` replaces links and other things in the way of its paths."""
+    ``put_files`` replaces links and other things in the way of its paths. Once the session
+    is ``session_max_s`` old, every call raises :class:`SessionExpired`."""
 
     def __init__(self, sandbox: DockerSandbox, limits: Limits, label: str) -> None:
         self._sandbox = sandbox
@@ -587,6 +773,27 @@ class DockerSession:
         self._label = label
         self._box: _Box | None = None
         self._lock = trio.Lock()
+        self._opened = trio.current_time()
+        self._expired = False
+
+    def expired(self) -> bool:
+        """Whether it is past the backend's ``session_max_s`` (counted, and logged, once)."""
+        limit = self._sandbox._session_max
+        if self._expired or not limit or trio.current_time() - self._opened < limit:
+            return self._expired
+        self._expired = True
+        self._sandbox._counts["expired"] += 1
+        log.warning("sandbox.session_expired", label=self._label, container=self.container_name,
+                    session_max_s=limit)
+        return True
+
+    async def drop_if_expired(self) -> None:
+        """The sweep's part: an expired session no call holds loses its container now (its
+        holder may have abandoned it; every later call is refused anyway)."""
+        if self._box is not None and self.expired() and not self._lock.locked():
+            box, self._box = self._box, None
+            await box.remove()
+            self._sandbox._pools[box.image].changed()
 
     @property
     def container_name(self) -> str | None:
@@ -618,6 +825,7 @@ class DockerSession:
         """Back to a clean state: the same container reset, or a fresh one if that fails."""
         with self._sandbox._call():
             async with self._lock:
+                self._refuse_expired()
                 await self._reset()
 
     async def _reset(self) -> None:
@@ -639,7 +847,14 @@ class DockerSession:
         if box is not None:
             self._sandbox._release(box)
 
+    def _refuse_expired(self) -> None:
+        if self.expired():
+            raise SessionExpired(
+                f"sandbox session {self._label or '(unlabelled)'} is past the backend's "
+                f"session_max_s ({self._sandbox._session_max:g} s): refused")
+
     def _live_box(self) -> _Box:
+        self._refuse_expired()
         if self._sandbox._error is not None:
             raise self._sandbox._unavailable()
         if self._box is None:
@@ -660,8 +875,10 @@ class _Box:
         name: str,
         image: str,
         limits: Limits,
+        born: float,
     ) -> None:
         self.sandbox = sandbox
+        self.born = born  # trio's clock, just before the create
         self.container = container
         self.stream = stream
         self.id: str = container.id
