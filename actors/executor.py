@@ -14,6 +14,11 @@ Where each domain's code runs (:class:`Sandboxes`): the backend and image come f
 ``memory_mb`` of ``[domain.<name>]`` on top; the spec's files are staged under the
 request's own.
 One backend instance per (backend, image), opened on first use, closed with the executor.
+The Docker backend's fleet controls (``max_containers``, ``max_starting``,
+``create_rate_per_s``, ``create_burst``, ``session_max_s``, ``sweep_interval_s``,
+``leak_age_s``) come from ``[executor]``; every :data:`FLEET_METRICS_S` the executor records
+each Docker backend's counts (containers starting and running; created, leaked, reaped;
+sessions expired) in its Prometheus metrics (:func:`record_fleet`).
 Backends are structured: the executor enters :meth:`Sandboxes.opened` (or
 :func:`open_sandboxes`), whose nursery holds each backend's ``serve`` task (started with
 ``nursery.start`` on first use: the Docker backend's engine connection and pool) and closes
@@ -32,6 +37,8 @@ A multi-turn domain's rollout is one turn of an episode (:meth:`Executor.handle_
 :mod:`actors.episodes`): each live member's command runs in its own sandbox session, its
 observation is recorded, members that end get their hidden check as their outcome; out goes
 the next turn (``tasks``) or, once every member ended, the whole episode (``executed``).
+A member whose session the backend refuses for its age (``SessionExpired``: the Docker
+backend's ``session_max_s``) ends as ``"expired"``, with no final check (reward 0).
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import replace as dc_replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import structlog
@@ -60,6 +67,7 @@ from streamrl.protocol.messages import (
     new_id,
     now,
 )
+from streamrl.runtime import metrics
 from streamrl.runtime.context import ActorContext, domain_item
 from streamrl.runtime.policies import Reject, Unavailable
 from streamrl.runtime.serve import Output
@@ -76,10 +84,16 @@ from streamrl.sandbox.base import (
     NOT_ISOLATED,
     IsolationTooWeak,
     SandboxSession,
+    SessionExpired,
     require_isolation,
 )
 
+if TYPE_CHECKING:
+    from streamrl.sandbox.docker import DockerSandbox
+
 log = structlog.get_logger()
+FLEET_METRICS_S = 5.0
+"""How often the executor records its Docker backends' fleet counts (:func:`record_fleet`)."""
 replace = msgspec.structs.replace
 
 
@@ -132,9 +146,11 @@ class Sandboxes:
         pool_size: int = 4,
         isolation: str = "auto",
         min_isolation: str = "none",
+        docker: dict[str, Any] | None = None,
     ) -> None:
         self.default_backend = default_backend
         self.pool_size = pool_size
+        self.docker = docker or {}  # the Docker backend's options (its fleet controls)
         self.isolation = isolation  # the process backend's mode
         self.min_isolation = min_isolation
         self.domains = domains or {}
@@ -243,6 +259,8 @@ class Sandboxes:
                 options["pool_size"] = cfg.pool_size or self.pool_size
             if backend == "process" and self.isolation != "auto":
                 options["isolation"] = self.isolation
+            if backend == "docker":
+                options.update(self.docker)
             box = self._open(backend, **options)
             self._check_isolation(box, backend, image, domain.name)
             self._boxes[(backend, image)] = box
@@ -267,6 +285,11 @@ class Sandboxes:
                 f"(unprivileged user namespaces, executor.isolation = 'auto'), use a stronger "
                 f"backend (executor.backend), or accept it: executor.min_isolation = {isolation!r}"
             ) from None
+
+    def docker_backends(self) -> list[DockerSandbox]:
+        """The Docker backends open now (not stopped), for their fleet counts."""
+        return [cast("DockerSandbox", box) for (backend, _), box in self._boxes.items()
+                if backend == "docker" and not getattr(box, "stopped", False)]
 
     async def aclose(self) -> None:
         boxes, self._boxes = list(self._boxes.values()), {}
@@ -432,6 +455,10 @@ class Executor:
             st.ended[i], st.outcomes[i] = "lost", LOST
             await self.sessions.release(ep.id, i)
             return
+        except SessionExpired as exc:
+            _end_expired(st, i, exc)
+            await self.sessions.release(ep.id, i)
+            return
         except SandboxUnavailable as exc:
             st.unavailable.append(str(exc))
             return
@@ -467,6 +494,8 @@ class Executor:
                 elif changed or ep.turn <= 1:
                     st.snapshots[i] = await self.sessions.snapshot(held)
                 # else: nothing ran this turn, the previous turn's snapshot still holds
+        except SessionExpired as exc:
+            _end_expired(st, i, exc)
         except SandboxUnavailable as exc:
             st.unavailable.append(str(exc))
             return
@@ -474,16 +503,45 @@ class Executor:
             await self.sessions.release(ep.id, i)
 
 
+def _end_expired(st: TurnState, i: int, exc: SessionExpired) -> None:
+    """Member ``i`` ends: the backend refuses its session for its age (no final check)."""
+    log.warning("member's sandbox session expired", member=i, error=str(exc))
+    st.ended[i] = "expired"
+    st.outcomes[i] = ExecOutcome(exit_code=None, stdout="", stderr=str(exc), timed_out=False,
+                                 oom_killed=False, duration_s=0.0)
+
+
 def open_sandboxes(*args: Any, **options: Any) -> AbstractAsyncContextManager[Sandboxes]:
     """``Sandboxes(*args, **options)``, opened (:meth:`Sandboxes.opened`)."""
     return Sandboxes(*args, **options).opened()
 
 
+DOCKER_FLEET = ("max_containers", "max_starting", "create_rate_per_s", "create_burst",
+                "session_max_s", "sweep_interval_s", "leak_age_s")
+"""The Docker backend's fleet controls, set in ``[executor]`` under the same names."""
+
+
 def sandboxes_for(config: Config) -> Sandboxes:
     """The executor's sandbox backends as ``config`` sets them (none opened yet)."""
     cfg = config.executor
+    docker = {name: getattr(cfg, name) for name in DOCKER_FLEET}
     return Sandboxes(cfg.backend, cfg.domains, config.domain, pool_size=cfg.pool_size,
-                     isolation=cfg.isolation, min_isolation=cfg.min_isolation)
+                     isolation=cfg.isolation, min_isolation=cfg.min_isolation, docker=docker)
+
+
+def record_fleet(sandboxes: Sandboxes, run: str) -> None:
+    """Each open Docker backend's fleet counts into the process's metrics."""
+    for box in sandboxes.docker_backends():
+        metrics.record_sandbox_fleet(run, box.image, box.instance, box.statistics())
+
+
+async def serve_fleet_metrics(sandboxes: Sandboxes, run: str, *,
+                              task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """:func:`record_fleet` every :data:`FLEET_METRICS_S`."""
+    task_status.started()
+    while True:
+        record_fleet(sandboxes, run)
+        await trio.sleep(FLEET_METRICS_S)
 
 
 def run_domains(config: Config) -> list[Any]:
@@ -522,6 +580,7 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
                 agents = await stack.enter_async_context(open_agent_runner(ctx.config))
             async with trio.open_nursery() as nursery:
                 await nursery.start(sessions.serve_idle_release)
+                await nursery.start(serve_fleet_metrics, sandboxes, ctx.names.run)
                 await ctx.serve(
                     Executor(sandboxes, sessions, ctx.config.domain, agents),
                     concurrency=cfg.concurrency,

@@ -559,15 +559,50 @@ class ExecutorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
     """Weakest sandbox isolation the executor (and ``up``) will start with, for every backend
     the run's domains use (none < unshare < bwrap < docker; docs/security.md); below it they
     refuse to start, naming what the weaker mode does not isolate."""
+    max_containers: PosInt = 64
+    """Docker backend: containers alive at once per image (warm pool, runs and sessions);
+    a run or session beyond it waits for one to be removed."""
+    max_starting: PosInt = 8
+    """Docker backend: containers being created at once per image (create, start, runner
+    ready), so a burst of episodes does not pile creates onto the engine; the rest wait."""
+    create_rate_per_s: Annotated[float, Meta(ge=0)] = 0.0
+    """Docker backend: containers created per second at most, per image (0: unlimited),
+    for engines and hosts that limit creation rates."""
+    create_burst: PosInt = 4
+    """Docker backend: creates let through at once after a quiet spell under
+    create_rate_per_s (the token bucket's size)."""
+    session_max_s: Annotated[float, Meta(ge=0)] = 0.0
+    """Docker backend: a sandbox session older than this is refused (0: no limit); its
+    member ends as ``expired`` (no final check, reward 0) and a sweep removes its container.
+    A safety net for sessions whose episode was abandoned: an episode's own wall clock is
+    ``[domain.<name>] episode_timeout_s``. Above time_limit_s (one message never expires)."""
+    sweep_interval_s: Annotated[float, Meta(ge=0)] = 60.0
+    """Docker backend: how often a sweep removes expired sessions' containers and what other
+    executors left (dead owner, exited, or older than leak_age_s); 0: only at start."""
+    leak_age_s: Annotated[float, Meta(ge=0)] = 0.0
+    """Docker backend: a sandbox container older than this, whoever owns it, is a leak the
+    sweep removes (0: age is no criterion). Each executor retires its own containers before
+    that age (reused until half of it); at least 4 * sweep_interval_s. Set it alike for every
+    executor sharing the engine: one that keeps containers longer (0 keeps them for ever)
+    loses them to the others' sweeps."""
 
     def __post_init__(self) -> None:
         from streamrl.sandbox import BACKENDS
+        from streamrl.sandbox.docker import fleet_problem
 
         for where, name in [("backend", self.backend)] + [
             (f"domains.{d}.backend", c.backend) for d, c in self.domains.items() if c.backend
         ]:
             if name not in BACKENDS:
                 raise ValueError(f"executor.{where} {name!r}: known backends {list(BACKENDS)}")
+        if self.session_max_s and self.session_max_s <= self.time_limit_s:
+            raise ValueError(
+                f"executor.session_max_s ({self.session_max_s:g} s) must be 0 or above "
+                f"executor.time_limit_s ({self.time_limit_s:g} s): a session is never refused "
+                f"within one message, only across the turns of an episode")
+        problem = fleet_problem(self.sweep_interval_s, self.leak_age_s)
+        if problem:
+            raise ValueError(f"executor.{problem}")
 
 
 class VerifierConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -16,7 +16,10 @@ What is recorded, by whom:
   and rewards per domain;
 - the scheduler (:func:`record_admission`, :func:`record_admitted`,
   :func:`record_eval_round`): training groups admitted per domain, evaluation rounds
-  started, the admission headroom and which bound holds admission at zero.
+  started, the admission headroom and which bound holds admission at zero;
+- the executor (:func:`record_sandbox_fleet`, every few seconds): each Docker sandbox
+  backend's containers starting and running now, and the containers it created, the
+  leaked ones its sweeps found and reaped, the sessions it refused for their age.
 
 Every metric is defined once, here, and a process records only what it does, so one scrape
 target never shows the same series from two sources (the archiver and the learner record
@@ -31,11 +34,14 @@ increments per message. With ``prometheus_client`` not installed, recording is a
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from streamrl.protocol.messages import Executed, StepMetrics, Trajectory
+
+if TYPE_CHECKING:
+    from streamrl.sandbox.docker import DockerStatistics
 
 log = structlog.get_logger()
 
@@ -147,6 +153,19 @@ class _Metrics:
             "1 for the bound that held admission at zero at the last check, else 0",
             ["run", "reason"],
         )
+        # the executor's Docker sandbox backends
+        self.containers = prom.Gauge(
+            "streamrl_sandbox_containers",
+            "Docker sandbox containers being created (starting) and live (running), per image",
+            ["run", "image", "state"],
+        )
+        self.fleet = prom.Counter(
+            "streamrl_sandbox_fleet",
+            "Docker sandbox fleet events per image: containers created, leaked containers of "
+            "other executors found and reaped by the sweeps, sessions expired",
+            ["run", "image", "event"],
+        )
+        self.fleet_seen: dict[tuple[str, str], int] = {}  # (backend instance, event) -> count
 
 
 _metrics: _Metrics | None = None
@@ -280,6 +299,26 @@ def record_admitted(run: str, domains: Iterable[str]) -> None:
     if (m := metrics()) is not None:
         for domain in domains:
             m.admitted.labels(run, domain).inc()
+
+
+FLEET_STATES = ("starting", "running")
+FLEET_EVENTS = ("created", "leaked", "reaped", "expired")
+
+
+def record_sandbox_fleet(run: str, image: str, instance: str,
+                         stats: DockerStatistics) -> None:
+    """A Docker backend's counts (sandbox/docker.py ``DockerStatistics``): the gauges set,
+    the counters advanced by what the backend ``instance`` counted since its last record."""
+    if (m := metrics()) is None:
+        return
+    for state in FLEET_STATES:
+        m.containers.labels(run, image, state).set(getattr(stats, state))
+    for event in FLEET_EVENTS:
+        count = getattr(stats, event)
+        seen = m.fleet_seen.get((instance, event), 0)
+        if count > seen:
+            m.fleet.labels(run, image, event).inc(count - seen)
+        m.fleet_seen[(instance, event)] = count
 
 
 def record_eval_round(run: str) -> None:
