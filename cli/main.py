@@ -142,6 +142,12 @@ def _parser() -> argparse.ArgumentParser:
         help="start the run over: delete its directory (weights, logs, embedded Redis data) "
         "first; without it an existing run is resumed",
     )
+    up.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="add replicas of the stage whose backlog persists, remove idle ones "
+        "(up.autoscale and its settings; docs/scaling.md)",
+    )
     run = sub.add_parser("run", help="run one actor (replicate by starting more)")
     run.add_argument("actor", choices=ACTORS)
     common(run)
@@ -192,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
         return config_doc()
     warn_password_on_command_line(args.overrides)
     try:
-        config = load_config(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if getattr(args, "autoscale", False):
+            overrides.append("up.autoscale=true")
+        config = load_config(args.config, overrides)
     except (ConfigError, OSError) as exc:
         print(f"streamrl: {exc}", file=sys.stderr)
         return 2

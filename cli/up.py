@@ -30,7 +30,9 @@ import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import trio
@@ -47,6 +49,7 @@ from streamrl.queues.acl import Credentials
 from streamrl.queues.client import RedisClient, RedisURL
 from streamrl.queues.operations import clear_flag, increment, set_flag
 from streamrl.queues.server import ServerProcess, find_server_binary
+from streamrl.queues.stats import group_state
 from streamrl.runtime.auth import (
     apply_role_users,
     child_environment,
@@ -235,15 +238,55 @@ def _children(
         # keeps every trajectory on disk (actors/archiver.py)
         "archiver": 1 if _archiving(config) else 0,
     }
-    children = []
-    for actor, n in counts.items():
-        for i in range(n):
-            argv = [sys.executable, "-m", "streamrl", "run", actor, "--config", str(config_file)]
-            log_path = run_dir / "logs" / f"{actor}-{i}.log"
-            env = child_environment(config, os.environ, actor, config.run.redis_url, credentials)
-            children.append(Child(actor, i, argv, env, log_path))
+    children = [_child(config, config_file, credentials, actor, i)
+                for actor, n in counts.items() for i in range(n)]
     _give_metrics_ports(config, children)
     return children
+
+
+def _child(config: Config, config_file: Path, credentials: Mapping[str, Credentials],
+           actor: str, index: int) -> Child:
+    argv = [sys.executable, "-m", "streamrl", "run", actor, "--config", str(config_file)]
+    log_path = config.run.path / "logs" / f"{actor}-{index}.log"
+    env = child_environment(config, os.environ, actor, config.run.redis_url, credentials)
+    return Child(actor, index, argv, env, log_path)
+
+
+async def _serve_autoscaler(config: Config, ctx: Any, children: list[Child], config_file: Path,
+                            credentials: Mapping[str, Credentials], lifeline: Lifeline,
+                            nursery: trio.Nursery, *,
+                            task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                            ) -> None:
+    """``up.autoscale``: replicas of each stage from its backlog (cli/autoscale.py); added
+    replicas are children like the others (restarted, stopped at the end), logged to
+    ``<actor>-<index>.log``, without a metrics port of their own."""
+    from streamrl.cli.autoscale import STAGE_INPUTS, Autoscaler
+
+    async def sample() -> dict[str, tuple[int, int]]:
+        out = {}
+        for stream, stage in STAGE_INPUTS:
+            state = await group_state(ctx.client, ctx.names, stream, stage)
+            out[stream] = (state.lag, state.pending)
+        return out
+
+    def live(stage: str) -> list[Child]:
+        return [c for c in children if c.actor == stage and not c.stopping and not c.finished]
+
+    async def add(stage: str) -> None:
+        index = max((c.index for c in children if c.actor == stage), default=-1) + 1
+        child = _child(config, config_file, credentials, stage, index)
+        _on_lifeline([child], lifeline)
+        children.append(child)
+        await nursery.start(child.serve)
+
+    async def remove(stage: str) -> None:
+        newest = max(live(stage), key=lambda c: c.index)
+        nursery.start_soon(partial(newest.stop, timeout_s=70.0))  # drains what it holds
+
+    replicas = {stage: len(live(stage)) for _, stage in STAGE_INPUTS}
+    scaler = Autoscaler(config, sample, add, remove, replicas,
+                        lambda: sum(1 for c in children if not c.stopping and not c.finished))
+    await scaler.serve(task_status=task_status)
 
 
 def _give_metrics_ports(config: Config, children: list[Child]) -> None:
@@ -317,8 +360,10 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
             config, run=msgspec.structs.replace(config.run, redis_url=url)
         )
         config, servers = _serve_models(config)
-        children = servers + _children(config, write_child_config(config), credentials)
-        _on_lifeline(children, open_lifeline())  # closed by the kernel when this process exits
+        config_file = write_child_config(config)
+        children = servers + _children(config, config_file, credentials)
+        lifeline = open_lifeline()  # closed by the kernel when this process exits
+        _on_lifeline(children, lifeline)
         own = credentials.get("monitor")  # this process: progress, evaluation rounds
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
             monitor = Monitor(ctx, run_dir, eval_round_size(config))
@@ -334,6 +379,12 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
                     f"streamrl: started {len(children)} actors; logs in {run_dir / 'logs'}",
                     flush=True,
                 )
+                if config.up.autoscale:
+                    await nursery.start(partial(
+                        _serve_autoscaler, config, ctx, children, config_file, credentials,
+                        lifeline, nursery))
+                    print("streamrl: autoscaling generators, executors and verifiers "
+                          f"(up to {config.up.autoscale_max_replicas} each)", flush=True)
                 with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async with trio.open_nursery() as waiter:
 

@@ -781,6 +781,21 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     in-process engine. 0: none."""
     progress_interval_s: PosFloat = 10.0
     """How often ``up`` prints a progress line (policy version, reward, queues)."""
+    autoscale: bool = False
+    """Add replicas of the stage whose input backlog persists and remove idle ones
+    (``streamrl up --autoscale``; cli/autoscale.py): generators, executors and verifiers,
+    between their counts above and ``autoscale_max_replicas``."""
+    autoscale_interval_s: PosFloat = 5.0
+    """How often the backlog of every stage's input stream is sampled."""
+    autoscale_window: PosInt = 3
+    """Samples a decision looks at (and waits for again after each change)."""
+    autoscale_lag: PosInt = 1
+    """A stage whose input lag (entries no replica took yet) was at least this in every
+    sample of the window gets a replica (the most downstream such stage)."""
+    autoscale_max_replicas: PosInt = 4
+    """Most replicas of one stage."""
+    autoscale_max_processes: NonNegInt = 0
+    """Most actor processes in all (0: the ones ``up`` starts plus one per CPU)."""
 
 
 class OpsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
