@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast lint typecheck clean
+.PHONY: venv demo test test-fast lint typecheck k8s-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,7 +27,7 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check streamrl queues protocol runtime config cli actors sandbox learner domains inference testing tests \
-		benchmarks
+		benchmarks deploy
 
 # mypy reads the package as installed (streamrl.<folder>), through a tree of links to the
 # folders: it does not follow setuptools' editable-install finder.
@@ -37,6 +37,13 @@ typecheck: venv
 	cp streamrl/*.py $(TYPECHECK)/streamrl/
 	for d in queues protocol runtime config cli actors sandbox learner domains inference testing; do ln -s ../../../$$d $(TYPECHECK)/streamrl/$$d; done
 	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p streamrl
+	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml ../../deploy/kubernetes/check.py
+
+# The Kubernetes manifests (docs/kubernetes.md), rendered and validated offline: the base, then
+# with its optional component (tests/test_kubernetes.py runs the same check, and breaks it)
+k8s-check: venv
+	$(BIN)/python deploy/kubernetes/check.py
+	$(BIN)/python deploy/kubernetes/check.py --component deploy/kubernetes/components/archiver
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache
