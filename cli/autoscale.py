@@ -1,6 +1,8 @@
 """``streamrl up --autoscale``: replicas of each stage from its input stream's backlog, on one
-machine (what KEDA's Redis Streams scaler does per Deployment on Kubernetes:
-docs/kubernetes.md).
+machine: the counterpart of the KEDA ScaledObjects of deploy/kubernetes (docs/kubernetes.md),
+which scale each Deployment on its consumer group's pending entries. Here the supervisor sees
+every stage at once, so it can use the lag (entries no replica took yet) and pick the most
+downstream backlogged stage, which a per-Deployment scaler cannot.
 
 Every ``up.autoscale_interval_s`` the supervisor samples each work stream's consumer group
 (lag: entries no replica took yet; pending: taken, not acknowledged) and, over the last
