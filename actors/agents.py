@@ -58,6 +58,7 @@ import numpy as np
 import structlog
 import trio
 
+from streamrl.domains.base import item_image
 from streamrl.inference.agent_sessions import Budget, Call, Chain, Sessions
 from streamrl.net import free_ports
 from streamrl.protocol.messages import Sample, Task, Turn, floats_to_bytes, ids_to_bytes
@@ -114,7 +115,8 @@ class AgentRunner:
     async def run_member(self, domain: Any, item: Any, task: Task, i: int, source: Any,
                          member: Member) -> None:
         label = f"{task.episode_id[:16]}-{i}-{secrets.token_hex(3)}"
-        async with source.session(domain, label=label) as box:
+        async with source.session(domain, label=label,
+                                  item_image=item_image(domain, item)) as box:
             await box.put_files({**source.staged_files(domain), **domain.session_files(item)})
             sid = f"{task.episode_id}-{i}-{secrets.token_hex(8)}"  # unguessable by the others
             session = self.sessions.create(sid, self.budget(domain, task))

@@ -56,7 +56,7 @@ import numpy as np
 import structlog
 import trio
 
-from streamrl.domains.base import chat_observation_ids
+from streamrl.domains.base import chat_observation_ids, item_image
 from streamrl.inference.chat import ToolResult, tool_format, tool_results_ids
 from streamrl.protocol.messages import (
     Episode,
@@ -221,7 +221,8 @@ class LostSession(Exception):
 
 
 class SessionSource(Protocol):
-    def session(self, domain: Any, label: str) -> AbstractAsyncContextManager[SandboxSession]: ...
+    def session(self, domain: Any, label: str, item_image: str = ""
+                ) -> AbstractAsyncContextManager[SandboxSession]: ...
 
     def staged_files(self, domain: Any) -> dict[str, bytes]: ...
 
@@ -266,7 +267,7 @@ class EpisodeSessions:
             # the episode names what the backend creates; the suffix keeps two replicas'
             # sessions of one episode apart (the old one may still be cached elsewhere)
             label = f"{episode_id[:16]}-{member}-{secrets.token_hex(3)}"
-            cm = self.source.session(domain, label=label)
+            cm = self.source.session(domain, label=label, item_image=item_image(domain, item))
             session = await cm.__aenter__()
             held = self._held[key] = Held(cm, session, -1, True, trio.current_time())
         held.used = trio.current_time()

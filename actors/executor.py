@@ -55,7 +55,13 @@ import trio
 from streamrl.actors.agents import AgentRunner, open_agent_runner
 from streamrl.actors.episodes import LOST, EpisodeSessions, LostSession, TurnState, observed
 from streamrl.config.schema import Config, DomainConfig, DomainSandboxConfig
-from streamrl.domains.base import NO_SANDBOX, is_agent_driven, is_multi_turn, tool_calls
+from streamrl.domains.base import (
+    NO_SANDBOX,
+    is_agent_driven,
+    is_multi_turn,
+    item_image,
+    tool_calls,
+)
 from streamrl.domains.registry import get_domain
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import (
@@ -131,6 +137,8 @@ def from_outcome(outcome: ExecOutcome) -> ExecResult | None:
 
 
 POOLED = frozenset({"docker", "process"})
+CONTAINER_BACKENDS = frozenset({"docker"})
+"""Backends whose sandboxes come from an image (an item's own image applies to them)."""
 """Backends that keep a warm pool (``pool_size``): ready containers, resident bwrap sandboxes."""
 
 
@@ -174,30 +182,37 @@ class Sandboxes:
                 finally:
                     self._nursery = None
 
-    def choose(self, domain: Any, request: ExecRequest) -> tuple[str, str, ExecRequest]:
-        """(backend, image, request with the domain's files and the configured limits)."""
+    def choose(self, domain: Any, request: ExecRequest, item_image: str = ""
+               ) -> tuple[str, str, ExecRequest]:
+        """(backend, image, request with the domain's files and the configured limits).
+        ``item_image``: the item's own image (``domains.base.item_image``), which a
+        container backend uses instead of the domain's (the process backend has none)."""
         spec = getattr(domain, "sandbox", None)
         cfg = self.domains.get(domain.name, DomainSandboxConfig())
         backend = cfg.backend or getattr(spec, "backend", "") or self.default_backend
         image = cfg.image or getattr(spec, "image", "")
+        if item_image and backend in CONTAINER_BACKENDS:
+            image = item_image
         limits, tight = request.limits, self.limits.get(domain.name)
         if tight is not None:
             limits = limits.with_overrides(tight.timeout_s, tight.memory_mb)
         files = {**getattr(spec, "files", {}), **request.files}
         return backend, image, dc_replace(request, limits=limits, files=files)
 
-    async def run(self, domain: Any, request: ExecRequest, label: str = "") -> ExecResult:
+    async def run(self, domain: Any, request: ExecRequest, label: str = "",
+                  item_image: str = "") -> ExecResult:
         """One command; ``label`` (the message id) names what the backend uses for it."""
-        backend, image, request = self.choose(domain, request)
+        backend, image, request = self.choose(domain, request, item_image)
         box = await self._served(self._box(domain, backend, image))
         return await box.run(request, label)
 
     @asynccontextmanager
-    async def session(self, domain: Any, label: str) -> AsyncIterator[SandboxSession]:
+    async def session(self, domain: Any, label: str, item_image: str = ""
+                      ) -> AsyncIterator[SandboxSession]:
         """A session for one member of a multi-turn episode, under the domain's limits."""
         spec = getattr(domain, "sandbox", None)
         base = ExecRequest(argv=[], limits=getattr(spec, "limits", Limits()))
-        backend, image, request = self.choose(domain, base)
+        backend, image, request = self.choose(domain, base, item_image)
         box = await self._served(self._box(domain, backend, image))
         async with box.session(request.limits, label) as session:
             yield session
@@ -349,7 +364,8 @@ class Executor:
                 return
             try:
                 # the message id names the sample's container (found by it while it runs)
-                results[i] = await self.sandboxes.run(domain, request, f"{rollout.id}-{i}")
+                results[i] = await self.sandboxes.run(domain, request, f"{rollout.id}-{i}",
+                                                      item_image(domain, item))
             except SandboxUnavailable as exc:  # chained to the backend's failure
                 unavailable.append(exc)
 

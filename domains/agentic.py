@@ -108,6 +108,9 @@ class ToolDomain:
     def session_files(self, item: Any) -> dict[str, bytes]:
         return self.verifier.session_files(item)  # type: ignore[no-any-return]
 
+    def item_image(self, item: Any) -> str:
+        return self.verifier.item_image(item)  # type: ignore[no-any-return]
+
     def parse(self, text: str, fmt: ToolFormat = "hermes") -> ParsedReply:
         return parse_tool_calls(text, self.tools, fmt)
 

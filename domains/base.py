@@ -141,6 +141,13 @@ def is_multi_turn(domain: Any) -> bool:
     return bool(getattr(getattr(domain, "episode", None), "multi_turn", False))
 
 
+def item_image(domain: Any, item: Any) -> str:
+    """The container image ``item`` asks for (``domain.item_image(item)``; e.g. a repository
+    task's ``extra["image"]``), "" for the domain's own. Container backends only."""
+    hook = getattr(domain, "item_image", None)
+    return str(hook(item) or "") if hook is not None else ""
+
+
 def is_agent_driven(domain: Any) -> bool:
     """An external agent drives this domain's episodes (``[domain.<name>.agent]``:
     actors/agents.py), not the generator's turn loop."""

@@ -285,6 +285,10 @@ class DeclaredDomain:
     def score(self, item: Record, completion_text: str, result: ExecResult | None) -> float:
         return self.verifier.score(item, completion_text, result)
 
+    def item_image(self, item: Record) -> str:
+        hook = getattr(self.verifier, "item_image", None)
+        return str(hook(item)) if hook is not None else ""
+
 
 class PluginOverData:
     """A plugin domain (an entry point's class) over declared data: each row, its columns

@@ -131,6 +131,11 @@ class RepoTests:
 
     session_files = repository
 
+    def item_image(self, item: Record) -> str:
+        """The item's container image (``extra["image"]``), "" for the domain's own."""
+        image = item.extra.get("image")
+        return image if isinstance(image, str) else ""
+
     def hidden(self, item: Record, base: Mapping[str, bytes]) -> dict[str, bytes]:
         """The hidden test files: ``tests`` as files, or its diff applied to ``base``."""
         tests = item.tests
