@@ -1,6 +1,8 @@
 """Claim: one process moves 4 KB messages through a full queue hop (read, no-op handle, publish
 one output, ack) at >= 30,000/s on two cores, p50 <= 1 ms at low load, faster than the same hop
-over Ray actor calls. JSON out, baselines in the same run.
+over Ray actor calls. And the figures to size a deployment: how a stage's hop rate grows with
+its consumer processes, and with shards on a 3-node Redis Cluster. JSON out, baselines (Ray,
+the raw XADD ceiling) in the same run.
 
 Every hop uses the project's queue layer as actors do: ``StreamConsumer.read``, then
 ``complete_many`` / ``complete`` with a ``Handoff`` carrying a dedup key, flushed by
@@ -18,6 +20,31 @@ Payloads are distinct 4 KB random bytes. Definitions (also in the JSON, ``defini
 - ``hop_task_per_s``: the same with one trio task per message calling ``complete``, as
   ``runtime.serve`` does (the flusher batches the concurrent calls).
 - ``hop_unbatched_per_s``: ``read(1)``, then ``complete``, one message per round trip.
+- ``consumers[k]`` (``--consumers``, default 1 2 4): the ``hop_per_s`` hop done by ``k``
+  consumer processes of one stage: one consumer group, each process its own consumer name,
+  each running the ``hop_per_s`` loop (``read(--read-count)``, ``complete_many``,
+  ``--in-flight`` per process) until a read finds the pre-filled stream drained. The processes
+  start (connected, group joined) and wait for one start time on the shared clock. Rate =
+  ``--messages`` / wall time from the first read by any process to the last hand-off applied
+  by any process. ``scaling``: the rate over the rate of the fewest processes measured (1 by
+  default). Each ``consumers[k]`` holds ``per_s`` (median), ``scaling``, ``runs``,
+  ``cpu_us_per_hop`` of all consumer processes together (``clients``) and of redis-server
+  (``server``), medians; and of the median run: ``process_core_share`` /
+  ``server_core_share``, each process's / server node's CPU seconds over the timed wall
+  seconds (1.0 = one core busy throughout), ``handled`` (messages per process),
+  ``shard_nodes`` (the node of each shard's input stream); ``aof_rewrites_while_timing``.
+- ``shards[s][k]`` (``--shards``, default 1 3; ``--shard-consumers``, default 1 2 4): the same
+  ``k`` consumer processes on a 3-node Redis Cluster started here
+  (``queues.server.ClusterProcess``, AOF everysec, no replicas), the run split into ``s``
+  shards (``queues.keys.Layout(shards=s)``; the pre-fill routed by key,
+  ``queues.shards.publish_routed``), each process consuming through
+  ``queues.shards.open_consumer`` (a ``StreamConsumer`` for 1 shard, a ``ShardedConsumer`` over
+  every shard otherwise). ``ShardedConsumer`` has no ``complete_many``, so on the cluster every
+  hand-off is one trio task per message calling ``complete`` (the ``hop_task_per_s`` hand-off,
+  for 1 shard and 3 alike); compare ``shards`` with ``hop_task_per_s``, not ``hop_per_s``.
+  Each run's name is picked so that its shards sit on distinct nodes (:func:`spread_run`).
+  Same keys as ``consumers[k]``; server CPU is summed over the nodes, ``server_core_share``
+  lists them node by node.
 - ``hop_p50_ms`` / ``hop_p99_ms``: a producer process adds one entry at a time at ``--rate``
   msg/s while the consumer waits in a blocking read (``read(64)`` then ``complete_many``).
   Latency = from t0, taken right before the producer's XADD is sent (redis-py, in the thread
@@ -36,21 +63,28 @@ Payloads are distinct 4 KB random bytes. Definitions (also in the JSON, ``defini
   actor, and returns (the ack). ``ray_hop_p50_ms``: one such call at a time, paced at
   ``--rate``. ``ray_list_hop_per_s``: ``--read-count`` payloads per call instead (batching
   written into the application; in memory only: no persistence, dedup or redelivery). Ray runs
-  in a child process after the Redis measurements, with the Redis server stopped. Without ray:
+  in a child process after the Redis measurements, with the Redis servers stopped. Without ray:
   ``ray_hop_per_s: null`` and ``ray_error`` says why.
+- ``checks``: the claims against this run's own figures (true / false; null when a figure is
+  missing): ``hop_per_s`` >= 30,000 and >= ``ray_list_hop_per_s``, ``hop_p50_ms`` <= 1, and
+  the best ``consumers`` rate >= ``ray_list_hop_per_s``.
 
-Throughput figures are medians of ``--repeats`` runs (all runs are in ``runs``), with CPU per
-hop of this process and of redis-server; load averages are recorded, since figures on a shared
-2-core machine are noisy. Simplifications: one consumer, one stream, the handler gets bytes
-(no message decoding).
+Throughput figures are medians of ``--repeats`` runs (all runs are in ``runs``; the variants
+of one repeat run back to back, so a change of load hits them alike), with CPU per hop of the
+consumers and of redis-server; load averages are recorded (``loadavg``: at the start, before
+each part, at the end), since figures on a shared 2-core machine are noisy. Simplifications:
+one stream, the handler gets bytes (no message decoding), consumers and servers share the
+machine's cores.
 
     .venv/bin/python benchmarks/queue_hop.py --json
     .venv/bin/python benchmarks/queue_hop.py --json --messages 20000 --repeats 1 --no-ray
+    .venv/bin/python benchmarks/queue_hop.py --json --consumers --shards   # neither part
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -59,6 +93,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -74,7 +109,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
-from streamrl.queues.server import server_url
+from streamrl.queues.keys import key_slot
+from streamrl.queues.server import ClusterProcess, server_url
+from streamrl.queues.shards import Consumer, open_consumer, publish_routed
+from streamrl.queues.stats import group_state, stream_length
 from streamrl.queues.streams import (
     ConsumerSettings,
     Delivery,
@@ -90,6 +128,10 @@ DEFINITIONS = {
     "handle, complete_many (dedup SET NX + XADD output + XACK per entry, atomic per entry)",
     "hop_task_per_s": "the same, one trio task per message calling complete()",
     "hop_unbatched_per_s": "the same, read(1) then complete(), one message per round trip",
+    "consumers": "{k: the hop_per_s hop by k consumer processes of one group, started "
+    "together; messages / (last hand-off applied by any - first read by any)}",
+    "shards": "{s: {k: k consumer processes on a 3-node cluster, the run in s shards, "
+    "queues.shards.open_consumer, one task per message calling complete() (as hop_task)}}",
     "hop_p50_ms": "t0 right before a producer process sends XADD -> complete_many returns in "
     "the consumer (output in its stream, input acked), paced at latency_rate_per_s",
     "publish_hop_p50_ms": "as hop_p50_ms, t0 before the producer's Producer.publish call",
@@ -99,14 +141,22 @@ DEFINITIONS = {
     "ray_list_hop_per_s": "the same with read_count messages per call (in memory only)",
 }
 RAY_TIMEOUT_S = 900
+URL_ENV = "QUEUE_HOP_REDIS_URL"  # the server's URL for child processes (it holds a password)
+READY, RESULT = "queue-hop ready", "queue-hop result "  # a consumer process's stdout lines
+DRAINED_BLOCK_MS = 200  # a consumer process stops at a read that waits this long for nothing
+PROCESS_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
 class Timing:
     per_s: float
-    client_cpu_us: float  # this process, all threads, per message
-    server_cpu_us: float  # redis-server (INFO cpu, without forked children), per message
+    client_cpu_us: float  # the consumer process(es), all threads, per message
+    server_cpu_us: float  # redis-server (INFO cpu, without forked children), all nodes, per msg
     aof_rewrites: int  # AOF rewrites started while timing
+    process_core_share: tuple[float, ...] = ()  # per consumer process: CPU s / timed wall s
+    server_core_share: tuple[float, ...] = ()  # per server node: CPU s / timed wall s
+    handled: tuple[int, ...] = ()  # messages handed off, per consumer process
+    shard_nodes: tuple[int, ...] = ()  # the server node of each shard's input stream
 
 
 _RANDOM = [os.urandom(1 << 16) for _ in range(16)]
@@ -130,7 +180,11 @@ def quantile_ms(seconds: list[float], q: int) -> float:
     return round(statistics.quantiles(seconds, n=100)[q - 1] * 1000, 3)
 
 
-# --------------------------------------------------------------------------- redis hops
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# --------------------------------------------------------------------------- the server side
 
 
 def compact_aof(sync: redis.Redis) -> None:
@@ -152,63 +206,118 @@ def compact_aof(sync: redis.Redis) -> None:
     wait()
 
 
+class Nodes:
+    """The server under test node by node (one server, or every primary of a cluster), through
+    a plain client each: the counters read around a timed run, compaction, clean-up."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.clients = [redis.Redis.from_url(url) for url in urls]
+        self.ports = [sync.connection_pool.connection_kwargs.get("port") for sync in self.clients]
+
+    def node_of(self, key: str) -> int:
+        """The index of the node serving ``key`` (0 on a single server)."""
+        if len(self.clients) == 1:
+            return 0
+        slot = key_slot(key)
+        for start, end, (_, port, *_), *_ in self.clients[0].execute_command("CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                return self.ports.index(port)
+        raise RuntimeError(f"no node serves slot {slot}")
+
+    def counters(self) -> tuple[list[float], int]:
+        """(CPU seconds of each node's redis-server, AOF rewrites so far on all nodes)."""
+        cpu, rewrites = [], 0
+        for sync in self.clients:
+            info = sync.info()
+            cpu.append(float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
+            rewrites += int(info.get("aof_rewrites", 0))
+            rewrites += int(info.get("aof_rewrite_in_progress", 0))
+        return cpu, rewrites
+
+    def compact_aof(self) -> None:
+        for sync in self.clients:
+            compact_aof(sync)
+
+    def drop(self, run: str) -> None:
+        """Delete every key of ``run`` (streams, dedup keys; every shard's), one UNLINK per key
+        (the keys of a sharded run are in several slots)."""
+        for sync in self.clients:
+            pipe = sync.pipeline(transaction=False)
+            for key in sync.scan_iter(match=f"streamrl:{{{run}*", count=1000):
+                pipe.unlink(key)
+                if len(pipe) >= 1000:
+                    pipe.execute()
+            pipe.execute()
+
+    def close(self) -> None:
+        for sync in self.clients:
+            sync.close()
+
+
+# --------------------------------------------------------------------------- redis hops
+
+
 class Hop:
     """One measurement on a fresh run namespace (its keys are deleted afterwards)."""
 
-    def __init__(self, client: RedisClient, args: argparse.Namespace) -> None:
+    def __init__(
+        self, client: RedisClient, args: argparse.Namespace, names: N.Names | None = None
+    ) -> None:
         self.client = client
         self.args = args
-        self.names = N.Names(run=f"bench-{uuid.uuid4().hex[:8]}")
+        self.names = names or N.Names(run=f"bench-{uuid.uuid4().hex[:8]}")
         self.out = self.names.stream(N.ROLLOUTS)
         self.settings = ConsumerSettings(
             block_ms=1000, flush_batch=args.flush_batch, dedup_ttl_s=3600
         )
+        self.handled = 0
+        self.applied_at: tuple[float, float] | None = None  # last hand-off: wall, CPU clock
 
     def handoff(self, d: Delivery) -> Handoff:
         return Handoff(d.entry_id, self.names.dedup(STAGE, d.entry_id), [(self.out, handle(d))])
 
     async def prefill(self, n: int) -> None:
+        """``n`` entries on the stage's input, routed by key over the shards of a sharded run."""
         producer = Producer(self.client, self.names)
         for start in range(0, n, 1000):
             batch = [make_payload(i, self.args.size) for i in range(start, min(n, start + 1000))]
-            await producer.publish(N.TASKS, batch)
+            if self.names.sharded:
+                items = [(f"k{start + i}", p) for i, p in enumerate(batch)]
+                await publish_routed(self.client, self.names, N.TASKS, items, self.names.shards)
+            else:
+                await producer.publish(N.TASKS, batch)
 
     async def timed(
-        self, n: int, consume: Callable[[StreamConsumer, int], Awaitable[None]]
+        self, nodes: Nodes, n: int, consume: Callable[[StreamConsumer, int], Awaitable[None]]
     ) -> Timing:
         """Pre-fill ``n`` entries, then time ``consume``; checks every entry was handed off."""
         await self.prefill(n)
         if self.args.compact_aof:
-            await self.client.call(compact_aof, self.client.sync)
+            await trio.to_thread.run_sync(nodes.compact_aof)
         async with open_stream_consumer(
             self.client, self.names, N.TASKS, stage=STAGE, settings=self.settings
         ) as c:
-            server_cpu, rewrites = await self.server_counters()
+            server_cpu, rewrites = await trio.to_thread.run_sync(nodes.counters)
             cpu = time.process_time()
             started = time.perf_counter()
             await consume(c, n)
             elapsed = time.perf_counter() - started
             cpu = time.process_time() - cpu
-            server_cpu_end, rewrites_end = await self.server_counters()
-            await self.check(c, n)
+            server_cpu_end, rewrites_end = await trio.to_thread.run_sync(nodes.counters)
+        await self.check(n)
         per_hop_us = 1e6 / n
         return Timing(
             n / elapsed,
             cpu * per_hop_us,
-            (server_cpu_end - server_cpu) * per_hop_us,
+            (sum(server_cpu_end) - sum(server_cpu)) * per_hop_us,
             rewrites_end - rewrites,
         )
 
-    async def server_counters(self) -> tuple[float, int]:
-        """(redis-server CPU seconds, AOF rewrites so far)."""
-        info = await self.client.call(self.client.sync.info)
-        cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-        return cpu, int(info.get("aof_rewrites", 0)) + int(info.get("aof_rewrite_in_progress", 0))
-
-    async def check(self, c: StreamConsumer, n: int) -> None:
-        sync = self.client.sync
-        published = await self.client.call(sync.xlen, self.out)
-        pending = (await self.client.call(sync.xpending, c.stream, c.group))["pending"]
+    async def check(self, n: int) -> None:
+        """Every one of ``n`` inputs handed off: ``n`` outputs, nothing pending (all shards)."""
+        published = await stream_length(self.client, self.names, N.ROLLOUTS)
+        group = self.names.group(N.TASKS)
+        pending = (await group_state(self.client, self.names, N.TASKS, group)).pending
         if published != n or pending != 0:
             raise RuntimeError(f"{published} outputs of {n}, {pending} still pending")
 
@@ -221,7 +330,11 @@ class Hop:
         """The same reads, but one task and one ``complete`` round trip per message."""
         await self.pipelined(c, n, per_message=True)
 
-    async def pipelined(self, c: StreamConsumer, n: int, *, per_message: bool) -> None:
+    async def pipelined(self, c: Consumer, n: int | None, *, per_message: bool) -> None:
+        """Read and hand off, at most ``in_flight`` entries read but not yet applied. Stops
+        after ``n`` entries, or (``n`` None) at the first read that comes back empty: the
+        pre-filled stream is drained (every entry delivered, to this consumer or another of
+        its group). Counts ``handled``; when draining, stamps ``applied_at`` at each hand-off."""
         in_flight = read = 0
         freed = trio.Event()
 
@@ -230,16 +343,22 @@ class Hop:
             if per_message:
                 await c.complete(self.handoff(ds[0]))
             else:
+                assert isinstance(c, StreamConsumer), "complete_many: one-shard consumers only"
                 await c.complete_many([self.handoff(d) for d in ds])
             in_flight -= len(ds)
+            self.handled += len(ds)
+            if n is None:  # a consumer process: its last hand-off ends its part of the run
+                self.applied_at = time.perf_counter(), time.process_time()
             freed.set()
 
         async with trio.open_nursery() as nursery:
-            while read < n:
+            while n is None or read < n:
                 while in_flight >= self.args.in_flight:
                     freed = trio.Event()
                     await freed.wait()
                 ds = await c.read(min(self.args.read_count, self.args.in_flight - in_flight))
+                if not ds and n is None:
+                    break
                 read += len(ds)
                 in_flight += len(ds)
                 for group in ([d] for d in ds) if per_message else [ds]:
@@ -273,30 +392,18 @@ class Hop:
             argv = [sys.executable, __file__, "--only", "produce", "--stimulus", stimulus]
             argv += ["--run", self.names.run, "--rate", str(a.rate), "--size", str(a.size)]
             argv += ["--messages", str(total)]
-            env = {**os.environ, "QUEUE_HOP_REDIS_URL": self.client.url.url}
+            env = {**os.environ, URL_ENV: self.client.url.url}
             with trio.fail_after(total / a.rate + 60):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(consume)
                     await trio.sleep(0.2)  # the consumer is waiting in its blocking read
                     await trio.run_process(argv, env=env)
-            await self.check(c, total)
+        await self.check(total)
         return samples[a.warmup :]
 
-    async def drop(self) -> None:
+    async def drop(self, nodes: Nodes) -> None:
         """Delete every key of this run (streams, dedup keys)."""
-
-        def run() -> None:
-            sync = self.client.sync
-            batch = []
-            for key in sync.scan_iter(match=f"{self.names.prefix}*", count=1000):
-                batch.append(key)
-                if len(batch) >= 1000:
-                    sync.unlink(*batch)
-                    batch.clear()
-            if batch:
-                sync.unlink(*batch)
-
-        await self.client.call(run)
+        await trio.to_thread.run_sync(nodes.drop, self.names.run)
 
 
 async def redis_hops(url: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -307,24 +414,25 @@ async def redis_hops(url: str, args: argparse.Namespace) -> dict[str, Any]:
     ]
     runs: dict[str, list[Timing]] = {name: [] for name, _ in plan}
     latencies: dict[str, list[float]] = {}
-    client = RedisClient(url)
+    client, nodes = RedisClient(url), Nodes([url])
     try:
         for _ in range(args.repeats):
             for name, n in plan:
                 hop = Hop(client, args)
                 consume = {"hop_task": hop.task_per_message, "hop_unbatched": hop.unbatched}
                 try:
-                    runs[name].append(await hop.timed(n, consume.get(name, hop.batched)))
+                    runs[name].append(await hop.timed(nodes, n, consume.get(name, hop.batched)))
                 finally:
-                    await hop.drop()
+                    await hop.drop(nodes)
         for stimulus in ("xadd", "publish"):
             hop = Hop(client, args)
             try:
                 latencies[stimulus] = await hop.latency(stimulus)
             finally:
-                await hop.drop()
+                await hop.drop(nodes)
     finally:
         client.close()
+        nodes.close()
     rates = {name: [round(t.per_s) for t in timings] for name, timings in runs.items()}
     report: dict[str, Any] = {
         name + "_per_s": round(statistics.median(rate)) for name, rate in rates.items()
@@ -352,13 +460,207 @@ async def redis_hops(url: str, args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+# --------------------------------------------------------------------------- consumer processes
+
+
+def consume(args: argparse.Namespace) -> None:
+    """One consumer process of a ``consumers`` / ``shards`` run (``--only consume``): joins the
+    group under its own consumer name, says it is ready, waits for the start time the parent
+    sends on stdin (``time.perf_counter``: CLOCK_MONOTONIC, one clock for all processes), runs
+    :meth:`Hop.pipelined` until the stream is drained, and prints what it did: the time of its
+    first read and of its last hand-off applied, its CPU seconds (all threads) in between, and
+    how many messages it handed off."""
+
+    async def run() -> dict[str, Any]:
+        client = RedisClient(os.environ[URL_ENV])
+        hop = Hop(client, args, N.Names(run=args.run, shards=args.run_shards))
+        settings = dataclasses.replace(hop.settings, block_ms=DRAINED_BLOCK_MS)
+        try:
+            with trio.fail_after(PROCESS_TIMEOUT_S):
+                async with open_consumer(
+                    client, hop.names, N.TASKS, stage=STAGE, settings=settings
+                ) as c:
+                    print(READY, flush=True)
+                    start = float(await trio.to_thread.run_sync(sys.stdin.readline))
+                    await trio.sleep(max(0.0, start - time.perf_counter()))
+                    cpu, first_read = time.process_time(), time.perf_counter()
+                    await hop.pipelined(c, None, per_message=args.hand_off == "task")
+        finally:
+            client.close()
+        last, cpu_end = hop.applied_at or (first_read, cpu)  # another process took everything
+        result = {"first_read": first_read, "last_applied": last, "handled": hop.handled}
+        return result | {"cpu_s": cpu_end - cpu}
+
+    print(RESULT + json.dumps(trio.run(run)), flush=True)
+
+
+def wait_line(process: subprocess.Popen[str], prefix: str) -> str:
+    """The rest of the first stdout line of ``process`` that starts with ``prefix``."""
+    assert process.stdout is not None
+    for line in process.stdout:
+        if line.startswith(prefix):
+            return line[len(prefix) :].strip()
+    raise RuntimeError(f"consumer process exited (rc {process.wait()}) before {prefix!r}")
+
+
+def start_together(
+    argv: list[str], env: dict[str, str], processes: int, nodes: Nodes
+) -> tuple[list[dict[str, Any]], list[float], int]:
+    """Start ``processes`` consumer processes (:func:`consume`), wait until all are ready,
+    give them one start time, collect their results. Returns (results, each server node's
+    CPU seconds, AOF rewrites), the counters taken between the start time and the last result."""
+    started = [
+        subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for _ in range(processes)
+    ]
+    try:
+        for p in started:
+            wait_line(p, READY)
+        cpu, rewrites = nodes.counters()
+        start = time.perf_counter() + 0.05
+        for p in started:
+            assert p.stdin is not None
+            p.stdin.write(f"{start}\n")
+            p.stdin.flush()
+        results = [json.loads(wait_line(p, RESULT)) for p in started]
+        cpu_end, rewrites_end = nodes.counters()
+    except BaseException:
+        for p in started:
+            p.kill()  # those still waiting for a start time would wait forever
+        raise
+    finally:
+        for p in started:
+            p.wait()
+    return results, [b - a for a, b in zip(cpu, cpu_end, strict=True)], rewrites_end - rewrites
+
+
+def spread_run(nodes: Nodes, shards: int) -> tuple[N.Names, tuple[int, ...]]:
+    """A fresh run of ``shards`` shards whose input streams are on as many distinct nodes as
+    there can be. A shard's node follows from the hash of its tag (``{<run>.s<k>}``), so with a
+    random run name 3 shards land on 3 distinct nodes of 3 only 2 times in 9; the figures are
+    for shards spread over the nodes. Returns the names and the node of each shard."""
+    for _ in range(1000):
+        names = N.Names(run=f"bench-{uuid.uuid4().hex[:8]}", shards=shards)
+        where = tuple(nodes.node_of(n.stream(N.TASKS)) for n in names.layouts())
+        if len(set(where)) == min(shards, len(nodes.clients)):
+            return names, where
+    raise RuntimeError(f"no run name spreads {shards} shards over the nodes")
+
+
+async def processes_hop(
+    client: RedisClient,
+    nodes: Nodes,
+    args: argparse.Namespace,
+    *,
+    processes: int,
+    shards: int,
+    per_message: bool,
+) -> Timing:
+    """One timed run of ``processes`` consumer processes on a fresh, pre-filled run of
+    ``shards`` shards (:func:`spread_run`); checks every entry was handed off exactly once."""
+    n = args.messages
+    names, shard_nodes = await trio.to_thread.run_sync(spread_run, nodes, shards)
+    hop = Hop(client, args, names)
+    argv = [sys.executable, __file__, "--only", "consume", "--run", hop.names.run]
+    argv += ["--run-shards", str(shards), "--hand-off", "task" if per_message else "batch"]
+    argv += ["--read-count", str(args.read_count), "--in-flight", str(args.in_flight)]
+    argv += ["--flush-batch", str(args.flush_batch), "--size", str(args.size)]
+    env = {**os.environ, URL_ENV: client.url.url}
+    try:
+        await hop.prefill(n)
+        if args.compact_aof:
+            await trio.to_thread.run_sync(nodes.compact_aof)
+        results, server_cpu, rewrites = await trio.to_thread.run_sync(
+            start_together, argv, env, processes, nodes
+        )
+        await hop.check(n)
+    finally:
+        await hop.drop(nodes)
+    handled = tuple(int(r["handled"]) for r in results)
+    if sum(handled) != n:
+        raise RuntimeError(f"the processes handed off {sum(handled)} of {n}")
+    wall = max(r["last_applied"] for r in results) - min(r["first_read"] for r in results)
+    cpu = [float(r["cpu_s"]) for r in results]
+    return Timing(
+        per_s=n / wall,
+        client_cpu_us=sum(cpu) * 1e6 / n,
+        server_cpu_us=sum(server_cpu) * 1e6 / n,
+        aof_rewrites=rewrites,
+        process_core_share=tuple(round(s / wall, 2) for s in cpu),
+        server_core_share=tuple(round(s / wall, 2) for s in server_cpu),
+        handled=handled,
+        shard_nodes=shard_nodes,
+    )
+
+
+def scaling_report(runs: dict[int, list[Timing]]) -> dict[str, Any]:
+    """{k: figures} for the runs of k processes: medians over the repeats, the core shares and
+    the split of the work of the median run, the scaling against the fewest processes."""
+    medians = {k: statistics.median(t.per_s for t in timings) for k, timings in runs.items()}
+    base = medians[min(runs)]
+    report = {}
+    for k, timings in runs.items():
+        middle = sorted(timings, key=lambda t: t.per_s)[(len(timings) - 1) // 2]
+        report[str(k)] = {
+            "per_s": round(medians[k]),
+            "scaling": round(medians[k] / base, 2),
+            "runs": [round(t.per_s) for t in timings],
+            "cpu_us_per_hop": {
+                "clients": round(statistics.median(t.client_cpu_us for t in timings), 1),
+                "server": round(statistics.median(t.server_cpu_us for t in timings), 1),
+            },
+            "process_core_share": list(middle.process_core_share),
+            "server_core_share": list(middle.server_core_share),
+            "handled": list(middle.handled),
+            "shard_nodes": list(middle.shard_nodes),
+            "aof_rewrites_while_timing": [t.aof_rewrites for t in timings],
+        }
+    return report
+
+
+async def consumer_hops(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``consumers``: the hop_per_s hop by 1, 2, 4 ... processes on the one server."""
+    runs: dict[int, list[Timing]] = {k: [] for k in args.consumers}
+    client, nodes = RedisClient(url), Nodes([url])
+    try:
+        for _ in range(args.repeats):
+            for k in args.consumers:
+                timing = await processes_hop(
+                    client, nodes, args, processes=k, shards=1, per_message=False
+                )
+                runs[k].append(timing)
+    finally:
+        client.close()
+        nodes.close()
+    return scaling_report(runs)
+
+
+async def shard_hops(cluster: ClusterProcess, args: argparse.Namespace) -> dict[str, Any]:
+    """``shards``: {s: {k: figures}}, k consumer processes on the cluster, the run in s
+    shards, one task per message calling ``complete`` (see the module docstring)."""
+    runs = {s: {k: list[Timing]() for k in args.shard_consumers} for s in args.shards}
+    client, nodes = RedisClient(cluster.url), Nodes([node.url for node in cluster.nodes])
+    try:
+        for _ in range(args.repeats):
+            for s in args.shards:
+                for k in args.shard_consumers:
+                    timing = await processes_hop(
+                        client, nodes, args, processes=k, shards=s, per_message=True
+                    )
+                    runs[s][k].append(timing)
+    finally:
+        client.close()
+        nodes.close()
+    return {str(s): scaling_report(by_k) for s, by_k in runs.items()}
+
+
 def produce(args: argparse.Namespace) -> None:
     """The paced producer of the latency run (its own process, as a stage is). Each payload
     starts with its t0 (``time.perf_counter``: CLOCK_MONOTONIC, one clock for all processes).
     ``xadd``: t0 is taken right before a redis-py XADD in the thread that sends it.
     ``publish``: t0 is taken before ``Producer.publish`` (which runs the XADD in a worker
     thread), so it also counts the producer's own hop into that thread."""
-    url = os.environ["QUEUE_HOP_REDIS_URL"]
+    url = os.environ[URL_ENV]
     names = N.Names(run=args.run)
     fillers = [make_payload(i, args.size)[8:] for i in range(64)]
     if args.stimulus == "xadd":
@@ -553,7 +855,23 @@ def server_info(url: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def checks(report: dict[str, Any]) -> dict[str, bool | None]:
+    """The claims, each against this run's own figures (None: a figure is missing)."""
+
+    def at_least(a: float | None, b: float | None) -> bool | None:
+        return None if a is None or b is None else a >= b
+
+    best = max((c["per_s"] for c in report.get("consumers", {}).values()), default=None)
+    ray_list = report.get("ray_list_hop_per_s")
+    return {
+        "hop_per_s >= 30000": at_least(report["hop_per_s"], 30_000),
+        "hop_per_s >= ray_list_hop_per_s": at_least(report["hop_per_s"], ray_list),
+        "hop_p50_ms <= 1": report["hop_p50_ms"] <= 1.0,
+        "best consumers per_s >= ray_list_hop_per_s": at_least(best, ray_list),
+    }
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
     parser.add_argument("--redis-url", help="use this server instead of starting one")
@@ -569,19 +887,43 @@ def main() -> None:
     parser.add_argument("--latency-seconds", type=float, default=5.0)
     parser.add_argument("--warmup", type=int, default=50, help="latency samples dropped")
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs (median)")
+    parser.add_argument(
+        "--consumers", type=int, nargs="*", default=[1, 2, 4], metavar="K",
+        help="consumer process counts on the one server (none: skip)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shards", type=int, nargs="*", default=[1, 3], metavar="S",
+        help="shard counts on a 3-node cluster started here (none: skip)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--shard-consumers", type=int, nargs="+", default=[1, 2, 4], metavar="K",
+        help="consumer process counts of each shard count",
+    )  # fmt: skip
     parser.add_argument("--no-ray", action="store_true")
-    parser.add_argument("--only", choices=["ray", "produce"], help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=["ray", "produce", "consume"], help=argparse.SUPPRESS)
     parser.add_argument("--stimulus", choices=["xadd", "publish"], help=argparse.SUPPRESS)
+    parser.add_argument("--hand-off", choices=["batch", "task"], help=argparse.SUPPRESS)
     parser.add_argument("--run", help=argparse.SUPPRESS)
+    parser.add_argument("--run-shards", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.size < 16:
         parser.error("--size must be at least 16")
+    if min([*args.consumers, *args.shards, *args.shard_consumers], default=1) < 1:
+        parser.error("--consumers, --shards and --shard-consumers must be at least 1")
     args.compact_aof = args.redis_url is None  # never BGREWRITEAOF someone else's server
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.only == "ray":
         print(json.dumps(ray_hops(args)))
         return
     if args.only == "produce":
         produce(args)
+        return
+    if args.only == "consume":
+        consume(args)
         return
 
     report: dict[str, Any] = {
@@ -598,21 +940,32 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "python": platform.python_version(),
-        "loadavg_start": [round(x, 2) for x in os.getloadavg()],
+        "loadavg_start": loadavg(),
     }
+    load = report["loadavg"] = {"start": report["loadavg_start"]}
     with server_url(args.redis_url, prefix="queue-hop-") as url:
         report["redis"] = server_info(url)
         report.update(trio.run(redis_hops, url, args))
+        if args.consumers:
+            load["consumers"] = loadavg()
+            report["consumers"] = trio.run(consumer_hops, url, args)
         report.update(redis_xadd(url, args))
+    if args.shards:
+        load["shards"] = loadavg()
+        tmp = tempfile.TemporaryDirectory(prefix="queue-hop-cluster-")
+        with tmp, ClusterProcess(Path(tmp.name)) as cluster:
+            report["shards"] = trio.run(shard_hops, cluster, args)
+    load["ray"] = loadavg()
     if args.no_ray:
         report.update({"ray_hop_per_s": None, "ray_error": "skipped (--no-ray)"})
     else:
         report.update(ray_in_child(sys.argv[1:]))
-    report["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    report["loadavg_end"] = load["end"] = loadavg()
     for name in ("ray_hop_per_s", "ray_list_hop_per_s"):
         other = report.get(name)
         ratio = round(report["hop_per_s"] / other, 2) if other else None
         report["hop_vs_" + name.removesuffix("_hop_per_s").removesuffix("_per_s")] = ratio
+    report["checks"] = checks(report)
     if args.json:
         print(json.dumps(report, indent=2))
         return
