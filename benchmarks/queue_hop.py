@@ -84,6 +84,7 @@ machine's cores.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -509,28 +510,30 @@ def start_together(
     """Start ``processes`` consumer processes (:func:`consume`), wait until all are ready,
     give them one start time, collect their results. Returns (results, each server node's
     CPU seconds, AOF rewrites), the counters taken between the start time and the last result."""
-    started = [
-        subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        for _ in range(processes)
-    ]
-    try:
-        for p in started:
-            wait_line(p, READY)
-        cpu, rewrites = nodes.counters()
-        start = time.perf_counter() + 0.05
-        for p in started:
-            assert p.stdin is not None
-            p.stdin.write(f"{start}\n")
-            p.stdin.flush()
-        results = [json.loads(wait_line(p, RESULT)) for p in started]
-        cpu_end, rewrites_end = nodes.counters()
-    except BaseException:
-        for p in started:
-            p.kill()  # those still waiting for a start time would wait forever
-        raise
-    finally:
-        for p in started:
-            p.wait()
+    with contextlib.ExitStack() as stack:  # on leaving: pipes closed, every process waited for
+        started = [
+            stack.enter_context(
+                subprocess.Popen(
+                    argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+                )
+            )
+            for _ in range(processes)
+        ]
+        try:
+            for p in started:
+                wait_line(p, READY)
+            cpu, rewrites = nodes.counters()
+            start = time.perf_counter() + 0.05
+            for p in started:
+                assert p.stdin is not None
+                p.stdin.write(f"{start}\n")
+                p.stdin.flush()
+            results = [json.loads(wait_line(p, RESULT)) for p in started]
+            cpu_end, rewrites_end = nodes.counters()
+        except BaseException:
+            for p in started:
+                p.kill()  # those still waiting for a start time would wait forever
+            raise
     return results, [b - a for a, b in zip(cpu, cpu_end, strict=True)], rewrites_end - rewrites
 
 
