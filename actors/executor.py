@@ -43,9 +43,15 @@ backend's ``session_max_s``) ends as ``"expired"``, with no final check (reward 
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import socket
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import replace as dc_replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -73,6 +79,8 @@ from streamrl.protocol.messages import (
     new_id,
     now,
 )
+from streamrl.queues.client import RedisClient
+from streamrl.queues.operations import BrokerError, set_fields
 from streamrl.runtime import metrics
 from streamrl.runtime.context import ActorContext, domain_item
 from streamrl.runtime.policies import Reject, Unavailable
@@ -551,12 +559,37 @@ def record_fleet(sandboxes: Sandboxes, run: str) -> None:
         metrics.record_sandbox_fleet(run, box.image, box.instance, box.statistics())
 
 
+def fleet_fields(sandboxes: Sandboxes) -> dict[str, str]:
+    """Each open Docker backend's counts as a field of the run's ``fleet`` hash:
+    ``<host>/<pid>/<image>`` -> JSON (its statistics, its instance, when)."""
+    where = f"{socket.gethostname()}/{os.getpid()}"
+    return {f"{where}/{box.image}": json.dumps({**dataclasses.asdict(box.statistics()),
+                                                "instance": box.instance, "at": time.time()})
+            for box in sandboxes.docker_backends()}
+
+
+async def publish_fleet(client: RedisClient, names: N.Names, sandboxes: Sandboxes) -> None:
+    """:func:`fleet_fields` into the run's ``fleet`` hash, for ``streamrl status`` (a Redis
+    error is logged: the counts are for people, the executor goes on)."""
+    fields = fleet_fields(sandboxes)
+    if not fields:
+        return
+    try:
+        await set_fields(client, names.fleet, fields)
+    except (OSError, BrokerError) as exc:
+        log.warning("fleet counts not published", error=repr(exc))
+
+
 async def serve_fleet_metrics(sandboxes: Sandboxes, run: str, *,
+                              client: RedisClient | None = None, names: N.Names | None = None,
                               task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    """:func:`record_fleet` every :data:`FLEET_METRICS_S`."""
+    """:func:`record_fleet` every :data:`FLEET_METRICS_S`, and with ``client``
+    :func:`publish_fleet`."""
     task_status.started()
     while True:
         record_fleet(sandboxes, run)
+        if client is not None and names is not None:
+            await publish_fleet(client, names, sandboxes)
         await trio.sleep(FLEET_METRICS_S)
 
 
@@ -596,7 +629,8 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
                 agents = await stack.enter_async_context(open_agent_runner(ctx.config))
             async with trio.open_nursery() as nursery:
                 await nursery.start(sessions.serve_idle_release)
-                await nursery.start(serve_fleet_metrics, sandboxes, ctx.names.run)
+                await nursery.start(partial(serve_fleet_metrics, sandboxes, ctx.names.run,
+                                            client=ctx.client, names=ctx.names))
                 await ctx.serve(
                     Executor(sandboxes, sessions, ctx.config.domain, agents),
                     concurrency=cfg.concurrency,

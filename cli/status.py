@@ -47,7 +47,7 @@ from streamrl.protocol.messages import WeightsPublished
 from streamrl.protocol.pipeline import PIPELINE, Stall, assess_stall, lag_flag
 from streamrl.queues.client import Reconnect, RedisClient, RedisURL
 from streamrl.queues.codec import MessageError, decode
-from streamrl.queues.operations import BrokerError, latest_entries, pending_detail
+from streamrl.queues.operations import BrokerError, latest_entries, pending_detail, read_hash
 from streamrl.queues.stats import (
     group_state,
     stream_length,
@@ -129,6 +129,10 @@ class Snapshot:
     """How many domains the run has (configured, admitted or quarantined)."""
     forgetting: list[str] = field(default_factory=list)
     """Eval-only domains whose held-out reward fell past ``scheduler.forgetting_margin``."""
+    fleet: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each executor's Docker sandbox fleet (``<host>/<pid>/<image>``): containers starting
+    and running, created, reaped, leaked, sessions expired, and ``at`` (when its executor
+    wrote them, every few seconds; an old one is an executor gone)."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -257,8 +261,32 @@ async def snapshot(
     return Snapshot(
         names.run, time.time(), version, rate, total_dead, groups, shards=names.shards,
         stall=stall, quarantined=held, domains=top_domains(rows, view.top),
-        domains_total=len(rows), forgetting=flagged,
+        domains_total=len(rows), forgetting=flagged, fleet=await read_fleet(client, names),
     )
+
+
+async def read_fleet(client: RedisClient, names: N.Names) -> dict[str, dict[str, Any]]:
+    """The executors' fleet counts (a field that does not decode is left out)."""
+    out = {}
+    for key, raw in sorted((await read_hash(client, names.fleet)).items()):
+        with contextlib.suppress(ValueError):
+            value = json.loads(raw)
+            if isinstance(value, dict):
+                out[key] = value
+    return out
+
+
+def render_fleet(s: Snapshot) -> list[str]:
+    """One line per executor's Docker backend: its containers and what its sweeps found."""
+    lines = []
+    for key, f in s.fleet.items():
+        age = s.at - float(f.get("at", 0.0))
+        lines.append(
+            f"sandboxes {key}: starting {f.get('starting', 0)}, running "
+            f"{f.get('running', 0)} ({f.get('busy', 0)} busy), created "
+            f"{f.get('created', 0)}, reaped {f.get('reaped', 0)}, leaked {f.get('leaked', 0)}, "
+            f"expired {f.get('expired', 0)} ({age:.0f}s ago)")
+    return lines
 
 
 def _domain_status(name: str, h: DomainHealth, forgetting: bool) -> DomainStatus:
@@ -358,6 +386,7 @@ def render(s: Snapshot) -> str:
     if s.stall is not None:
         lines.insert(1, s.stall.describe())
     lines += render_domains(s)
+    lines += render_fleet(s)
     lines += [f"quarantined {d}: {why} (lift: streamrl domains lift {d})"
               for d, why in s.quarantined.items()]
     lines += [f"forgetting {d}: held-out reward fell past scheduler.forgetting_margin"

@@ -133,6 +133,14 @@ class Names(Layout):
         return f"{self.prefix}stop"
 
     @property
+    def fleet(self) -> str:
+        """Hash of the executors' sandbox fleets (run-global): ``<host>/<pid>/<image>`` ->
+        JSON of that Docker backend's counts and when they were taken, written by its executor
+        every few seconds (actors/executor.py ``publish_fleet``), read by ``streamrl
+        status``."""
+        return f"{self.prefix}fleet"
+
+    @property
     def quarantine(self) -> str:
         """Hash of the quarantined domains (run-global): domain -> why (JSON), written by the
         scheduler when a domain passes its failure threshold, a field deleted by the operator

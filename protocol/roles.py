@@ -95,6 +95,7 @@ EVAL_ROUND = Key(lambda n: n.eval_round)
 STOP = Key(lambda n: n.stop)
 DEAD_GROUPS = Key(lambda n: n.dead_groups)
 QUARANTINE = Key(lambda n: n.quarantine)
+FLEET = Key(lambda n: n.fleet)
 DOMAIN_HEALTH = (
     ReadTally(ADMITTED_BY_DOMAIN), ReadCounters((*SHARES, FAILED)), ReadHash(QUARANTINE)
 )
@@ -129,6 +130,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
     "executor": (
         dataclasses.replace(consume(N.ROLLOUTS, (N.EXECUTED, N.TASKS)), stores=CONTEXTS),
         ReadStored(CONTEXTS),
+        SetFields(FLEET),  # its Docker backends' fleet counts, for status
     ),
     # the episode's whole context joined once for the trajectory, its hash deleted
     "verifier": (
@@ -185,6 +187,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         # status: the per-domain lines (failures, quarantined and why); domains list, lift
         *DOMAIN_HEALTH,
         DeleteFields(QUARANTINE),
+        ReadHash(FLEET),  # status: the executors' sandbox fleets
     ),
 }
 """What each role does in Redis: the one table its ACL grants are derived from."""

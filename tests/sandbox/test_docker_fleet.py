@@ -10,9 +10,12 @@ docker_engine.py); the token bucket and the config checks run everywhere.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
+from functools import partial
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -21,14 +24,23 @@ import trio
 from prometheus_client import REGISTRY
 
 from streamrl.actors.episodes import EpisodeSessions
-from streamrl.actors.executor import Executor, Sandboxes, record_fleet, sandboxes_for
+from streamrl.actors.executor import (
+    Executor,
+    Sandboxes,
+    record_fleet,
+    sandboxes_for,
+    serve_fleet_metrics,
+)
 from streamrl.actors.generator import Generator
 from streamrl.actors.scheduler import make_task
+from streamrl.cli.status import read_fleet, render, snapshot
 from streamrl.config.schema import Config, DomainConfig, DomainSandboxConfig, ExecutorConfig
+from streamrl.domains.base import SandboxSpec
 from streamrl.domains.registry import get_domain
 from streamrl.learner.model import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Executed, Sampling
+from streamrl.queues.client import RedisClient
 from streamrl.sandbox import ExecRequest, Limits, Sandbox
 from streamrl.sandbox.base import SandboxUnavailable, SessionExpired
 from streamrl.sandbox.docker import DockerSandbox, TokenBucket, _host, _owner, open_docker_sandbox
@@ -362,3 +374,28 @@ def test_fleet_settings_that_would_reap_live_containers_are_refused(
     if "time_limit_s" not in fields:  # the backend refuses them too
         with pytest.raises(ValueError, match=refused):
             DockerSandbox(**fields)  # type: ignore[arg-type]
+
+
+async def test_streamrl_status_shows_each_executors_fleet(
+    docker_image: str, planted: list[str], client: RedisClient, names: N.Names
+) -> None:
+    # Given an executor whose Docker backend reaped a leaked container at its start
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    plant(planted, f"{_host()}/{dead.pid}/1")
+    sandboxes = Sandboxes("docker", pool_size=1)
+    async with sandboxes.opened(), trio.open_nursery() as nursery:
+        domain = SimpleNamespace(name="fleet_status", sandbox=SandboxSpec(image=docker_image))
+        assert (await sandboxes.run(domain, echo("hi"))).ok
+        # When it publishes its fleet counts (as its serve loop does every few seconds)
+        await nursery.start(partial(serve_fleet_metrics, sandboxes, names.run,
+                                    client=client, names=names))
+        await wait_until(lambda: read_fleet(client, names), timeout=10)
+        nursery.cancel_scope.cancel()
+    # Then `streamrl status` shows them, one line per executor and image
+    snap = await snapshot(client, names)
+    [(key, counts)] = snap.fleet.items()
+    assert key.endswith(f"/{os.getpid()}/{docker_image}")
+    assert counts["leaked"] >= 1 and counts["reaped"] >= 1 and counts["created"] >= 1
+    [line] = [x for x in render(snap).splitlines() if x.startswith("sandboxes ")]
+    assert f"reaped {counts['reaped']}, leaked {counts['leaked']}" in line
