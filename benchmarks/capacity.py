@@ -34,9 +34,11 @@ by the stage before it:
   ``--learner-steps`` timed. ``step_s`` = median ``StepStats.seconds``; ``tokens_per_s`` =
   trained (completion) tokens / ``step_s``; ``sequence_tokens_per_s`` counts prompts too.
   Publishing the weights (a background thread in the learner actor) is not timed.
-- **queue**: ``benchmarks/queue_hop.py --json --no-ray`` in a child process, its payloads the
-  mean size of the demo's work messages (``message_bytes``: task, rollout, executed,
-  trajectory as encoded on the wire), or ``--hop-json FILE`` to cite an earlier run.
+- **queue**: ``benchmarks/queue_hop.py --json --no-ray --consumers --shards`` (one consumer
+  process, no cluster) in a child process, its payloads the mean size of the demo's work
+  messages (``message_bytes``: task, rollout, executed, trajectory as encoded on the wire),
+  on a redis-server it starts (``--redis-url``: on yours), or ``--hop-json FILE`` to cite an
+  earlier run.
   ``hop_task_per_s``: one consumer, one trio task per message (what ``runtime.serve`` does);
   ``server_cpu_us_per_hop``: redis-server CPU per such hop; ``shard_ceiling_hops_per_s`` =
   1e6 / that (a Redis shard executes commands on one thread: its ceiling when that core is
@@ -58,7 +60,7 @@ are orders of magnitude. Left out: stale drops, the learner's publishing, the ac
 Redis calls (heartbeats, reclaim, trims, backlog checks) and contention between stages
 sharing cores.
 
-    .venv/bin/python benchmarks/capacity.py --json                      # the demo, ~4 min
+    .venv/bin/python benchmarks/capacity.py --json                      # the demo, 4-6 min
     .venv/bin/python benchmarks/capacity.py --json --model tiny --gen-groups 4 --learner-steps 1
     .venv/bin/python benchmarks/capacity.py --json --set learner.device=cuda   # not run here
 """
@@ -227,8 +229,8 @@ async def measure_generator(config: Config, groups: int,
         "group_p50_s": round(statistics.median(seconds), 2), "wall_s": round(wall, 1),
         "loadavg_1m": [load_start, load1()],
     }
-    if stats is not None:
-        report["engine_max_batch_rows"] = stats().max_batch_rows
+    if stats is not None:  # the in-process engine's (the SGLang client has none of these)
+        report["engine_max_batch_rows"] = getattr(stats(), "max_batch_rows", None)
     return report, rollouts
 
 
@@ -369,17 +371,20 @@ def message_bytes(trajectories: list[Trajectory]) -> dict[str, int]:
     return {name: round(statistics.mean(values)) for name, values in sizes.items()}
 
 
-def measure_queue(size: int, messages: int, cited: str | None) -> dict[str, Any]:
+def measure_queue(size: int, args: argparse.Namespace) -> dict[str, Any]:
+    cited, messages = args.hop_json, args.hop_messages
     if cited:
         hop = json.loads(Path(cited).read_text())
         source = f"cited: {cited}"
     else:
         argv = [sys.executable, str(HERE / "queue_hop.py"), "--json", "--no-ray",
                 "--messages", str(messages), "--unbatched-messages", "500", "--repeats", "1",
-                "--size", str(size), "--latency-seconds", "2", "--xadd-requests", "20000"]
+                "--size", str(size), "--latency-seconds", "2", "--xadd-requests", "20000",
+                "--consumers", "--shards"]  # one process, one server: no cluster runs
+        argv += ["--redis-url", args.redis_url] if args.redis_url else []
         done = subprocess.run(argv, capture_output=True, text=True, check=True)
         hop = json.loads(done.stdout)
-        source = " ".join(["benchmarks/queue_hop.py", *argv[3:]])
+        source = " ".join(["benchmarks/queue_hop.py", *argv[2:]]).split(" --redis-url")[0]
     server_us = hop["cpu_us_per_hop"]["hop_task"]["server"]
     return {
         "source": source, "payload_bytes": hop["payload_bytes"],
@@ -390,7 +395,7 @@ def measure_queue(size: int, messages: int, cited: str | None) -> dict[str, Any]
         "server_cpu_us_per_hop": server_us,
         "shard_ceiling_hops_per_s": round(1e6 / server_us) if server_us else None,
         "redis_xadd_per_s": hop.get("redis_xadd_per_s"),
-        "loadavg": [hop.get("loadavg_start"), hop.get("loadavg_end")],
+        "loadavg_1m": [hop["loadavg_start"][0], hop["loadavg_end"][0]],
     }
 
 
@@ -434,7 +439,6 @@ def model(config: Config, gen: dict[str, Any], exe: dict[str, Any], ver: dict[st
         "hops_per_sample": round(HOPS_PER_GROUP / g, 3),
         "hops_per_s_per_learner": round(hops_per_s, 2),
         "learners_per_shard": math.floor(ceiling / hops_per_s) if ceiling else None,
-        "learners_per_shard_one_consumer": math.floor(queue["hop_task_per_s"] / hops_per_s),
     }
 
 
@@ -469,6 +473,8 @@ def main() -> None:
     parser.add_argument("--learner-steps", type=int, default=2, help="timed steps")
     parser.add_argument("--hop-messages", type=int, default=10_000)
     parser.add_argument("--hop-json", help="cite this queue_hop.py JSON instead of running it")
+    parser.add_argument("--redis-url", help="queue_hop.py on this server (your Redis) instead "
+                        "of one it starts; its keys are deleted after (see queue_hop.py)")
     parser.add_argument("--wait-max-s", type=float, default=900.0)
     args = parser.parse_args()
     overrides = args.set + ([f"model.spec={args.model}"] if args.model else [])
@@ -489,7 +495,7 @@ def main() -> None:
     report["learner"] = measure_learner(config, trajectories, args.learner_steps)
     report["message_bytes"] = message_bytes(trajectories)
     size = max(64, round(statistics.mean(report["message_bytes"].values())))
-    report["queue"] = measure_queue(size, args.hop_messages, args.hop_json)
+    report["queue"] = measure_queue(size, args)
     report["model"] = model(config, report["generator"], report["executor"],
                             report["verifier"], report["learner"], report["queue"])
     report["loadavg_end"] = loadavg()
