@@ -51,6 +51,10 @@ from tests.sandbox.docker_engine import IMAGE, engine_get, require_docker
 
 QUICK = Limits(timeout_s=60)
 
+pytestmark = pytest.mark.serial
+"""Alone, after the parallel part (make test): these tests count what a backend's sweeps
+reap, and any other backend on the engine (another worker's test) reaps leftovers too."""
+
 
 @pytest.fixture(scope="module")
 def docker_image() -> str:
