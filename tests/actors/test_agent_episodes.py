@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from pathlib import Path
@@ -21,7 +19,6 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
-import redis
 import trio
 
 from streamrl.actors.agents import AgentRunner, common_prefix
@@ -45,10 +42,11 @@ from streamrl.protocol.messages import Sampling, Trajectory, bytes_to_floats, by
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
+from streamrl.testing.up_run import run_up
 from testing.processes import descendants
 from testing.wait import wait_until
 from tests.actors.test_multiturn import Replica, entries
-from tests.actors.test_repo_tools import REPO, ROW, table, write_rows
+from tests.actors.test_repo_tools import ROW, table, write_rows
 from tests.domains.test_kinds_repo_tests import SANDBOX_PYTEST
 
 pytestmark = pytest.mark.skipif(not SANDBOX_PYTEST, reason="the sandbox's python3 has no "
@@ -242,14 +240,13 @@ def test_up_runs_agent_episodes_against_serve_model(redis_url: str, tmp_path: Pa
     """The whole path under ``streamrl up``: serve-model (``up.serve_models``), the
     executor's endpoint over it (the SGLang client), the scripted agent with the fix, the
     verifier and a learner step on what the agent's calls recorded."""
-    run = f"ag{uuid.uuid4().hex[:8]}"
     write_rows(tmp_path / "data")
     patch = tmp_path / "fix.diff"
     patch.write_text(ROW["solution"])
     name = "repo_agent"
     command = json.dumps([*AGENT[:-1], "2", "--patch", str(patch)])
     overrides = {
-        "run.name": run, "run.work_dir": str(tmp_path / "run"), "up.serve_models": "1",
+        "up.serve_models": "1",
         "scheduler.domains": f'["{name}"]', "scheduler.group_size": "2",
         "scheduler.max_new_tokens": "16", "scheduler.eval_items": "1",
         "scheduler.eval_every": "0", "executor.time_limit_s": "300",
@@ -259,19 +256,10 @@ def test_up_runs_agent_episodes_against_serve_model(redis_url: str, tmp_path: Pa
         f"domain.{name}.agent.command": command, f"domain.{name}.agent.timeout_s": "120",
         "learner.max_steps": "1", "learner.groups_per_step": "1",
     }
-    sets = [arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")]
-    env = {"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml", *sets,
-         "--max-minutes", "5", "--summary-json", str(tmp_path / "summary.json")],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] >= 1 and summary["dead_letters"] == 0
+    done = run_up(redis_url, tmp_path, overrides, prefix="ag", timeout_s=540)
+    assert done.summary["steps"] >= 1 and done.summary["dead_letters"] == 0
 
-    r = redis.Redis.from_url(redis_url)
-    found = [decode(f[b"d"], Trajectory)
-             for _, f in r.xrange(N.Names(run).stream(N.TRAJECTORIES))]
+    found = done.trajectories()
     assert found
     for t in found:
         assert t.rewards == [1.0, 1.0]  # the agent's fix, judged by the hidden tests
@@ -283,5 +271,4 @@ def test_up_runs_agent_episodes_against_serve_model(redis_url: str, tmp_path: Pa
             versions = s.token_versions()
             assert 0 < mask.sum() < len(mask)  # the calls' completions, between the turns
             assert int(versions[mask == 1].min()) == s.weight_version
-    executor_log = (tmp_path / "run" / "logs" / "executor-0.log").read_text()
-    assert "serving the OpenAI endpoint" in executor_log
+    assert "serving the OpenAI endpoint" in done.log("executor-0")

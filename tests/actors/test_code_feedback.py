@@ -7,16 +7,11 @@ through ``streamrl up`` on the same domain (the pipeline, not the score)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-import redis
 import trio
 
 from streamrl.actors.episodes import EpisodeSessions
@@ -30,14 +25,14 @@ from streamrl.domains.declared import ENV, declare_domains
 from streamrl.learner.batch import build_batch
 from streamrl.learner.model import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import Sampling, StepMetrics, Trajectory, bytes_to_ids
+from streamrl.protocol.messages import Sampling, bytes_to_ids
 from streamrl.queues.client import RedisClient
-from streamrl.queues.codec import decode, encode
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
+from streamrl.testing.up_run import run_up
 from tests.actors.test_multiturn import Replica, ScriptedEngine, trajectory
 from tests.domains.test_feedback import ITEM, RIGHT, WRONG
 
-REPO = Path(__file__).resolve().parents[2]
 CONFIG = DomainConfig(max_turns=4, max_tool_calls=2, feedback=FeedbackConfig(
     enabled=True, turn_penalty=0.1))
 
@@ -104,10 +99,7 @@ async def test_feedback_episode_rewards_masks_and_budgets_through_the_actors(
 
 @pytest.mark.slow
 def test_code_with_feedback_trains_with_the_tiny_model(redis_url: str, tmp_path: Path) -> None:
-    run = f"cf{tmp_path.name[-6:]}".replace("-", "")
-    summary_path = tmp_path / "summary.json"
     overrides = {
-        "run.name": run, "run.work_dir": str(tmp_path / "run"),
         "scheduler.domains": '["code"]', "scheduler.group_size": "2",
         "scheduler.max_new_tokens": "24", "scheduler.eval_items": "2",
         "scheduler.eval_every": "0",
@@ -115,19 +107,10 @@ def test_code_with_feedback_trains_with_the_tiny_model(redis_url: str, tmp_path:
         "domain.code.max_total_tokens": "1024",
         "learner.max_steps": "1", "learner.groups_per_step": "1",
     }
-    sets = [arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")]
-    env = {"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml", *sets,
-         "--max-minutes", "5", "--summary-json", str(summary_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
-    assert summary["steps"] >= 1 and summary["dead_letters"] == 0
+    done = run_up(redis_url, tmp_path, overrides, prefix="cf")
+    assert done.summary["steps"] >= 1 and done.summary["dead_letters"] == 0
 
-    r = redis.Redis.from_url(redis_url)
-    names = N.Names(run)
-    trajectories = [decode(f[b"d"], Trajectory) for _, f in r.xrange(names.stream(N.TRAJECTORIES))]
+    trajectories = done.trajectories()
     assert trajectories
     for t in trajectories:
         ep = t.rollout.task.episode
@@ -138,6 +121,5 @@ def test_code_with_feedback_trains_with_the_tiny_model(redis_url: str, tmp_path:
             mask = np.frombuffer(s.mask, dtype=np.uint8)
             assert (mask == 0).any() == (len(s.turns) == 2)
     assert any(len(s.turns) == 2 for t in trajectories for s in t.rollout.samples)
-    metrics: list[Any] = [decode(f[b"d"], StepMetrics) for _, f in r.xrange(
-        names.stream(N.METRICS))]
+    metrics = done.metrics()
     assert metrics and metrics[0].groups >= 1

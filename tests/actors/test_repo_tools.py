@@ -8,15 +8,12 @@ The second test runs the tiny real model through ``streamrl up`` on the same dom
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import redis
 import trio
 
 from streamrl.actors.episodes import EpisodeSessions
@@ -40,18 +37,18 @@ from streamrl.domains.repo.templates import STRINGS
 from streamrl.learner.batch import build_batch
 from streamrl.learner.model import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import Sampling, StepMetrics, Trajectory, bytes_to_ids
+from streamrl.protocol.messages import Sampling, bytes_to_ids
 from streamrl.queues.client import RedisClient
-from streamrl.queues.codec import decode, encode
+from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
 from streamrl.sandbox import ProcessSandbox, opened
+from streamrl.testing.up_run import run_up
 from tests.actors.test_multiturn import Replica, ScriptedEngine, trajectory
 from tests.domains.test_kinds_repo_tests import SANDBOX_PYTEST
 
 pytestmark = pytest.mark.skipif(not SANDBOX_PYTEST, reason="the sandbox's python3 has no "
                                 "pytest (Debian: apt-get install python3-pytest; .ci/run does)")
 
-REPO = Path(__file__).resolve().parents[2]
 NAME = "repo_tools_test"
 ROWS = [instance(STRINGS, next(b for b in STRINGS.bugs if b.name == "slug_last_word"),
                  "textkit", 0),
@@ -193,11 +190,8 @@ def test_tools_table_is_checked_at_load() -> None:
 
 @pytest.mark.slow
 def test_repo_tasks_with_tools_run_with_the_tiny_model(redis_url: str, tmp_path: Path) -> None:
-    run = f"rt{tmp_path.name[-6:]}".replace("-", "")
     write_rows(tmp_path / "data")
-    summary_path = tmp_path / "summary.json"
     overrides = {
-        "run.name": run, "run.work_dir": str(tmp_path / "run"),
         "scheduler.domains": f'["{NAME}"]', "scheduler.group_size": "2",
         "scheduler.max_new_tokens": "24", "scheduler.eval_items": "1",
         "scheduler.eval_every": "0",
@@ -209,19 +203,10 @@ def test_repo_tasks_with_tools_run_with_the_tiny_model(redis_url: str, tmp_path:
         f"domain.{NAME}.max_total_tokens": "2048",
         "learner.max_steps": "1", "learner.groups_per_step": "1",
     }
-    sets = [arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")]
-    env = {"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml", *sets,
-         "--max-minutes", "5", "--summary-json", str(summary_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
-    assert summary["steps"] >= 1 and summary["dead_letters"] == 0
+    done = run_up(redis_url, tmp_path, overrides, prefix="rt")
+    assert done.summary["steps"] >= 1 and done.summary["dead_letters"] == 0
 
-    r = redis.Redis.from_url(redis_url)
-    names = N.Names(run)
-    trajectories = [decode(f[b"d"], Trajectory) for _, f in r.xrange(names.stream(N.TRAJECTORIES))]
+    trajectories = done.trajectories()
     assert trajectories
     for t in trajectories:
         ep = t.rollout.task.episode
@@ -231,8 +216,7 @@ def test_repo_tasks_with_tools_run_with_the_tiny_model(redis_url: str, tmp_path:
             assert 1 <= len(s.turns) <= 2 and s.turns[0].observation
             mask = np.frombuffer(s.mask, dtype=np.uint8)
             assert (mask == 0).any() == (len(s.turns) == 2)
-    metrics: list[Any] = [decode(f[b"d"], StepMetrics) for _, f in r.xrange(
-        names.stream(N.METRICS))]
+    metrics = done.metrics()
     assert metrics and metrics[0].groups >= 1
 
 
