@@ -36,7 +36,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 
 def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return in_process_group() and dist.get_world_size() > 1
+
+
+def in_process_group() -> bool:
+    """A default process group exists, of any size (one rank included: FSDP2 then gives one
+    device bf16 parameters over fp32 master weights, see :class:`learner.train.Trainer`)."""
+    return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:

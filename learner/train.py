@@ -19,7 +19,8 @@ Guarantees:
   optimiser state (:meth:`Trainer.state_dict`), so a resumed run draws the same random
   numbers (dropout) as one that never stopped.
 
-- with ``parallelism="fsdp"`` under a process group, the policy (and the KL reference) are
+- with ``parallelism="fsdp"`` under a process group (of any size: one rank gets FSDP2's bf16
+  parameters over fp32 master weights), the policy (and the KL reference) are
   sharded with FSDP2 instead (:mod:`learner.fsdp`): the same batch split, padding passes and
   world-size scaling (FSDP's reduce-scatter averages too), the gradient norm taken over
   every rank's shards; each backward pass reduce-scatters, so no rank holds a whole gradient.
@@ -176,7 +177,8 @@ class TrainConfig:
     """Under a process group of more than one rank: ``ddp`` replicates the model, its
     gradients and AdamW state on every rank; ``fsdp`` shards all three (FSDP2,
     :mod:`learner.fsdp`; bf16 compute with fp32 reduction on CUDA when ``bf16``). The step
-    is the same either way; ignored in one process."""
+    is the same either way. Without a process group both are ignored; in a group of one
+    rank ``fsdp`` still wraps the model (its mixed precision on one device)."""
     lora: LoraSettings | None = None
     """Train LoRA adapters only, the base frozen (:mod:`learner.lora`); the KL reference is
     then the base with the adapters disabled. None: full fine-tuning."""
@@ -353,8 +355,8 @@ class Trainer:
     ``model`` is always the unwrapped Hugging Face model (state dicts keep its parameter
     names); under a process group with more than one rank, ``ddp`` is the
     ``DistributedDataParallel`` the gradients go through (None in one process), or, with
-    ``parallelism="fsdp"``, ``fsdp`` is the FSDP2 root that shards it (:mod:`learner.fsdp`;
-    ``model``'s parameters are then DTensor shards).
+    ``parallelism="fsdp"`` under any process group, ``fsdp`` is the FSDP2 root that shards
+    it (:mod:`learner.fsdp`; ``model``'s parameters are then DTensor shards).
     """
 
     def __init__(
@@ -384,7 +386,7 @@ class Trainer:
         self.ddp: torch.nn.parallel.DistributedDataParallel | None = None
         self.fsdp: torch.nn.Module | None = None  # the sharded root around ``model``
         self.ref_fsdp: torch.nn.Module | None = None
-        if dist_util.is_distributed() and config.parallelism == "fsdp":
+        if dist_util.in_process_group() and config.parallelism == "fsdp":
             policy = fsdp.mixed_precision(torch.device(config.device), config.bf16)
             self.fsdp = fsdp.shard(_PolicyLogprobs(self.model), self.model, policy)
             if self.ref_model is not None:
