@@ -1,19 +1,29 @@
-"""Learner figures on one accelerator: step time and tokens/s of a 0.5B-class model in bf16,
-and the time to save and load its weights. Prints one JSON object.
+"""GPU readiness in one run: the learner's FSDP2 step, the in-process engine's generation and
+weight sync to a serve-model, on a Qwen2-0.5B-shaped model built from a config (random
+weights: nothing is downloaded). Prints one JSON object.
 
-The model is built from a config (Qwen2-0.5B's shape: 24 layers, hidden 896, 14 heads / 2
-KV heads, vocabulary 151936, tied embeddings; random weights), so nothing is downloaded.
-The step is the project's own :meth:`learner.train.Trainer.step_batch` (GRPO/PPO-clip loss,
-bf16 autocast, fp32 weights and AdamW, gradient clipping) on a synthetic batch of
-``--samples`` sequences of ``--prompt-len`` + ``--completion-len`` tokens. Weights go
-through :func:`learner.weights.save_weights` (safetensors, fsynced, atomic rename) and come
-back with :func:`learner.weights.load_state_into` (in place) and a full ``from_pretrained``.
+Parts (``--parts``, all by default), each its own module here:
 
-Needs python, torch, transformers (and safetensors, which transformers brings); not msgspec,
-not Redis, not SGLang.
+- ``learner`` (:mod:`part_learner`): :meth:`learner.train.Trainer.step_batch` under FSDP2
+  (bf16 parameters, fp32 reduction) and, side by side, without it; tokens/s and MFU;
+- ``generation`` (:mod:`part_generation`): the generator's in-process transformers engine;
+  generated tokens/s and completions/s per batch size;
+- ``weight_sync`` (:mod:`part_weight_sync`): the learner's snapshot to a serve-model server
+  over the broadcast group and through disk, timed, and checked served.
 
-    bash benchmarks/gpu/check.sh                      # GPU, 0.5B, bf16 (a few minutes)
-    bash benchmarks/gpu/check.sh --cpu --tiny         # CPU smoke run (seconds)
+Each part runs in a child process of its own with a time budget (``--budget PART=SECONDS``;
+the defaults keep the whole under 10 minutes on one H200): a part that raises, crashes or runs
+out of time is reported as ``{"error": ...}`` with the figures it wrote before, and the next
+part runs. The child writes its figures to a file as it measures them.
+
+Simplifications: one device (or torchrun's ranks for the learner part: run
+``torchrun --nproc-per-node N benchmarks/gpu/check.py --child learner --result F``); random
+weights and synthetic batches (the speed does not depend on the values); the engine and the
+server decode on the CPU, as they always do (GPUs serve through SGLang, not started here).
+
+    bash benchmarks/gpu/check.sh                          # GPU, 0.5B (under 10 minutes)
+    bash benchmarks/gpu/check.sh --cpu --tiny             # CPU smoke run (seconds)
+    bash benchmarks/gpu/check.sh --parts learner --budget learner=300
 """
 
 from __future__ import annotations
@@ -21,163 +31,145 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-import torch
-
-from streamrl.learner.batch import Batch
-from streamrl.learner.train import TrainConfig, Trainer
-from streamrl.learner.weights import load_state_into, save_weights, version_dir
-
-QWEN2_05B = {
-    "vocab_size": 151936,
-    "hidden_size": 896,
-    "intermediate_size": 4864,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-}
-TINY = {**QWEN2_05B, "vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PARTS = ("learner", "generation", "weight_sync")
+BUDGET_S = {"learner": 210, "generation": 150, "weight_sync": 180}
+"""Seconds per part on the GPU (540 in all; ``check.sh`` stops everything at 580)."""
 
 
-def build_model(tiny: bool) -> Any:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def importable_checkout() -> None:
+    """``streamrl.<folder>`` from this checkout, installed or not: on a machine where the
+    project is not installed (the lent GPU: python with torch and transformers), the folders
+    beside ``streamrl/`` become its subpackages, as ``pyproject.toml``'s package-dir maps them."""
+    import importlib.util
 
-    torch.manual_seed(0)
-    config = Qwen2Config(**(TINY if tiny else QWEN2_05B), attn_implementation="sdpa")
-    return Qwen2ForCausalLM(config)
+    sys.path.insert(0, str(ROOT))
+    import streamrl
 
-
-def synthetic_batch(args: argparse.Namespace, vocab: int) -> Batch:
-    """``samples`` rows of prompt + completion, groups of 8 with rewards 0/1 (advantage +-1)."""
-    g = torch.Generator().manual_seed(0)
-    n, p, c = args.samples, args.prompt_len, args.completion_len
-    width = p + c
-    input_ids = torch.randint(0, vocab, (n, width), generator=g)
-    loss_mask = torch.zeros(n, width - 1)
-    loss_mask[:, p - 1 :] = 1.0
-    advantages = torch.where(torch.arange(n) % 2 == 0, 1.0, -1.0)[:, None] * loss_mask
-    return Batch(
-        input_ids=input_ids,
-        attention_mask=torch.ones(n, width, dtype=torch.int64),
-        loss_mask=loss_mask,
-        old_logprobs=torch.full((n, width - 1), -float(torch.log(torch.tensor(vocab)))) * loss_mask,
-        advantages=advantages,
-        temperature=torch.ones(n),
-        rewards=(torch.arange(n) % 2 == 0).float(),
-        lengths=torch.full((n,), width, dtype=torch.int64),
-    )
+    if importlib.util.find_spec("streamrl.learner") is None:
+        streamrl.__path__.append(str(ROOT))
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu", action="store_true", help="run on the CPU (smoke test)")
     p.add_argument("--tiny", action="store_true", help="a tiny config instead of 0.5B")
-    p.add_argument("--samples", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=256)
-    p.add_argument("--completion-len", type=int, default=768)
-    p.add_argument("--micro-batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
-    p.add_argument("--grad-checkpointing", action="store_true")
-    args = p.parse_args()
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of " + str(PARTS))
+    p.add_argument("--budget", action="append", default=[], metavar="PART=SECONDS",
+                   help="a part's time budget (repeatable); defaults " + str(BUDGET_S))
+    learner = p.add_argument_group("learner")
+    learner.add_argument("--samples", type=int, default=64)
+    learner.add_argument("--prompt-len", type=int, default=256)
+    learner.add_argument("--completion-len", type=int, default=768)
+    learner.add_argument("--micro-batch-size", type=int, default=8)
+    learner.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
+    learner.add_argument("--grad-checkpointing", action="store_true")
+    learner.add_argument("--peak-tflops", type=float, default=None,
+                         help="the device's dense bf16 peak (default: from a table by name)")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--gen-batches", default="1,16", help="batch sizes, comma-separated")
+    gen.add_argument("--gen-prompt-len", type=int, default=128)
+    gen.add_argument("--gen-new-tokens", type=int, default=64)
+    sync = p.add_argument_group("weight_sync")
+    sync.add_argument("--bucket-mb", type=int, default=512,
+                      help="broadcast bucket size (learner.broadcast_bucket_mb)")
+    p.add_argument("--child", choices=PARTS, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    return p
+
+
+def budgets(args: argparse.Namespace) -> dict[str, float]:
+    out: dict[str, float] = dict(BUDGET_S)
+    for item in args.budget:
+        name, _, seconds = item.partition("=")
+        if name not in PARTS:
+            raise SystemExit(f"--budget {item}: unknown part {name!r}")
+        out[name] = float(seconds)
+    return out
+
+
+def run_child(args: argparse.Namespace) -> None:
+    """In the child: run one part; an exception becomes the part's ``error``."""
+    importable_checkout()
+    sys.path.insert(0, str(HERE))
+    from common import Report
+
+    report = Report(args.result)
+    try:
+        if args.child == "learner":
+            from part_learner import run
+        elif args.child == "generation":
+            from part_generation import run
+        else:
+            from part_weight_sync import run
+        run(args, report)
+    except Exception as exc:  # the part's failure is one of its figures
+        traceback.print_exc()
+        report.update(error=f"{type(exc).__name__}: {exc}"[:2000])
+
+
+def run_part(name: str, budget: float) -> dict[str, Any]:
+    """One part in a child process of this script, stopped after ``budget`` seconds."""
+    with tempfile.TemporaryDirectory(prefix=f"gpu-check-{name}-") as tmp:
+        result, log = Path(tmp) / "result.json", Path(tmp) / "log"
+        command = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:],
+                   "--child", name, "--result", str(result)]  # fmt: skip
+        started = time.perf_counter()
+        error = None
+        with log.open("wb") as out:
+            try:
+                code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT,
+                                      timeout=budget).returncode  # fmt: skip
+                if code != 0:
+                    error = f"exit status {code}: {log.read_text(errors='replace')[-1500:]}"
+            except subprocess.TimeoutExpired:
+                error = f"stopped after its budget of {budget:g} s"
+        figures: dict[str, Any] = json.loads(result.read_text()) if result.exists() else {}
+    if error is not None and "error" not in figures:
+        figures["error"] = error
+    figures["seconds"] = round(time.perf_counter() - started, 1)
+    return figures
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.child:
+        return run_child(args)
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    from common import model_name
+
     if not args.cpu and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: pass --cpu (with --tiny) for a CPU smoke run")
-    device = "cpu" if args.cpu else "cuda"
-
-    t0 = time.perf_counter()
-    model = build_model(args.tiny)
-    params = sum(p.numel() for p in model.parameters())
-    trainer = Trainer(
-        model,
-        TrainConfig(lr=1e-6, device=device, bf16=True, micro_batch_size=args.micro_batch_size,
-                    grad_checkpointing=args.grad_checkpointing),
-    )  # fmt: skip
-    build_s = time.perf_counter() - t0
-    batch = synthetic_batch(args, model.config.vocab_size)
-    tokens_total = int(batch.attention_mask.sum())
-    tokens_trained = int(batch.loss_mask.sum())
-
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    times, stats = [], None
-    for i in range(args.steps + 1):
-        sync(device)
-        t = time.perf_counter()
-        stats = trainer.step_batch(batch, groups=args.samples // 8)
-        sync(device)
-        if i:  # the first step is warm-up (kernels, allocator, AdamW state)
-            times.append(time.perf_counter() - t)
-    step_s = sorted(times)[len(times) // 2]
-    assert stats is not None
-
-    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
-    try:
-        sync(device)
-        t = time.perf_counter()
-        no_tokenizer = work / "no-tokenizer"  # an empty directory: config + weights only
-        no_tokenizer.mkdir()
-        save_weights(trainer.model, no_tokenizer, work, 1, keep_last=2)
-        save_s = time.perf_counter() - t
-        size = sum(f.stat().st_size for f in version_dir(work, 1).iterdir())
-        t = time.perf_counter()
-        load_state_into(trainer.model, version_dir(work, 1))
-        sync(device)
-        load_inplace_s = time.perf_counter() - t
-        from transformers import AutoModelForCausalLM
-
-        t = time.perf_counter()
-        fresh = AutoModelForCausalLM.from_pretrained(version_dir(work, 1), dtype=torch.bfloat16)
-        fresh.to(device)
-        sync(device)
-        load_fresh_s = time.perf_counter() - t
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-
-    out = {
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise SystemExit(f"--parts: unknown {sorted(unknown)}; choose from {PARTS}")
+    limits = budgets(args)
+    started = time.perf_counter()
+    out: dict[str, Any] = {
         "benchmark": "gpu_check",
-        "device": torch.cuda.get_device_name()
-        if device == "cuda"
-        else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name() if not args.cpu
+        else platform.processor() or platform.machine(),
         "torch": torch.__version__,
-        "model": "tiny Qwen2 config" if args.tiny else "Qwen2-0.5B-shaped Qwen2Config, random",
-        "parameters": params,
-        "dtype": "bf16 autocast, fp32 weights + AdamW" if device == "cuda" else "fp32 (CPU)",
-        "samples": args.samples,
-        "sequence_tokens": args.prompt_len + args.completion_len,
-        "micro_batch_size": args.micro_batch_size,
-        "grad_checkpointing": args.grad_checkpointing,
-        "build_s": round(build_s, 2),
-        "step_s_median": round(step_s, 4),
-        "step_s_all": [round(x, 4) for x in times],
-        "tokens_per_s": round(tokens_total / step_s, 1),
-        "trained_tokens_per_s": round(tokens_trained / step_s, 1),
-        "loss": stats.loss,
-        "grad_norm": stats.grad_norm,
-        "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        if device == "cuda"
-        else None,
-        "weights_bytes": size,
-        "save_s": round(save_s, 3),
-        "load_in_place_s": round(load_inplace_s, 3),
-        "load_from_pretrained_s": round(load_fresh_s, 3),
+        "python": platform.python_version(),
+        "model": model_name(args.tiny),
+        "parts": parts,
+        "budgets_s": {p: limits[p] for p in parts},
     }
+    for part in parts:
+        out[part] = run_part(part, limits[part])
+    out["seconds"] = round(time.perf_counter() - started, 1)
     print(json.dumps(out, indent=2))
 
 
