@@ -4,9 +4,12 @@ Each completion records the behaviour logprob of every token and the policy (wei
 version that produced it. The process loads the current policy version before it takes any
 work, and follows every ``weights`` event afterwards; the engine applies an update between
 two decoding steps, so a completion may span versions: ``Sample.versions`` has the version
-of every token (interruptible rollouts, see ``inference/``). With ``learner.max_staleness
-= 0`` (synchronous mode) a task waits for the version it was admitted for
-(:class:`VersionGate`, :meth:`protocol.staleness.StalenessPolicy.wait_version`).
+of every token (interruptible rollouts, see ``inference/``). A task waits for the version it
+was admitted at (:class:`VersionGate`, :meth:`protocol.staleness.StalenessPolicy.wait_version`):
+the scheduler admits right after a publish, before the generator has loaded it, and a group
+started on the older weights would be one version staler than the admission bound allows.
+With ``learner.max_staleness = 0`` (synchronous mode) the wait is strict; otherwise after
+``VersionGate.soft_timeout_s`` the task is generated on the weights served.
 
 For a multi-turn domain a task is the next turn of an episode (:meth:`Generator.handle_turn`,
 :mod:`actors.episodes`): each live member's last observation goes into its context with the
@@ -49,14 +52,15 @@ log = structlog.get_logger()
 
 
 class VersionGate:
-    """The weight version this generator serves, for tasks that must not be generated on
-    older weights than they were admitted for (synchronous mode, ``learner.max_staleness =
-    0``). :func:`serve_weight_updates` advances it."""
+    """The weight version this generator serves, for tasks that should not be generated on
+    older weights than they were admitted at. :func:`serve_weight_updates` advances it."""
 
-    def __init__(self, timeout_s: float = 60.0, retry_delay_s: float = 2.0) -> None:
+    def __init__(self, timeout_s: float = 60.0, retry_delay_s: float = 2.0,
+                 soft_timeout_s: float = 10.0) -> None:
         self.version = 0
         self.timeout_s = timeout_s
         self.retry_delay_s = retry_delay_s
+        self.soft_timeout_s = soft_timeout_s
         self._advanced = trio.Event()
 
     def advance(self, version: int) -> None:
@@ -65,12 +69,17 @@ class VersionGate:
             self._advanced.set()
             self._advanced = trio.Event()
 
-    async def wait_for(self, version: int) -> None:
-        """Return once ``version`` or a newer one is served; after ``timeout_s``
-        :class:`Unavailable` (the task is retried, then released for redelivery)."""
-        with trio.move_on_after(self.timeout_s):
+    async def wait_for(self, version: int, strict: bool = True) -> None:
+        """Return once ``version`` or a newer one is served. ``strict``: after ``timeout_s``
+        :class:`Unavailable` (the task is retried, then released for redelivery); else after
+        ``soft_timeout_s`` return anyway (the task is generated on the weights served)."""
+        with trio.move_on_after(self.timeout_s if strict else self.soft_timeout_s):
             while self.version < version:
                 await self._advanced.wait()
+            return
+        if not strict:
+            log.warning("weights not served in time, generating on older ones",
+                        waited_for=version, serving=self.version)
             return
         raise Unavailable(f"weights v{version} not served yet (serving v{self.version})",
                           delay=self.retry_delay_s)
@@ -81,7 +90,7 @@ class Generator:
     input_stream = N.TASKS
     input_type = Task
     gate: VersionGate | None = None
-    """Set in synchronous mode: a task waits for the weights it was admitted for."""
+    """Set by :func:`serve`: a task waits for the weights it was admitted at."""
     staleness = StalenessPolicy(max_staleness=0)
     """The run's staleness policy: which version a task waits for (the gate's)."""
 
@@ -101,9 +110,9 @@ class Generator:
         return await self.engine.generate(prompts, sampling)
 
     async def handle(self, task: Task) -> list[Output]:
-        wait = self.staleness.wait_version(task)
-        if wait is not None and self.gate is not None:
-            await self.gate.wait_for(wait)
+        if self.gate is not None:
+            await self.gate.wait_for(self.staleness.wait_version(task),
+                                     strict=self.staleness.strict_wait)
         domain, item = domain_item(task)
         if is_agent_driven(domain):  # its executor runs the agents (actors/agents.py)
             return [Output(N.ROLLOUTS, Rollout(
@@ -226,7 +235,7 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
         trio.open_nursery() as nursery,
     ):
         staleness = ctx.staleness()
-        gate = VersionGate() if staleness.synchronous else None
+        gate = VersionGate()
         await nursery.start(serve_weight_updates, ctx, engine, gate)
         generator = Generator(engine, tokenizer)
         generator.gate, generator.staleness = gate, staleness

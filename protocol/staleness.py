@@ -8,8 +8,13 @@ it at three points, each asking :class:`StalenessPolicy`:
   ``k < (V + max_staleness + 1) * groups_per_step + D`` (:meth:`StalenessPolicy.room`; D:
   groups that will never be trained, each replaced once), so every admitted group can still
   be trained within ``max_staleness`` versions of the policy that samples it;
-- the generator, in synchronous mode (``max_staleness = 0``, :attr:`StalenessPolicy.synchronous`),
-  generates a task only on the weights it was admitted for (:meth:`StalenessPolicy.wait_version`);
+- the generator generates a task only on weights at least as new as the ones it was admitted
+  at (:meth:`StalenessPolicy.wait_version`): the bound above counts from the admission
+  version, so a generator that had not loaded it yet (a task admitted right after a publish)
+  would sample the group one version older than the bound allows and the learner would drop
+  it. In synchronous mode (``max_staleness = 0``, :attr:`StalenessPolicy.synchronous`) that is
+  exactly the admitted version and the wait is strict; otherwise a generator that cannot
+  load it within a short wait generates on what it serves (:attr:`StalenessPolicy.strict_wait`);
 - the learner drops (acknowledges and counts) a group too stale for the version it would be
   trained at (:meth:`StalenessPolicy.too_stale`); it never trains on one.
 """
@@ -51,10 +56,17 @@ class StalenessPolicy:
         admitted at, so it must be generated on exactly those weights (the batch barrier)."""
         return self.max_staleness == 0
 
-    def wait_version(self, task: Task) -> int | None:
-        """The weight version a generator must serve before it generates ``task`` (the one it
-        was admitted at) in synchronous mode; None: any version will do."""
-        return task.policy_version if self.synchronous else None
+    def wait_version(self, task: Task) -> int:
+        """The weight version a generator should serve before it generates ``task``: the one
+        it was admitted at."""
+        return task.policy_version
+
+    @property
+    def strict_wait(self) -> bool:
+        """Whether a task may only be generated once :meth:`wait_version` is served (the
+        synchronous mode's barrier); else a generator waits a short while, then generates on
+        the weights it serves (the learner still drops what ends up too stale)."""
+        return self.synchronous
 
     def staleness(self, trajectory: Trajectory, version: int) -> int:
         return group_staleness(trajectory, version)

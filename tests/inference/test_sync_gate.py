@@ -1,5 +1,6 @@
-"""Synchronous mode in the generator: a task admitted for policy version V is never generated
-on older weights; it waits for V (real Redis weights stream, real in-process engine)."""
+"""The generator's version gate: a task admitted at policy version V waits for V. In
+synchronous mode it is never generated on older weights (real Redis weights stream, real
+in-process engine); in async mode it waits a short while, then goes ahead."""
 
 from __future__ import annotations
 
@@ -77,3 +78,29 @@ async def test_gate_gives_up_with_a_retryable_error(autojump_clock: trio.abc.Clo
     await gate.wait_for(2)  # older versions pass at once
     with pytest.raises(Unavailable, match="v4 not served"):
         await gate.wait_for(4)
+
+
+async def test_async_mode_waits_a_short_while_then_generates_on_what_is_served(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Given a generator serving version 3 and the async mode's soft wait
+    gate = VersionGate(timeout_s=60, soft_timeout_s=5)
+    gate.advance(3)
+
+    async def publish_later() -> None:
+        await trio.sleep(1)
+        gate.advance(4)
+
+    # When a task admitted at version 4 comes in just before that version is loaded
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(publish_later)
+        t0 = trio.current_time()
+        await gate.wait_for(4, strict=False)
+        # Then it waited for it (and no longer)
+        assert trio.current_time() - t0 == pytest.approx(1)
+    # When the version it was admitted at never comes
+    t0 = trio.current_time()
+    await gate.wait_for(9, strict=False)
+    # Then it goes ahead on the weights served after the soft wait, with no error
+    assert trio.current_time() - t0 == pytest.approx(5)
+    assert gate.version == 4

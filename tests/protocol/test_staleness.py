@@ -57,8 +57,10 @@ def test_admission_and_the_learner_agree_on_the_bound() -> None:
         assert not policy.too_stale(_group([sampled_at]), trained_at)
 
 
-def test_only_synchronous_mode_waits_for_the_admitted_version() -> None:
+def test_every_mode_waits_for_the_admitted_version_only_synchronous_strictly() -> None:
     task = _group([3]).rollout.task
     assert StalenessPolicy(max_staleness=0).synchronous
     assert StalenessPolicy(max_staleness=0).wait_version(task) == task.policy_version
-    assert StalenessPolicy(max_staleness=2).wait_version(task) is None
+    assert StalenessPolicy(max_staleness=0).strict_wait
+    assert StalenessPolicy(max_staleness=2).wait_version(task) == task.policy_version
+    assert not StalenessPolicy(max_staleness=2).strict_wait
