@@ -6,6 +6,10 @@ or saves a mesh to ``out.npz`` / ``out.stl`` itself. The assistant turn is prime
 ``ANSWER_PREFIX`` (an opened ```python block, the import, ``shape = Manifold.``): ``render_prompt``
 appends it, and the program is the first fenced block of prefix + completion, unless the
 completion opens its own block first (its first fence carries a language tag), then that.
+A block the completion never closed (it stopped at its token limit mid-script) is no script:
+which of its lines run would depend on where the limit cut it, and under RL the model learned
+to exploit that (issue 18: after 5 steps of ``configs/multi.toml`` its completions repeated
+one line to the limit, and a cut that left valid syntax still scored the cube's 0.6).
 The sandbox runs ``python3 -I -S cad_driver.py`` (:mod:`domains.cad.driver`): the script
 runs in a child, everything it started is killed, and only then is the checker
 (:mod:`domains.cad.checker`) staged and run on a copy of the mesh. The checker only measures
@@ -15,7 +19,7 @@ consistency: V - E + F equals the Euler number, a closed triangle mesh has 2E = 
 volume fits in the bounding box) and compares it with the
 task here, on the host.
 
-Reward: 0 when the shape does not build (no fenced script, the script fails or times out, no
+Reward: 0 when the shape does not build (no closed fenced script, the script fails or times out, no
 mesh, an empty or unreadable or over-large mesh, a verdict that does not validate); else the
 fraction of :data:`CONSTRAINTS` met:
 - ``watertight``: closed (every edge in exactly two faces), consistently wound, volume > 0;
@@ -46,7 +50,6 @@ import structlog
 
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
 from streamrl.domains.cad.runtime import MARKER, runtime_dir
-from streamrl.domains.code.domain import extract_program
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 log = structlog.get_logger()
@@ -68,6 +71,7 @@ EXTENT_ABS = 0.1
 CONSTRAINTS = ("watertight", "volume", "extents", "genus", "bodies")
 ANSWER_PREFIX = "```python\nfrom manifold3d import Manifold\n\nshape = Manifold."
 _OWN_BLOCK = re.compile(r"```[ \t]*[A-Za-z]")
+_CLOSED_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 
 _INTS = ("vertices", "edges", "faces", "euler", "bodies", "exit_code")
 _BOOLS = ("built", "watertight", "winding_consistent")
@@ -93,13 +97,14 @@ def nonce(item: CadItem, completion_text: str) -> str:
 
 
 def program(completion_text: str) -> str:
-    """The script: the primed block continued, or a block the completion opened itself."""
+    """The script: the primed block continued, or a block the completion opened itself; only
+    a block the completion closed ("" for one cut off at the token limit)."""
     if not completion_text.strip():
         return ""
     fence = completion_text.find("```")
-    if fence >= 0 and _OWN_BLOCK.match(completion_text, fence):
-        return extract_program(completion_text)
-    return extract_program(ANSWER_PREFIX + completion_text)
+    own = fence >= 0 and _OWN_BLOCK.match(completion_text, fence)
+    match = _CLOSED_BLOCK.search(completion_text if own else ANSWER_PREFIX + completion_text)
+    return match.group(1).strip() if match else ""
 
 
 def read_verdict(item: CadItem, completion_text: str, result: ExecResult | None

@@ -14,7 +14,7 @@ import trio
 
 from streamrl.domains.cad import CONSTRAINTS, Cad, CadItem, constraints, read_verdict
 from streamrl.domains.cad import generate as gen
-from streamrl.domains.cad.domain import nonce
+from streamrl.domains.cad.domain import nonce, program
 from streamrl.domains.cad.runtime import install
 from streamrl.domains.registry import get_domain
 from streamrl.sandbox.base import ExecResult
@@ -298,3 +298,21 @@ async def test_a_primed_completion_needs_only_the_shape(cad: Cad, box: ProcessSa
     assert score == 1.0
     score, _ = await run(cad, box, BOX, "cube([10, 20])\n```")  # a TypeError
     assert score == 0.0
+
+
+async def test_a_script_cut_off_at_the_token_limit_is_no_script(
+    cad: Cad, box: ProcessSandbox
+) -> None:
+    # the same cube, closed, scores; unclosed (the completion stopped at its token limit), it
+    # is no script at all: whether its lines run would depend on where the limit cut them
+    closed = "cube([10, 20, 30])\nshape = shape.translate([0, 0, 0])\n```"
+    score, _ = await run(cad, box, BOX, closed)
+    assert score == 1.0
+    for cut in (closed[:-3], closed[:-3] + "shape = shape.trans", "cube([10, 20, 30])\n"):
+        assert program(cut) == ""
+        assert cad.exec_request(BOX, cut) is None
+        assert cad.score(BOX, cut, None) == 0.0
+    # a block the completion opened itself must be closed too
+    own = "Here:\n```python\n" + HEAD + "shape = Manifold.cube([10, 20, 30])\n"
+    assert program(own) == ""
+    assert program(own + "```") == HEAD + "shape = Manifold.cube([10, 20, 30])"
