@@ -37,7 +37,8 @@ class UpRun:
         """Every entry of one of the run's streams (e.g. ``N.TRAJECTORIES``), decoded."""
         r = redis.Redis.from_url(self.redis_url)
         try:
-            return [decode(f[b"d"], kind) for _, f in r.xrange(N.Names(self.run).stream(stream))]
+            entries: Any = r.xrange(N.Names(self.run).stream(stream))
+            return [decode(fields[b"d"], kind) for _, fields in entries]
         finally:
             r.close()
 
