@@ -42,12 +42,12 @@ from streamrl.protocol.messages import Sampling, Trajectory, bytes_to_floats, by
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
-from streamrl.testing.up_run import run_up
 from testing.processes import descendants
 from testing.wait import wait_until
 from tests.actors.test_multiturn import Replica, entries
 from tests.actors.test_repo_tools import ROW, table, write_rows
 from tests.domains.test_kinds_repo_tests import SANDBOX_PYTEST
+from tests.up_run import run_up
 
 pytestmark = pytest.mark.skipif(not SANDBOX_PYTEST, reason="the sandbox's python3 has no "
                                 "pytest (Debian: apt-get install python3-pytest; .ci/run does)")

@@ -29,9 +29,9 @@ from streamrl.protocol.messages import Sampling, bytes_to_ids
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
-from streamrl.testing.up_run import run_up
 from tests.actors.test_multiturn import Replica, ScriptedEngine, trajectory
 from tests.domains.test_feedback import ITEM, RIGHT, WRONG
+from tests.up_run import run_up
 
 CONFIG = DomainConfig(max_turns=4, max_tool_calls=2, feedback=FeedbackConfig(
     enabled=True, turn_penalty=0.1))

@@ -42,9 +42,9 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
 from streamrl.sandbox import ProcessSandbox, opened
-from streamrl.testing.up_run import run_up
 from tests.actors.test_multiturn import Replica, ScriptedEngine, trajectory
 from tests.domains.test_kinds_repo_tests import SANDBOX_PYTEST
+from tests.up_run import run_up
 
 pytestmark = pytest.mark.skipif(not SANDBOX_PYTEST, reason="the sandbox's python3 has no "
                                 "pytest (Debian: apt-get install python3-pytest; .ci/run does)")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.testing.up_run import run_up
+from tests.up_run import run_up
 
 
 @pytest.mark.slow
