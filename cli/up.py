@@ -280,7 +280,10 @@ async def _serve_autoscaler(config: Config, ctx: Any, children: list[Child], con
         await nursery.start(child.serve)
 
     async def remove(stage: str) -> None:
-        newest = max(live(stage), key=lambda c: c.index)
+        running = live(stage)
+        if not running:  # gone already (it finished, or is stopping with the run's end)
+            return
+        newest = max(running, key=lambda c: c.index)
         nursery.start_soon(partial(newest.stop, timeout_s=70.0))  # drains what it holds
 
     replicas = {stage: len(live(stage)) for _, stage in STAGE_INPUTS}
