@@ -17,6 +17,14 @@ Guarantees:
 - a row whose ``aborted`` flag is set ends before the next step with what it has so far
   (``finish_reason == "abort"``), the others go on.
 
+- prefill costs the batch's distinct prompt tokens, not rows x longest prompt: identical
+  prompts (a group's samples) are prefilled once and their cache rows copied, and the
+  distinct ones are prefilled in buckets of similar length (padding within a bucket at most
+  a quarter of its tokens), then laid into one left-padded cache; the logits are those of the
+  plain padded prefill up to float noise (``tests/inference/test_decode_prefill.py``).
+  Models whose cache is not plain per-layer key/value tensors (sliding-window or recurrent
+  layers) take the plain padded prefill.
+
 Not covered: continuous batching (rows never join a running batch), repetition penalties,
 top-k, stop strings.
 """
@@ -30,6 +38,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from streamrl.learner.model import route_transformers_logging
 
@@ -77,22 +86,109 @@ def _choose(logp: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     return chosen
 
 
-def _prefill(model: Any, seqs: list[list[int]], pad_id: int
-             ) -> tuple[Any, DynamicCache, torch.Tensor, torch.Tensor]:
-    """One forward over left-padded ``seqs``: ``(output, cache, attention mask, last position)``."""
-    width = max(len(s) for s in seqs)
+PREFILL_SLACK = 1.25
+"""A prefill bucket's padded tokens are at most this times its real tokens (plus one row)."""
+PREFILL_TOKENS = 8192
+"""Padded tokens per prefill forward pass, at most (one prompt longer than this goes alone)."""
+
+
+def _padded(seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Left-padded ``(input ids, attention mask, position ids)`` of ``seqs``."""
+    width = width or max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, seq in enumerate(seqs):
         ids[i, width - len(seq) :] = torch.as_tensor(seq, dtype=torch.long)
         mask[i, width - len(seq) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def _forward(model: Any, seqs: Sequence[Sequence[int]], pad_id: int
+             ) -> tuple[torch.Tensor, DynamicCache]:
+    """One left-padded forward over ``seqs``: ``(last logits [B, V], cache)``."""
+    ids, mask, positions = _padded(seqs, pad_id)
     kv = DynamicCache(config=model.config)
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=positions,
         use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): kv},
     )
-    return out, kv, mask, positions[:, -1:]
+    return out.logits[:, -1, :], kv
+
+
+def _plain_layers(kv: DynamicCache) -> bool:
+    return all(type(layer) is DynamicLayer for layer in kv.layers)
+
+
+def _tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A filled plain layer's ``(keys, values)``, each ``[rows, heads, width, dim]``."""
+    assert isinstance(layer, DynamicLayer) and layer.keys is not None and layer.values is not None
+    return layer.keys, layer.values
+
+
+def prefill_buckets(lengths: Sequence[int], slack: float = PREFILL_SLACK,
+                    budget: int = PREFILL_TOKENS) -> list[list[int]]:
+    """Indices of ``lengths`` grouped for prefill: by increasing length, each bucket as long
+    as its padded size stays within ``slack`` times its real tokens (plus one row's worth)
+    and within ``budget`` padded tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    buckets: list[list[int]] = []
+    real = 0
+    for i in order:
+        n = lengths[i]  # the longest so far: sorted ascending
+        if buckets:
+            rows = len(buckets[-1]) + 1
+            if rows * n <= slack * (real + n) + n and rows * n <= budget:
+                buckets[-1].append(i)
+                real += n
+                continue
+        buckets.append([i])
+        real = n
+    return buckets
+
+
+def _prefill(model: Any, seqs: list[list[int]], pad_id: int
+             ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
+    """Prefill ``seqs``: ``(last logits [B, V], cache, attention mask, last position)``, the
+    cache and mask left-padded to the longest sequence. Identical sequences are computed once;
+    the distinct ones in buckets of similar length (:func:`prefill_buckets`)."""
+    distinct: dict[tuple[int, ...], int] = {}
+    rows = [distinct.setdefault(tuple(s), len(distinct)) for s in seqs]
+    unique = list(distinct)
+    _, mask, positions = _padded(seqs, pad_id)
+    width = mask.shape[1]
+    buckets = prefill_buckets([len(s) for s in unique])
+    if len(unique) == len(seqs) and len(buckets) == 1:  # nothing to save: one plain forward
+        logits, kv = _forward(model, seqs, pad_id)
+        return logits, kv, mask, positions[:, -1:]
+    parts = [(bucket, *_forward(model, [unique[i] for i in bucket], pad_id))
+             for bucket in buckets]
+    if not all(_plain_layers(kv) for _, _, kv in parts):
+        logits, kv = _forward(model, seqs, pad_id)
+        return logits, kv, mask, positions[:, -1:]
+    logits = torch.empty((len(unique), parts[0][1].shape[-1]), dtype=parts[0][1].dtype)
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for bucket, bucket_logits, kv in parts:
+        index = torch.tensor(bucket, dtype=torch.long)
+        logits[index] = bucket_logits
+        for n, layer in enumerate(kv.layers):
+            keys, values = _tensors(layer)  # the bucket's own width
+            if n == len(layers):
+                shape = (len(unique), keys.shape[1], width, keys.shape[3])
+                layers.append((keys.new_zeros(shape), values.new_zeros(
+                    (len(unique), values.shape[1], width, values.shape[3]))))
+            # the bucket is left-padded to its own width: right-aligned in the full width,
+            # its padding falls where the full mask is 0 as well
+            layers[n][0][index, :, width - keys.shape[2]:] = keys
+            layers[n][1][index, :, width - values.shape[2]:] = values
+    cache = DynamicCache(config=model.config)
+    for n, (keys, values) in enumerate(layers):
+        cache.update(keys, values, n)
+    if len(unique) < len(seqs):  # copy the shared rows out
+        expand = torch.tensor(rows, dtype=torch.long)
+        cache.batch_select_indices(expand)
+        logits = logits[expand]
+    return logits, cache, mask, positions[:, -1:]
 
 
 @torch.inference_mode()
@@ -118,12 +214,13 @@ def decode_batch(
     if checkpoint:
         checkpoint()
     version = weights() if weights else 0
-    out, kv, mask, last_pos = _prefill(model, [list(rows[a].prompt) for a in active], pad_id)
+    logits, kv, mask, last_pos = _prefill(model, [list(rows[a].prompt) for a in active],
+                                          pad_id)
     temps = torch.tensor([[rows[a].temperature if rows[a].temperature > 0 else 1.0]
                           for a in active])
     forwards = 1
     while True:
-        logp = torch.log_softmax(out.logits[:, -1, :].float() / temps, dim=-1)
+        logp = torch.log_softmax(logits.float() / temps, dim=-1)
         tokens = _choose(logp, [rows[a] for a in active])
         chosen_logp = logp.gather(1, tokens[:, None])[:, 0]
         keep = []
@@ -151,15 +248,15 @@ def decode_batch(
         if current != version:  # new weights: rebuild the cache under them
             version = current
             seqs = [[*rows[a].prompt, *results[a].tokens] for a in active]
-            out, kv, mask, last_pos = _prefill(model, seqs, pad_id)
+            logits, kv, mask, last_pos = _prefill(model, seqs, pad_id)
             forwards += 1
             continue
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
         last_pos = last_pos + 1
-        out = model(
+        logits = model(
             input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos,
             use_cache=True, **{_cache_kwarg(model): kv},
-        )
+        ).logits[:, -1, :]
         forwards += 1
 
 
