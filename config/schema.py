@@ -683,6 +683,13 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """Gradients are clipped to this global norm."""
     micro_batch_size: PosInt = 8
     """Sequences per forward/backward pass (gradients accumulate over a step)."""
+    max_tokens_per_micro_batch: NonNegInt = 0
+    """Pack samples into micro-batches of at most this many tokens, several per row without
+    attending across them (no padding to the longest sample; the step is the same); 0:
+    ``micro_batch_size`` samples per micro-batch, right-padded."""
+    logprob_chunk_tokens: PosInt = 1024
+    """Tokens per chunk of the vocabulary projection and log-softmax: the fp32 logits held at
+    once are ``[chunk, vocab]``, never the whole micro-batch's."""
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
     keep_last: PosInt = 3

@@ -174,7 +174,7 @@ def test_every_switch_reaches_the_trainer_from_toml(tmp_path: Path) -> None:
         "tis_cap = 3.0\nkl_coef = 0.01\nkl_estimator = 'k2'\nkl_in_reward = true\n"
         "entropy_coef = 0.001\noverlong_filter = true\nlength_penalty_tokens = 64\n"
         "warmup_steps = 5\nlr_decay = 'cosine'\nmax_steps = 100\nmin_lr_ratio = 0.1\n"
-        "max_grad_norm = 0.5\n"
+        "max_grad_norm = 0.5\nmax_tokens_per_micro_batch = 4096\nlogprob_chunk_tokens = 256\n"
     )
     # When the learner builds its TrainConfig
     cfg = train_config(load_config(path))
@@ -188,6 +188,7 @@ def test_every_switch_reaches_the_trainer_from_toml(tmp_path: Path) -> None:
     assert (cfg.warmup_steps, cfg.lr_decay, cfg.lr_decay_steps, cfg.min_lr_ratio) == (
         5, "cosine", 100, 0.1)  # fmt: skip
     assert cfg.max_grad_norm == 0.5
+    assert (cfg.max_tokens_per_micro_batch, cfg.logprob_chunk_tokens) == (4096, 256)
     # and the defaults are today's trainer
     default = train_config(load_config(None))
     assert default.clip_eps_high is None and default.objective == "ppo"
