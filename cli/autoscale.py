@@ -10,7 +10,10 @@ Every ``up.autoscale_interval_s`` the supervisor samples each work stream's cons
 
 - **up**: the most downstream stage of the training path (generator <- tasks, executor <-
   rollouts, verifier <- executed) whose input lag stayed at least ``up.autoscale_lag`` in
-  every sample gets one replica, unless it has ``up.autoscale_max_replicas`` or the run has
+  every sample, or whose every slot (``concurrency`` per replica) held an entry in every
+  sample, gets one replica (a run held back by its staleness bound and the scheduler's
+  backpressure may never build a lag in front of its slowest stage: that stage is the one
+  always busy), unless it has ``up.autoscale_max_replicas`` or the run has
   ``up.autoscale_max_processes`` actor processes. Backpressure makes every stage upstream of
   a slow one back up too, so only the most downstream backlogged stage is scaled (as
   ``streamrl status`` names the bottleneck); when it is at its maximum nothing upstream is
@@ -61,11 +64,18 @@ def decide(history: Sequence[Sample], replicas: Mapping[str, int], base: Mapping
     ``room``: actor processes that may still be added."""
     for stream, stage in reversed(STAGE_INPUTS):
         lags = [h[stream][0] for h in history]
+        slots = replicas[stage] * concurrency[stage]
+        busy = [h[stream][1] for h in history]
         if min(lags) >= lag:
-            if replicas[stage] >= max_replicas or room < 1:
-                return None
-            return Change(stage, +1, f"{stream}: lag {min(lags)}..{max(lags)} in the last "
-                                     f"{len(history)} samples")
+            why = f"{stream}: lag {min(lags)}..{max(lags)} in the last {len(history)} samples"
+        elif min(busy) >= slots:
+            why = (f"{stream}: every slot busy ({min(busy)}..{max(busy)} pending, {slots} "
+                   f"slots) in the last {len(history)} samples")
+        else:
+            continue
+        if replicas[stage] >= max_replicas or room < 1:
+            return None
+        return Change(stage, +1, why)
     for stream, stage in STAGE_INPUTS:
         n = replicas[stage]
         if n <= base[stage]:

@@ -798,7 +798,8 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Samples a decision looks at (and waits for again after each change)."""
     autoscale_lag: PosInt = 1
     """A stage whose input lag (entries no replica took yet) was at least this in every
-    sample of the window gets a replica (the most downstream such stage)."""
+    sample of the window, or whose every slot was busy in every sample, gets a replica (the
+    most downstream such stage)."""
     autoscale_max_replicas: PosInt = 4
     """Most replicas of one stage."""
     autoscale_max_processes: NonNegInt = 0
