@@ -12,6 +12,13 @@ its keys' slot. Every call the queue layer makes touches keys of one slot (see
 :mod:`protocol.names`), so it runs there unchanged. A blocking connection is opened to the
 primary owning the slot of the key it blocks on, and ``CLIENT UNBLOCK`` goes to that node.
 
+The hot path (a consumer's read and its batched hand-off script) skips redis-py's per-argument
+command packing and reply callbacks: :func:`encode_command` writes the RESP request in one
+pass, :func:`execute_encoded` sends it on a pooled connection and returns the reply as the
+parser gives it, and :func:`run_script` adds redis-py's ``Script`` behaviour (EVALSHA, loaded
+again on NOSCRIPT). They take a plain :class:`redis.Redis` (one server, or one node of a
+cluster); a cluster client keeps redis-py's own path, which routes and follows MOVED.
+
 Transient connection errors (Redis restarting or loading its AOF, a dropped connection, a
 cluster re-electing) do not surface at once: every call is retried with exponential backoff
 and full jitter (:mod:`streamrl.backoff`), logged, for up to :attr:`Reconnect.timeout_s`, then
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -107,6 +114,60 @@ class RedisURL:
     def without_credentials(self) -> RedisURL:
         parts = urlsplit(self.url)
         return RedisURL(parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl())
+
+
+Arg = bytes | str | int | float
+"""An argument of an encoded command."""
+
+
+def encode_command(args: Sequence[Arg]) -> bytes:
+    """The RESP request for the command ``args``, as redis-py encodes it (str as UTF-8, an int
+    in decimal, a float as its ``repr``; a bool is refused), built in one pass: redis-py calls
+    its encoder once per argument and packs through hiredis, several times slower for a
+    script call that carries hundreds of payloads."""
+    parts = [b"*%d\r\n" % len(args)]
+    append = parts.append
+    for arg in args:
+        if isinstance(arg, str):
+            arg = arg.encode()
+        elif not isinstance(arg, bytes):
+            if isinstance(arg, bool) or not isinstance(arg, int | float):
+                raise TypeError(f"cannot encode {type(arg).__name__} as a Redis argument")
+            arg = b"%d" % arg if isinstance(arg, int) else repr(arg).encode()
+        append(b"$%d\r\n" % len(arg))
+        append(arg)
+        append(b"\r\n")
+    return b"".join(parts)
+
+
+def execute_encoded(sync: redis.Redis, command: bytes) -> Any:
+    """Send ``command`` (:func:`encode_command`) on a connection of ``sync``'s pool; return
+    its reply as the parser gives it (no response callback: RESP3 maps stay dicts). An error
+    reply raises as with redis-py; a connection error closes the connection and raises (the
+    caller's :func:`with_reconnect` retries on a new one)."""
+    pool = sync.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command([command])
+        return conn.read_response()
+    except (redis.ConnectionError, redis.TimeoutError):
+        conn.disconnect()
+        raise
+    finally:
+        pool.release(conn)
+
+
+def run_script(script: Any, sync: redis.Redis, keys: Sequence[Arg], args: Sequence[Arg]) -> Any:
+    """``script(keys=keys, args=args)`` (a script of ``register_script``) through
+    :func:`execute_encoded`: EVALSHA, and on NOSCRIPT (a server restarted, or one that never
+    saw it) SCRIPT LOAD and EVALSHA again, as redis-py's ``Script`` does."""
+    head: list[Arg] = ["EVALSHA", script.sha, len(keys)]
+    try:
+        return execute_encoded(sync, encode_command([*head, *keys, *args]))
+    except redis.exceptions.NoScriptError:
+        script.sha = sync.script_load(script.script)
+        head[1] = script.sha
+        return execute_encoded(sync, encode_command([*head, *keys, *args]))
 
 
 class _ClusterClient(RedisCluster):
@@ -315,12 +376,14 @@ class BlockingConnection:
         try:
             return await self._call(interrupt, fn, *args, **kwargs)
         except redis.exceptions.MovedError as moved:
-            if self._client.cluster is None or getattr(fn, "__self__", None) is not self.sync:
+            bound = getattr(fn, "__self__", None)
+            if self._client.cluster is None or (bound is not self.sync and bound is not self):
                 raise
             self.close()
             self._id = None
             self.sync = self._connect(self._client.url.node_url(moved.host, int(moved.port)))
-            return await self._call(interrupt, getattr(self.sync, fn.__name__), *args, **kwargs)
+            again = fn if bound is self else getattr(self.sync, fn.__name__)
+            return await self._call(interrupt, again, *args, **kwargs)
 
     async def _call(
         self, interrupt: trio.Event | None, fn: Callable[..., T], *args: Any, **kwargs: Any
@@ -352,6 +415,14 @@ class BlockingConnection:
         if error is not None:
             raise error
         return result
+
+    async def execute(self, command: bytes, *, interrupt: trio.Event | None = None) -> Any:
+        """:meth:`call` for a command encoded by :func:`encode_command`: its reply as parsed,
+        without redis-py's packing and response callback."""
+        return await self.call(self._execute, command, interrupt=interrupt)
+
+    def _execute(self, command: bytes) -> Any:
+        return execute_encoded(self.sync, command)  # self.sync: the node it moved to, if so
 
     async def _unblock(self) -> None:
         """One attempt, no reconnect wait (this runs shielded, while cancelling): with Redis

@@ -36,6 +36,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import ClassVar, Self
 
 from redis.crc import key_slot as _key_slot
@@ -98,12 +99,12 @@ class Layout:
         stream of a sharded run seen from its run-global view)."""
         return self.shard is None and self.sharded and stream not in self.GLOBAL_STREAMS
 
-    @property
+    @cached_property  # a layout is frozen; every key name of a hot path starts with these
     def prefix(self) -> str:
         """Prefix of the run-global keys (and of every key when unsharded)."""
         return f"streamrl:{{{self.run}}}:"
 
-    @property
+    @cached_property
     def shard_prefix(self) -> str:
         """Prefix of this shard's work path: streams, dead letters, dedup keys, blobs."""
         if self.shard is None:

@@ -38,7 +38,7 @@ import redis
 import structlog
 import trio
 
-from streamrl.queues.client import RedisClient
+from streamrl.queues.client import Arg, RedisClient, encode_command, run_script
 from streamrl.queues.codec import DeadLetter, M, MessageError, decode, encode
 from streamrl.queues.keys import DEAD, Layout, one_slot
 from streamrl.queues.payloads import (
@@ -139,6 +139,30 @@ def _decode_entries(raw: Any) -> list[tuple[str, bytes | None]]:
     return out
 
 
+def _reply_entries(reply: Any) -> list[tuple[str, bytes | None]]:
+    """:func:`_decode_entries` of a raw XREADGROUP / XREAD reply for one stream, as the
+    parser gives it (:meth:`queues.client.BlockingConnection.execute`): a RESP3 map
+    {stream: entries}, a RESP2 array [[stream, entries]], or None when nothing came."""
+    if not reply:
+        return []
+    entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+    return [
+        (
+            eid.decode() if isinstance(eid, bytes) else eid,
+            fields[1] if fields and fields[0] == FIELD else _field(fields),
+        )
+        for eid, fields in entries
+    ]
+
+
+def _field(fields: list[bytes] | None) -> bytes | None:
+    """The payload field of an entry's [field, value, ...] (None: none, or entry deleted)."""
+    for i in range(0, len(fields or ()) - 1, 2):
+        if fields[i] == FIELD:  # type: ignore[index]
+            return fields[i + 1]  # type: ignore[index]
+    return None
+
+
 def _id_order(entry_id: str) -> tuple[int, int]:
     ms, _, seq = entry_id.partition("-")
     return int(ms), int(seq or 0)
@@ -186,6 +210,7 @@ class StreamConsumer:
         self._deadletter = client.sync.register_script(_DEADLETTER)
         self._trim = client.sync.register_script(_TRIM)
         self._handoff_batch = client.sync.register_script(_HANDOFF_BATCH)
+        self._read_new = ("XREADGROUP", "GROUP", group, self.consumer, "COUNT")
         self._pending_cursor: str | None = "0"  # None once the own pending list is drained
         self._batches: list[_Batch] = []  # hand-offs waiting for serve_flusher, oldest first
         self._flush_wanted = trio.lowlevel.ParkingLot()  # idle flushers wait here
@@ -217,16 +242,10 @@ class StreamConsumer:
                 self._pending_cursor = pending[-1].entry_id
                 return pending
             self._pending_cursor = None
-        raw: Any = await self._blocking.call(
-            self._blocking.sync.xreadgroup,
-            self.group,
-            self.consumer,
-            {self.stream: ">"},
-            count=count,
-            block=self.settings.block_ms,
-            interrupt=interrupt,
-        )
-        entries = _decode_entries(raw[0][1]) if raw else []
+        command: list[Arg] = [*self._read_new, count, "BLOCK", self.settings.block_ms]
+        command += ("STREAMS", self.stream, ">")
+        raw = await self._blocking.execute(encode_command(command), interrupt=interrupt)
+        entries = _reply_entries(raw)
         self.statistics_counts["read"] += len(entries)
         return await self._deliveries(entries, None)
 
@@ -251,11 +270,16 @@ class StreamConsumer:
         The delivery limit comes first: an entry past ``max_deliveries`` is handed out with
         its error and nothing of its payload fetched (a blob that kills its reader cannot keep
         it alive), and no entry's payload can fail the read of the batch."""
+        limits, key = self.settings.limits, self.stream
+        if counts is None and all(  # new entries, each a plain payload: nothing to check
+            p is not None and len(p) <= limits.max_bytes and not p.startswith(REF_PREFIX)
+            for _, p in entries
+        ):
+            return [Delivery(eid, p, 1, None, p) for eid, p in entries]
         counts = counts or {}
         limit = self.settings.max_deliveries
         past = {eid for eid, _ in entries if limit and counts.get(eid, 1) > limit}
         todo = [(eid, p) for eid, p in entries if eid not in past]
-        limits, key = self.settings.limits, self.stream
         if any(p is not None and p.startswith(REF_PREFIX) for _, p in todo):
             resolved = await self.client.call(
                 resolve, self.client.sync, todo, limits, stream_key=key
@@ -354,22 +378,19 @@ class StreamConsumer:
         is harmless, a hand-off is idempotent."""
         if not handoffs:
             return
-        prepared: list[Handoff] = []
-        blobs: list[Blob] = []
+        limits = self.settings.limits
         for h in handoffs:
             for key, _, value in h.stores:
-                if len(value) > self.settings.limits.max_bytes:
+                if len(value) > limits.max_bytes:
                     raise PayloadTooLarge(
                         f"stored part of {len(value)} bytes for {key} is over the limit of "
-                        f"{self.settings.limits.max_bytes} bytes (queues.max_message_bytes)")
-            if h.outputs:
-                outputs, more = prepare_many(h.outputs, self.settings.limits)
-                if more:
-                    blobs += more
-                    h = dataclasses.replace(h, outputs=outputs)
-            prepared.append(h)
-        if blobs:
-            await self._store_blobs(blobs)
+                        f"{limits.max_bytes} bytes (queues.max_message_bytes)")
+        prepared = handoffs
+        # an output up to claim_check_bytes (<= max_bytes) goes as it is: one check per batch
+        if any(len(p) > limits.claim_check_bytes for h in handoffs for _, p in h.outputs):
+            prepared, blobs = self._claim_checked(handoffs)
+            if blobs:
+                await self._store_blobs(blobs)
         batches = self._batches
         waits: list[_Batch] = []
         for h in prepared:
@@ -381,6 +402,19 @@ class StreamConsumer:
         self._flush_wanted.unpark(count=len(waits))
         for batch in waits:
             await batch.done.wait()
+
+    def _claim_checked(self, handoffs: list[Handoff]) -> tuple[list[Handoff], list[Blob]]:
+        """``handoffs`` with their outputs through :func:`queues.payloads.prepare_many` (large
+        ones referenced, their blobs returned to store first; raises PayloadTooLarge)."""
+        prepared: list[Handoff] = []
+        blobs: list[Blob] = []
+        for h in handoffs:
+            outputs, more = prepare_many(h.outputs, self.settings.limits)
+            if more:
+                blobs += more
+                h = dataclasses.replace(h, outputs=outputs)
+            prepared.append(h)
+        return prepared, blobs
 
     async def serve_flusher(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Flush queued hand-offs, one batch per script call; a batch fills while earlier
@@ -430,7 +464,10 @@ class StreamConsumer:
                 keys.append(key)
                 args += (name, value, ttl)
             keys += h.deletes
-        return self._handoff_batch(keys=keys, args=args)  # type: ignore[no-any-return]
+        if self.client.cluster is not None:  # redis-py routes it (and follows MOVED)
+            return self._handoff_batch(keys=keys, args=args)  # type: ignore[no-any-return]
+        reply: list[int] = run_script(self._handoff_batch, self.client.sync, keys, args)
+        return reply
 
     async def _store_blobs(self, blobs: list[Blob]) -> None:
         def run() -> None:

@@ -12,7 +12,7 @@ import trio
 from streamrl.protocol import names as N
 from streamrl.protocol.roles import ROLES, apply_acls
 from streamrl.queues.acl import Credentials, role_url
-from streamrl.queues.client import RedisClient
+from streamrl.queues.client import RedisClient, encode_command
 from streamrl.queues.payloads import PayloadLimits, PayloadTooLarge
 from streamrl.queues.streams import (
     ConsumerSettings,
@@ -89,6 +89,31 @@ async def test_concurrent_completes_are_split_into_flush_batches(
                 nursery.start_soon(c.complete, h)
         # Then all are published once and acknowledged
         assert sorted(await _payloads(client, out)) == sorted(d.payload for d in ds)
+        assert await _pending(client, c.stream, c.group) == 0
+
+
+def test_encoded_commands_are_what_redis_py_sends() -> None:
+    # The hand-off script call and the read skip redis-py's packing: same bytes on the wire
+    args = ["EVALSHA", "ab" * 20, 2, "streamrl:{r}:s:x", "é", b"\x00\r\n", b"", -5, 0, 1.5, 2**70]
+    assert encode_command(args) == b"".join(redis.Connection().pack_command(*args))
+    with pytest.raises(TypeError):
+        encode_command(["SET", "k", True])  # refused, as redis-py refuses it
+
+
+async def test_handoff_loads_its_script_again_when_the_server_forgot_it(
+    client: RedisClient, names: N.Names
+) -> None:
+    # Given a consumer that has handed off once, and a server that then lost its scripts
+    await Producer(client, names).publish(N.TASKS, [b"a", b"b"])
+    out = names.stream(N.ROLLOUTS)
+    async with open_stream_consumer(client, names, N.TASKS, stage="g") as c:
+        a, b = await c.read(10)
+        await c.complete(Handoff(a.entry_id, names.dedup("g", "a"), [(out, b"A")]))
+        await client.execute("SCRIPT", "FLUSH")
+        # When it hands off again
+        await c.complete(Handoff(b.entry_id, names.dedup("g", "b"), [(out, b"B")]))
+        # Then the script was loaded again and applied: published once, acknowledged
+        assert await _payloads(client, out) == [b"A", b"B"]
         assert await _pending(client, c.stream, c.group) == 0
 
 
