@@ -33,13 +33,13 @@ samples are right, so most groups would carry no signal.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, chat_prompt_ids
+from streamrl.domains.fences import block_or_text
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -49,8 +49,6 @@ PROGRAM = "main.py"
 LIMITS = Limits(timeout_s=2.0, memory_mb=256, cpu_s=2, max_processes=32, max_file_mb=1,
                 output_bytes=64 << 10)
 MAX_NEW_TOKENS = 64  # calibrated, see benchmarks/calibrate_demo.py
-
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 
 class ArithItem(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,8 +64,7 @@ def prompt_for(phrase: str) -> str:
 
 def extract_program(text: str) -> str:
     """The first fenced code block, else the whole text (stripped)."""
-    match = _FENCE.search(text)
-    return (match.group(1) if match else text).strip()
+    return block_or_text(text)
 
 
 class Arith:

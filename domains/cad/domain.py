@@ -50,6 +50,7 @@ import structlog
 
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
 from streamrl.domains.cad.runtime import MARKER, runtime_dir
+from streamrl.domains.fences import PYTHON, fence
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 log = structlog.get_logger()
@@ -71,7 +72,7 @@ EXTENT_ABS = 0.1
 CONSTRAINTS = ("watertight", "volume", "extents", "genus", "bodies")
 ANSWER_PREFIX = "```python\nfrom manifold3d import Manifold\n\nshape = Manifold."
 _OWN_BLOCK = re.compile(r"```[ \t]*[A-Za-z]")
-_CLOSED_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_CLOSED_BLOCK = fence(PYTHON, closed=True)
 
 _INTS = ("vertices", "edges", "faces", "euler", "bodies", "exit_code")
 _BOOLS = ("built", "watertight", "winding_consistent")

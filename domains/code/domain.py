@@ -24,13 +24,13 @@ import hashlib
 import hmac
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
+from streamrl.domains.fences import block_or_text
 from streamrl.domains.kinds import TestResult
 from streamrl.domains.kinds.harness_host import report_body
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
@@ -44,8 +44,6 @@ PER_TEST_TIMEOUT_S = 2.0
 MAX_RESULT_BYTES = 64 << 10
 LIMITS = Limits(timeout_s=20.0, memory_mb=512, cpu_s=20, max_processes=32, max_file_mb=4,
                 output_bytes=64 << 10)
-
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 
 class Case(msgspec.Struct, frozen=True):
@@ -62,8 +60,7 @@ class CodeItem(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def extract_program(text: str) -> str:
-    match = _FENCE.search(text)
-    return (match.group(1) if match else text).strip()
+    return block_or_text(text)
 
 
 def nonce(item: CodeItem, completion_text: str) -> str:

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN, SplitFiles, chat_prompt_ids
+from streamrl.domains.fences import JSON, fence
 from streamrl.sandbox.base import ExecRequest, ExecResult
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -44,7 +44,7 @@ MAX_JSON_CHARS = 4000
 RATIO_TOL = 0.0015
 INCONSISTENT_FACTOR = 0.5
 
-_FENCE = re.compile(r"```(?:json)?\s*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_FENCE = fence(JSON, closed=True)
 
 
 class Row(msgspec.Struct, frozen=True):

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import tomllib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from streamrl.domains.base import SandboxSpec
+from streamrl.domains.fences import SHELL, block_or_text, fence
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
 from streamrl.domains.kinds.harness_host import (
@@ -53,14 +53,12 @@ HARNESS = ".harbor_harness.py"
 IMAGE_FILES = {"Dockerfile", "docker-compose.yaml", "docker-compose.yml"}
 MAX_TASK_BYTES = 4 << 20
 _MARGIN_S = 5.0
-_FENCE = re.compile(r"```[ \t]*(?:bash|sh|shell|console)?[ \t]*\n(.*?)(?:```|\Z)",
-                    re.DOTALL | re.IGNORECASE)
+_FENCE = fence(SHELL)
 
 
 def extract_script(text: str) -> str:
     """The first fenced block (``bash``, ``sh`` or untagged), else the whole text."""
-    match = _FENCE.search(text)
-    return (match.group(1) if match else text).strip()
+    return block_or_text(text, _FENCE)
 
 
 # -- the loader ---------------------------------------------------------------------------

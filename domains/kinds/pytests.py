@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamrl.domains.base import SandboxSpec
+from streamrl.domains.fences import PYTHON_BLOCK
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
 from streamrl.domains.kinds.harness_host import (
@@ -44,14 +45,13 @@ from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 HARNESS = "pytests_harness.py"
 MAX_MESSAGE = 500
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _ASSERT_CALL = re.compile(r"assert\s+(?:not\s+)?\(?\s*(?:set\()?\s*([A-Za-z_]\w*)\s*\(")
 
 
 def extract_code(text: str) -> str:
     """The first fenced block, else the text; leading blank lines dropped (indentation kept:
     a body that continues the prompt starts indented)."""
-    match = _FENCE.search(text)
+    match = PYTHON_BLOCK.search(text)
     code = match.group(1) if match else text
     return code.lstrip("\n").rstrip()
 

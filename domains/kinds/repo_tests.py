@@ -46,6 +46,7 @@ from typing import Any
 import msgspec
 
 from streamrl.domains.base import SandboxSpec
+from streamrl.domains.fences import DIFF, fence
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
 from streamrl.domains.kinds.harness_host import (
@@ -62,8 +63,7 @@ HARNESS = ".repo_tests_harness.py"
 FINAL = "\x00the work dir as the model left it\x00"
 """The completion stand-in in the nonce of :meth:`RepoTests.final_request`."""
 _MARGIN_S = 10.0
-_FENCE = re.compile(r"```[ \t]*(?:diff|patch|udiff)?[ \t]*\n(.*?)(?:```|\Z)",
-                    re.DOTALL | re.IGNORECASE)
+_FENCE = fence(DIFF)
 
 
 def extract_diff(text: str) -> str:

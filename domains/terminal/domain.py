@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from streamrl.domains.base import EpisodePolicy, SandboxSpec, SplitFiles, chat_prompt_ids
+from streamrl.domains.fences import SHELL, fence
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -49,8 +50,7 @@ MAX_OBSERVATION = 1200  # characters fed back per turn
 LIMITS = Limits(timeout_s=5.0, memory_mb=256, cpu_s=5, max_processes=32, max_file_mb=4,
                 output_bytes=1 << 20)
 
-_FENCE = re.compile(r"```[ \t]*(?:sh|bash|shell|console)?[ \t]*\n(.*?)(?:```|\Z)",
-                    re.DOTALL | re.IGNORECASE)
+_FENCE = fence(SHELL)
 _CMD = re.compile(r"<cmd>(.*?)(?:</cmd>|\Z)", re.DOTALL | re.IGNORECASE)
 _DONE = re.compile(r"<done\s*/?>", re.IGNORECASE)
 
