@@ -1,6 +1,6 @@
 """``streamrl up --autoscale``: the policy on hand-made backlog windows (cli/autoscale.py
-``decide``), and a real executor-bound run under ``streamrl up`` whose executors are scaled
-up, then back down when the load goes away, losing nothing."""
+``decide``), and a real run under ``streamrl up`` built to be executor-bound, whose
+bottleneck is scaled up, then back down when the load goes away, losing nothing."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ class Lines:
 
 
 @pytest.mark.slow
-def test_an_executor_bound_run_scales_executors_up_and_back_down_and_loses_nothing(
+def test_up_scales_the_bottleneck_up_and_back_down_and_loses_nothing(
     redis_url: str, tmp_path: Path
 ) -> None:
     run_name = f"as{uuid.uuid4().hex[:8]}"
@@ -134,12 +134,14 @@ def test_an_executor_bound_run_scales_executors_up_and_back_down_and_loses_nothi
          "--autoscale", "--max-minutes", "6", "--summary-json", str(summary_path)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = Lines(proc)
-    stage = "executor"
     try:
-        # the executor is always busy (or its input lags), so it gets a replica (not the
-        # generator, whose tasks wait behind it)
+        # on a quiet machine the executor's one slot is busy throughout and it gets the
+        # replica (3 runs of 3); on a loaded one (CI: two test workers on 2 cores) the
+        # generator's 8 slots can fill first, as its tasks wait for their weights version
         up = lines.wait_for("autoscale: ", 180)
-        assert "autoscale: executor 1 -> 2 (rollouts: " in up, up
+        stage = up.split("autoscale: ")[1].split()[0]
+        assert stage in ("executor", "generator"), up
+        assert f"{stage} 1 -> 2" in up and ("lag" in up or "every slot busy" in up), up
         # the load goes away: the operator's quarantine stops new admissions
         r = redis.Redis.from_url(redis_url)
         why = {"failed": 0, "groups": 0, "causes": {}, "at": time.time()}
