@@ -75,18 +75,30 @@ async def run_chaos(
                         print(f"[{time.monotonic() - started:5.0f}s] {line}", flush=True)
 
                 nursery.start_soon(report_progress)
-                with trio.fail_after(timeout_s):  # all of it (each wait_until below: no less)
-                    for fraction in (1 / 3, 2 / 3):  # more poison mid-run
-                        await wait_until(
-                            lambda f=fraction: len(recorder.train_task_ids()) >= f * items,
-                            timeout=timeout_s,
-                            interval=0.5,
+                try:
+                    with trio.fail_after(timeout_s):  # all of it (each wait below: no less)
+                        for fraction in (1 / 3, 2 / 3):  # more poison mid-run
+                            await wait_until(
+                                lambda f=fraction: len(recorder.train_task_ids()) >= f * items,
+                                timeout=timeout_s,
+                                interval=0.5,
+                            )
+                            planted += await plant_poison(client, scenario.names, rng)
+                        await wait_finished(client, scenario, timeout_s=timeout_s)
+                        await wait_until(  # work done early: keep killing
+                            lambda: len(chaos.kills) >= min_kills, timeout=timeout_s,
+                            interval=0.5
                         )
-                        planted += await plant_poison(client, scenario.names, rng)
-                    await wait_finished(client, scenario, timeout_s=timeout_s)
-                    await wait_until(  # work done early: keep killing
-                        lambda: len(chaos.kills) >= min_kills, timeout=timeout_s, interval=0.5
-                    )
+                except trio.TooSlowError:  # say where the run stands: what went dead, why
+                    report = await inspect_run(client, scenario, recorder)
+                    print(f"timed out after {time.monotonic() - started:.0f}s; kills "
+                          f"{pipeline.kills_by_role()}; pending {report.pending}", flush=True)
+                    ids = report.dead_ids or [d.entry_id for d in report.dead]
+                    for key, letter in zip(ids, report.dead, strict=True):
+                        if (letter.stream, key) not in set(planted):
+                            print(f"dead, not planted: {letter.stream}/{letter.group} "
+                                  f"{key} x{letter.deliveries}: {letter.error}", flush=True)
+                    raise
                 nursery.cancel_scope.cancel()
             elapsed = time.monotonic() - started
             await pipeline.wait_ready()  # the last process killed is back: stop all gracefully
