@@ -45,6 +45,11 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1, help="completions per item")
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--format-prompt", action="store_true")
+    ap.add_argument("--datasets", default="",
+                    help="comma-separated domains of the config instead of a seeded sample")
+    ap.add_argument("--items", type=int, default=1, help="held-out items per domain")
+    ap.add_argument("--set-prompt", default="",
+                    help="a JSON [domain.<name>.prompt] table applied to every picked domain")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
@@ -55,6 +60,7 @@ def main() -> None:
 
     from streamrl.config.schema import DomainConfig
     from streamrl.domains.gym import ReasoningGymDomain
+    from streamrl.domains.template import with_prefix
     from streamrl.inference.decode import Row, decode_batch
     from streamrl.learner.model import load_model, load_tokenizer, resolve_model
 
@@ -62,7 +68,10 @@ def main() -> None:
     cfg = tomllib.loads(args.config.read_text())
     max_new = int(cfg["scheduler"].get("max_new_tokens", 96))
     names = sorted(n for n, d in cfg["domain"].items() if d.get("kind") == "reasoning_gym")
-    picked = random.Random(args.seed).sample(names, min(args.domains, len(names)))
+    if args.datasets:
+        picked = [n for n in args.datasets.split(",") if n]
+    else:
+        picked = random.Random(args.seed).sample(names, min(args.domains, len(names)))
     path = resolve_model(args.model)
     tokenizer, model = load_tokenizer(path), load_model(path).eval()
     items = []
@@ -70,10 +79,12 @@ def main() -> None:
         table = dict(cfg["domain"][name])
         if args.format_prompt:
             table["prompt"] = FORMAT_PROMPT
+        if args.set_prompt:
+            table["prompt"] = {**table.get("prompt", {}), **json.loads(args.set_prompt)}
         with contextlib.redirect_stdout(io.StringIO()):  # some generators print
             domain = ReasoningGymDomain(name, msgspec.convert(table, DomainConfig))
-            item = domain.load_items("eval")[0]
-        items.append((name, domain, item, domain.render_prompt(item, tokenizer)))
+            for item in domain.load_items("eval")[:args.items]:
+                items.append((name, domain, item, domain.render_prompt(item, tokenizer)))
     rows = [Row(prompt=p, max_new_tokens=max_new, temperature=args.temperature,
                 generator=torch.Generator().manual_seed(1000 * i + s))
             for i, (_, _, _, p) in enumerate(items) for s in range(args.samples)]
@@ -83,19 +94,24 @@ def main() -> None:
     results, _ = decode_batch(model, rows, stops, tokenizer.pad_token_id or 0)
     seconds = time.perf_counter() - start
     rewards, tagged, per_domain = [], 0, {}
+    groups_with_signal = 0
     for i, (name, domain, item, _) in enumerate(items):
         got = []
         for r in results[i * args.samples:(i + 1) * args.samples]:
             text = tokenizer.decode(r.tokens, skip_special_tokens=True)
             got.append(float(domain.score(item, text, None)))
-            tagged += "<answer>" in text
+            tagged += "</answer>" in with_prefix(domain.cfg.prompt, text)
         rewards.extend(got)
-        per_domain[name] = round(statistics.mean(got), 4)
+        groups_with_signal += len(set(got)) > 1
+        per_domain.setdefault(name, []).extend(got)
+    per_domain = {k: round(statistics.mean(v), 4) for k, v in per_domain.items()}
     out: dict[str, Any] = {
         "benchmark": "gym_probe", "model": args.model, "format_prompt": args.format_prompt,
-        "domains": len(items), "completions": len(rows), "temperature": args.temperature,
+        "domains": len(picked), "completions": len(rows), "temperature": args.temperature,
         "max_new_tokens": max_new, "mean_reward": round(statistics.mean(rewards), 4),
         "answer_tag_share": round(tagged / len(rows), 3),
+        "items": len(items), "items_with_reward_variance": groups_with_signal,
+        "domains_with_reward": sum(v > 0 for v in per_domain.values()),
         "nonzero": {k: v for k, v in per_domain.items() if v > 0},
         "decode_seconds": round(seconds, 1),
     }

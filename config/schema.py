@@ -230,6 +230,14 @@ class PromptConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     """The user turn: ``{prompt}`` and any column of the row, e.g. ``"{prompt}\n{choices}"``."""
     few_shot: list[FewShot] = msgspec.field(default_factory=list)
     """Worked examples, as user/assistant turns before the item."""
+    few_shot_items: Annotated[int, Meta(ge=0, le=8)] = 0
+    """reasoning_gym: this many worked examples of the data set's own (items of a seed of
+    their own, never trained or held out), their answers as ``<answer>...</answer>``,
+    after ``few_shot``."""
+    response_prefix: str = ""
+    """Text the assistant turn starts with, e.g. ``<answer>``: it ends the prompt, the model
+    writes what follows, and the domain runs and scores the prefix and the completion
+    together (declared kinds and reasoning_gym)."""
 
 
 class SplitConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):

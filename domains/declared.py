@@ -54,6 +54,7 @@ from streamrl.domains.template import (
     DeclarationError,
     chat_ids,
     chat_messages,
+    with_prefix,
 )
 from streamrl.sandbox.base import ExecRequest, ExecResult
 
@@ -277,13 +278,14 @@ class DeclaredDomain:
         return out
 
     def render_prompt(self, item: Record, tokenizer: Any) -> list[int]:
-        return chat_ids(tokenizer, chat_messages(self.cfg.prompt, item))
+        p = self.cfg.prompt
+        return chat_ids(tokenizer, chat_messages(p, item), p.response_prefix)
 
     def exec_request(self, item: Record, completion_text: str) -> ExecRequest | None:
-        return self.verifier.exec_request(item, completion_text)
+        return self.verifier.exec_request(item, with_prefix(self.cfg.prompt, completion_text))
 
     def score(self, item: Record, completion_text: str, result: ExecResult | None) -> float:
-        return self.verifier.score(item, completion_text, result)
+        return self.verifier.score(item, with_prefix(self.cfg.prompt, completion_text), result)
 
     def item_image(self, item: Record) -> str:
         hook = getattr(self.verifier, "item_image", None)
@@ -337,6 +339,16 @@ def build_domain(name: str, cfg: DomainConfig) -> Domain:
     of the table (:func:`with_budgets`); :class:`DeclarationError` if its kind is unknown or
     its options are refused."""
     domain = _declared(name, cfg) if cfg.kind else _installed(name)
+    p = cfg.prompt
+    own_prompt = cfg.kind == "reasoning_gym" or isinstance(domain, DeclaredDomain)
+    if p.response_prefix and (not own_prompt or cfg.feedback.enabled or cfg.tools.enabled):
+        raise DeclarationError(
+            f"domain {name!r}: prompt.response_prefix applies to single-turn domains of a "
+            f"declared kind or reasoning_gym only (a plugin renders its own prompt; later "
+            f"turns of a multi-turn episode would not start with it)")
+    if p.few_shot_items and cfg.kind != "reasoning_gym":
+        raise DeclarationError(f"domain {name!r}: prompt.few_shot_items applies to "
+                               f"kind = \"reasoning_gym\" only (declare few_shot instead)")
     if cfg.feedback.enabled:
         from streamrl.domains.feedback import feedback_domain
 

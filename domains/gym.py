@@ -29,7 +29,7 @@ from typing import Any
 
 import msgspec
 
-from streamrl.config.schema import DomainConfig
+from streamrl.config.schema import DomainConfig, FewShot, PromptConfig
 from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN
 from streamrl.domains.kinds import Record
 from streamrl.domains.template import (
@@ -37,6 +37,7 @@ from streamrl.domains.template import (
     DeclarationError,
     chat_ids,
     chat_messages,
+    with_prefix,
 )
 from streamrl.sandbox.base import ExecRequest, ExecResult
 
@@ -46,7 +47,10 @@ LEVEL_SEED_STRIDE = 10_000_019
 """reasoning-gym seeds item i of a data set with ``seed + i``: level L's train items start
 at ``train_seed + L * LEVEL_SEED_STRIDE`` so no two levels (and no level and the eval seed,
 1_000_003 by default) share an item's seed."""
-"""The level key of the held-out items (the configured difficulty, not a curriculum's)."""
+FEW_SHOT = -2
+"""The level key of the worked examples (``prompt.few_shot_items``): the configured
+difficulty, seeded at ``split.eval_seed + FEW_SHOT_SEED_OFFSET``, never trained or held out."""
+FEW_SHOT_SEED_OFFSET = 7_000_000_007
 
 
 def datasets() -> list[str]:
@@ -122,9 +126,10 @@ class ReasoningGymDomain:
         if level not in self._generators:
             s = self.cfg.split
             seed, size = (s.eval_seed, s.eval_size) if level == EVAL else (
-                s.train_seed + level * LEVEL_SEED_STRIDE, s.train_size)
+                s.eval_seed + FEW_SHOT_SEED_OFFSET, 4 * self.cfg.prompt.few_shot_items
+            ) if level == FEW_SHOT else (s.train_seed + level * LEVEL_SEED_STRIDE, s.train_size)
             try:
-                if level == EVAL or self.levels() == 1:
+                if level in (EVAL, FEW_SHOT) or self.levels() == 1:
                     args = {**self.cfg.dataset_config, "seed": seed, "size": size}
                     generator = self._factory.create_dataset(self.dataset, **args)
                 else:
@@ -139,7 +144,8 @@ class ReasoningGymDomain:
     def _records(self, level: int) -> list[Record]:
         if level not in self._items:
             generator = self._generator(level)
-            held_out = set() if level == EVAL else {r.prompt for r in self._records(EVAL)}
+            held_out = set() if level == EVAL else {r.prompt for r in self._records(EVAL)} | {
+                shot.prompt for shot in self.prompt.few_shot}
             split = "eval" if level == EVAL else f"train{level}"
             out = []
             for i in range(len(generator)):
@@ -184,6 +190,7 @@ class ReasoningGymDomain:
                                        f"{self.dataset!r} item {i}: {type(exc).__name__}: "
                                        f"{exc}") from None
         self.levels()
+        self.prompt  # noqa: B018 (the worked examples generate)
 
     # -- the domain contract ------------------------------------------------------------
     def load_items(self, split: str) -> list[Record]:
@@ -191,8 +198,39 @@ class ReasoningGymDomain:
             raise ValueError(f"split must be 'train' or 'eval', not {split!r}")
         return list(self._records(EVAL if split == "eval" else 0))
 
+    @cached_property
+    def prompt(self) -> PromptConfig:
+        """``[domain.<name>.prompt]`` with ``few_shot_items`` of the data set's own worked
+        examples after its ``few_shot`` (answers in ``<answer>`` tags, as scored): the first
+        of the few-shot seed's items whose prompt is neither held out nor too long."""
+        p = self.cfg.prompt
+        if not p.few_shot_items:
+            return p
+        held_out = {r.prompt for r in self._records(EVAL)}
+        generator = self._generator(FEW_SHOT)
+        shots: list[FewShot] = []
+        for i in range(len(generator)):
+            try:
+                entry = generator[i]
+            except Exception as exc:
+                raise DeclarationError(f"domain {self.name!r}: reasoning_gym {self.dataset!r} "
+                                       f"few-shot item {i}: {type(exc).__name__}: {exc}") from None
+            question = str(entry["question"])
+            if question in held_out or 0 < self.cfg.max_prompt_chars < len(question):
+                continue
+            shots.append(FewShot(prompt=question, answer=f"<answer>{entry['answer']}</answer>"))
+            if len(shots) == p.few_shot_items:
+                break
+        if len(shots) < p.few_shot_items:
+            raise DeclarationError(f"domain {self.name!r}: prompt.few_shot_items = "
+                                   f"{p.few_shot_items}, but only {len(shots)} of the data set's "
+                                   f"{len(generator)} few-shot items are usable")
+        return msgspec.structs.replace(p, few_shot=[*p.few_shot, *shots])
+
     def render_prompt(self, item: Record, tokenizer: Any) -> list[int]:
-        return chat_ids(tokenizer, chat_messages(self.cfg.prompt, item, system=self.system))
+        p = self.prompt
+        return chat_ids(tokenizer, chat_messages(p, item, system=self.system),
+                        p.response_prefix)
 
     def exec_request(self, item: Record, completion_text: str) -> ExecRequest | None:
         return None
@@ -227,7 +265,7 @@ class ReasoningGymDomain:
         entry = self.entry(item)
         scorer = self._generator(int(item.extra.get("level", EVAL)))
         try:
-            answer = extract_answer(completion_text[-100_000:])
+            answer = extract_answer(with_prefix(self.cfg.prompt, completion_text)[-100_000:])
             reward = float(scorer.score_answer(answer=answer, entry=entry))
         except Exception:  # the verifier boundary: a scorer failure is a zero, not a crash
             return 0.0

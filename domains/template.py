@@ -49,10 +49,23 @@ def chat_messages(p: PromptConfig, item: Record, system: str = "") -> list[dict[
     return messages
 
 
-def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]],
+             response_prefix: str = "") -> list[int]:
+    """The prompt's token ids: ``messages`` through the model's chat template, the
+    assistant's turn opened, then ``response_prefix`` (the start of that turn, as text the
+    model continues)."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
         ids = ids["input_ids"]
-    return [int(i) for i in ids]
+    out = [int(i) for i in ids]
+    if response_prefix:
+        out += [int(i) for i in tokenizer.encode(response_prefix, add_special_tokens=False)]
+    return out
+
+
+def with_prefix(p: PromptConfig, completion_text: str) -> str:
+    """The assistant's whole turn: the configured ``response_prefix`` and what the model
+    wrote after it (what a domain runs and scores)."""
+    return p.response_prefix + completion_text if p.response_prefix else completion_text
 
 

@@ -79,6 +79,20 @@ def test_field_mapping_picks_the_columns_and_keeps_the_rest(tmp_path: Path) -> N
     assert domain.score(by_id["u7"], "8", None) == 0.0
 
 
+def test_a_response_prefix_is_part_of_the_turn_the_kind_scores(tmp_path: Path) -> None:
+    data = _jsonl(tmp_path / "d.jsonl", ROWS)
+    domain = build_domain("pre", _cfg(data=str(data), fields=MAPPED,
+                                      prompt={"response_prefix": "The answer: "}))
+    item = domain.load_items("train")[0]
+    answer = str(item.answer)
+    # the kind sees the prefix and the completion together, as the model's whole turn
+    assert build_domain("plain", _cfg(data=str(data), fields=MAPPED)).score(
+        item, answer, None) == 1.0
+    assert domain.score(item, answer, None) == 0.0  # "The answer: 7" is not "7"
+    assert build_domain("bare", _cfg(data=str(data), fields=MAPPED, prompt={
+        "response_prefix": " "})).score(item, answer, None) == 1.0
+
+
 def test_split_by_hash_is_stable_disjoint_and_near_the_fraction(tmp_path: Path) -> None:
     rows = [{"prompt": f"p{i}", "answer": "a", "id": f"item-{i}"} for i in range(2000)]
     data = _jsonl(tmp_path / "d.jsonl", rows)

@@ -178,3 +178,54 @@ def test_items_another_process_generated_differently_are_scored_as_asked() -> No
     for item in items:
         assert here.score(item, f"<answer>{item.answer}</answer>", None) == 1.0
         assert here.score(item, "<answer>y</answer>", None) == 0.0
+
+
+def test_a_response_prefix_ends_the_prompt_and_is_scored_with_the_completion() -> None:
+    from streamrl.learner.model import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model("tiny"))
+    split = {"train_size": 5, "eval_size": 5}
+    plain = _gym("basic_arithmetic", split=split)
+    opened = _gym("basic_arithmetic", split=split, prompt={"response_prefix": "<answer>"})
+    item = opened.load_items("eval")[0]
+    base, ids = plain.render_prompt(item, tok), opened.render_prompt(item, tok)
+    assert ids[:len(base)] == base  # the chat template's prompt, the assistant turn opened
+    assert tok.decode(ids[len(base):]) == "<answer>"
+    # the model writes what follows the prefix: scored as one turn with it
+    assert opened.score(item, f"{item.answer}</answer>", None) == 1.0
+    assert plain.score(item, f"{item.answer}</answer>", None) == 0.0  # no opening tag
+    assert opened.score(item, f"{item.answer}", None) == 0.0  # never closed
+    assert opened.score(item, "7</answer> and <answer>banana</answer>", None) == 0.0  # the last
+
+
+def test_few_shot_items_are_the_data_sets_own_worked_examples_never_trained_or_held_out(
+) -> None:
+    split = {"train_size": 200, "eval_size": 20}
+    domain = _gym("basic_arithmetic", split=split, prompt={"few_shot_items": 2})
+    shots = domain.prompt.few_shot
+    assert len(shots) == 2 and all(s.answer.startswith("<answer>") and
+                                   s.answer.endswith("</answer>") for s in shots)
+    entry = domain._generator(-2)[0]
+    assert shots[0].prompt == entry["question"] and shots[0].answer == (
+        f"<answer>{entry['answer']}</answer>")
+    used = {r.prompt for r in domain.load_items("train")} | {
+        r.prompt for r in domain.load_items("eval")}
+    assert used.isdisjoint(s.prompt for s in shots)
+    assert _gym("basic_arithmetic", split=split, prompt={"few_shot_items": 2}).prompt == \
+        domain.prompt  # the same examples in every process
+    from streamrl.domains.template import chat_messages
+
+    item = domain.load_items("eval")[0]
+    messages = chat_messages(domain.prompt, item, system=domain.system)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user",
+                                             "assistant", "user"]
+
+
+def test_prompt_options_a_domain_would_ignore_are_refused() -> None:
+    def table(**kw: Any) -> DomainConfig:
+        return msgspec.convert(kw, DomainConfig)
+
+    with pytest.raises(DeclarationError, match="few_shot_items applies to"):
+        build_domain("m", table(kind="exact", data="x.jsonl", prompt={"few_shot_items": 1}))
+    with pytest.raises(DeclarationError, match="response_prefix applies to"):
+        build_domain("arith", table(prompt={"response_prefix": "<answer>"}))  # a plugin
