@@ -32,6 +32,15 @@ import msgspec
 MAX_PROMPT_CHARS = 3000
 """What configs/gym.toml keeps of a prompt (prompt + 96 new tokens within the small models'
 2048 positions): a data set whose items are all longer does not work as a domain there."""
+SYSTEM = "Reply with only the final answer, between <answer> and </answer> tags."
+PROMPT = f'prompt = {{ system = "{SYSTEM}", few_shot_items = 2, response_prefix = "<answer>" }}\n'
+"""Each domain's prompt in the written config: a small model (SmolLM2-135M) wrote no
+``<answer>`` tag under reasoning-gym's default system prompt (0 of 128 completions over 32
+domains), so it gets two worked examples of the data set's own and an opened answer tag
+(benchmarks/gym_probe.py: docs/domains.md)."""
+NO_SHOTS = {"arc_agi", "mahjong_puzzle", "modulo_grid", "rearc", "rotten_oranges"}
+"""Grid puzzles whose two worked examples put held-out items past the tiny model's 2048
+positions (arc_agi and modulo_grid: every item): no examples, the opened tag only."""
 
 
 def check(name: str, items: int, curriculum: bool) -> dict[str, Any]:
@@ -140,7 +149,9 @@ def gym_config(names: list[str], curriculum: dict[str, int], sizes: dict[str, in
 # separate eval seed, no shared prompt) and scored by its own score_answer; the held-out
 # eval is `eval_items` items per domain every `eval_every` versions. Domains with a
 # reasoning-gym curriculum move up a level when their recent train reward passes
-# curriculum.threshold (actors/scheduling.py).
+# curriculum.threshold (actors/scheduling.py). Every domain's prompt is a terse system prompt,
+# two worked examples of its own data set (none for five grid puzzles) and an opened <answer>
+# tag: under reasoning-gym's default prompt SmolLM2-135M wrote no tag (docs/domains.md).
 #   streamrl up --config configs/gym.toml --max-minutes 20 --summary-json runs/gym.json
 #   streamrl up --config configs/gym.toml --set model.spec=tiny --max-minutes 5 \\
 #       --summary-json /tmp/S.json        # wiring check
@@ -197,7 +208,9 @@ progress_interval_s = 15
         table = (f'\n[domain.{n}]\nkind = "reasoning_gym"\ndataset = "{n}"\n'
                  f'split = {{ train_size = {sizes[n]}, eval_size = 4 }}\n'
                  f'max_prompt_chars = {MAX_PROMPT_CHARS}'
-                 '   # prompt + 96 new tokens within 2048 positions\n')
+                 '   # prompt + 96 new tokens within 2048 positions\n'
+                 + (PROMPT.replace("few_shot_items = 2", "few_shot_items = 0")
+                    if n in NO_SHOTS else PROMPT))
         if curriculum.get(n, 1) > 1:
             table += "curriculum = { threshold = 0.7, min_groups = 8 }\n"
         tables.append(table)

@@ -50,7 +50,9 @@ at ``train_seed + L * LEVEL_SEED_STRIDE`` so no two levels (and no level and the
 FEW_SHOT = -2
 """The level key of the worked examples (``prompt.few_shot_items``): the configured
 difficulty, seeded at ``split.eval_seed + FEW_SHOT_SEED_OFFSET``, never trained or held out."""
-FEW_SHOT_SEED_OFFSET = 7_000_000_007
+FEW_SHOT_SEED_OFFSET = 2_000_000_011
+"""Past every curriculum level's train seeds (200 levels apart) and below 2**32 with the
+default seeds (numpy-seeded generators refuse more)."""
 
 
 def datasets() -> list[str]:
@@ -201,14 +203,15 @@ class ReasoningGymDomain:
     @cached_property
     def prompt(self) -> PromptConfig:
         """``[domain.<name>.prompt]`` with ``few_shot_items`` of the data set's own worked
-        examples after its ``few_shot`` (answers in ``<answer>`` tags, as scored): the first
-        of the few-shot seed's items whose prompt is neither held out nor too long."""
+        examples after its ``few_shot`` (answers in ``<answer>`` tags, as scored): the
+        shortest N of the few-shot seed's 4N items whose prompt is neither held out nor too
+        long (short examples leave room for the item), in the seed's order."""
         p = self.cfg.prompt
         if not p.few_shot_items:
             return p
         held_out = {r.prompt for r in self._records(EVAL)}
         generator = self._generator(FEW_SHOT)
-        shots: list[FewShot] = []
+        shots: list[FewShot] = []  # the shortest usable of the 4 x N candidates, in order
         for i in range(len(generator)):
             try:
                 entry = generator[i]
@@ -219,8 +222,8 @@ class ReasoningGymDomain:
             if question in held_out or 0 < self.cfg.max_prompt_chars < len(question):
                 continue
             shots.append(FewShot(prompt=question, answer=f"<answer>{entry['answer']}</answer>"))
-            if len(shots) == p.few_shot_items:
-                break
+        shortest = sorted(range(len(shots)), key=lambda k: len(shots[k].prompt))
+        shots = [shots[k] for k in sorted(shortest[:p.few_shot_items])]
         if len(shots) < p.few_shot_items:
             raise DeclarationError(f"domain {self.name!r}: prompt.few_shot_items = "
                                    f"{p.few_shot_items}, but only {len(shots)} of the data set's "
