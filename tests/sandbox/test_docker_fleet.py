@@ -306,15 +306,18 @@ async def test_the_sweeper_reaps_leaked_containers_while_the_backend_serves(
     # its start: the periodic sweeper has to find them)
     async with open_docker_sandbox(docker_image, pool_size=0, reap_at_start=False,
                                    sweep_interval_s=0.5, leak_age_s=4.0) as box:
-        # Then the orphan is reaped within a few sweeps, the young live one left alone
+        # Then the orphan is reaped within a few sweeps, the young live one left alone (the
+        # orphan by any sweeper of this host: its owner's pid is gone for every backend, and
+        # in one CI run another one took it first)
         await wait_until(lambda: not _exists(orphan), timeout=4)
         assert _exists(old) and time.time() - born < 4
-        assert box.statistics().reaped >= 1
-        # And the live one is reaped once older than leak_age_s, not before
+        by_this_box = box.statistics().reaped
+        # And the live one is reaped once older than leak_age_s, not before: only this box
+        # sweeps at that age, and its owner is alive
         await wait_until(lambda: not _exists(old), timeout=4 + 4)
         assert time.time() - born >= 4
         stats = box.statistics()
-        assert stats.leaked >= 2 and stats.reaped >= 2
+        assert stats.reaped >= by_this_box + 1 and stats.leaked >= stats.reaped
         assert (await box.run(echo("still serving"))).ok
 
 
