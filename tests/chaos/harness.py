@@ -542,10 +542,14 @@ class RunReport:
     admissions_left: int = 0
     """Sharded admissions counted but not finished (queues.shards.finish_counted)."""
 
+    def keyed_dead(self) -> list[tuple[tuple[str, str], DeadLetter]]:
+        """Each dead letter with its key: (stream, original entry id, shard-qualified)."""
+        ids = self.dead_ids or [d.entry_id for d in self.dead]
+        return [((d.stream, i), d) for d, i in zip(self.dead, ids, strict=True)]
+
     @property
     def dead_keys(self) -> Counter[tuple[str, str]]:
-        ids = self.dead_ids or [d.entry_id for d in self.dead]
-        return Counter((d.stream, i) for d, i in zip(self.dead, ids, strict=True))
+        return Counter(key for key, _ in self.keyed_dead())
 
 
 async def inspect_run(client: RedisClient, scenario: Scenario, recorder: Recorder) -> RunReport:

@@ -93,11 +93,11 @@ async def run_chaos(
                     report = await inspect_run(client, scenario, recorder)
                     print(f"timed out after {time.monotonic() - started:.0f}s; kills "
                           f"{pipeline.kills_by_role()}; pending {report.pending}", flush=True)
-                    ids = report.dead_ids or [d.entry_id for d in report.dead]
-                    for key, letter in zip(ids, report.dead, strict=True):
-                        if (letter.stream, key) not in set(planted):
+                    expected = set(planted)
+                    for key, letter in report.keyed_dead():
+                        if key not in expected:
                             print(f"dead, not planted: {letter.stream}/{letter.group} "
-                                  f"{key} x{letter.deliveries}: {letter.error}", flush=True)
+                                  f"{key[1]} x{letter.deliveries}: {letter.error}", flush=True)
                     raise
                 nursery.cancel_scope.cancel()
             elapsed = time.monotonic() - started
