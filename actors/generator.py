@@ -51,16 +51,25 @@ from streamrl.runtime.serve import Output
 log = structlog.get_logger()
 
 
+async def _cancel_when_set(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
 class VersionGate:
     """The weight version this generator serves, for tasks that should not be generated on
     older weights than they were admitted at. :func:`serve_weight_updates` advances it."""
 
     def __init__(self, timeout_s: float = 60.0, retry_delay_s: float = 2.0,
-                 soft_timeout_s: float = 10.0) -> None:
+                 soft_timeout_s: float = 10.0, shutdown: trio.Event | None = None) -> None:
         self.version = 0
         self.timeout_s = timeout_s
         self.retry_delay_s = retry_delay_s
         self.soft_timeout_s = soft_timeout_s
+        self.shutdown = shutdown
+        """Once set (the process drains), a task still waiting is released at once
+        (:class:`Unavailable`): it has not started, and the weights it waits for may never
+        come to this process (the learner stops first)."""
         self._advanced = trio.Event()
 
     def advance(self, version: int) -> None:
@@ -73,10 +82,20 @@ class VersionGate:
         """Return once ``version`` or a newer one is served. ``strict``: after ``timeout_s``
         :class:`Unavailable` (the task is retried, then released for redelivery); else after
         ``soft_timeout_s`` return anyway (the task is generated on the weights served)."""
-        with trio.move_on_after(self.timeout_s if strict else self.soft_timeout_s):
-            while self.version < version:
-                await self._advanced.wait()
+        if self.version >= version:
             return
+        with trio.move_on_after(self.timeout_s if strict else self.soft_timeout_s):
+            async with trio.open_nursery() as nursery:
+                if self.shutdown is not None:
+                    nursery.start_soon(_cancel_when_set, self.shutdown, nursery.cancel_scope)
+                while self.version < version:
+                    await self._advanced.wait()
+                nursery.cancel_scope.cancel()
+        if self.version >= version:
+            return
+        if self.shutdown is not None and self.shutdown.is_set():
+            raise Unavailable(f"draining: weights v{version} not served (serving "
+                              f"v{self.version}), released for another generator")
         if not strict:
             log.warning("weights not served in time, generating on older ones",
                         waited_for=version, serving=self.version)
@@ -235,7 +254,7 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
         trio.open_nursery() as nursery,
     ):
         staleness = ctx.staleness()
-        gate = VersionGate()
+        gate = VersionGate(shutdown=ctx.shutdown)
         await nursery.start(serve_weight_updates, ctx, engine, gate)
         generator = Generator(engine, tokenizer)
         generator.gate, generator.staleness = gate, staleness

@@ -54,4 +54,7 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
                 log.info("actor started", run=config.run.name)
                 await nursery.start(serve_and_finish)
                 log.info("actor ready", run=config.run.name)  # set up, taking work
+            if ctx.shutdown.is_set() and trio.current_time() >= nursery.cancel_scope.deadline:
+                log.warning("drain deadline passed, work in hand left to the reclaimers",
+                            drain_timeout_s=drain_timeout_s)
         log.info("actor stopped")

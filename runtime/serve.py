@@ -255,7 +255,9 @@ class ActorRuntime:
                 error = "".join(traceback.format_exception_only(exc)).strip()
                 if isinstance(exc, trio.TooSlowError):
                     error = f"time limit {self.policies.time_limit_s}s exceeded"
-                if retry > self.policies.retry.max_retries:
+                if retry > self.policies.retry.max_retries or (
+                    self._draining and isinstance(exc, Unavailable)
+                ):
                     if isinstance(exc, Unavailable):  # left pending: the reclaimer redelivers
                         log.warning("handler unavailable, released", error=error, retry=retry)
                         self._released += 1

@@ -160,6 +160,43 @@ async def test_unavailable_is_released_for_redelivery_not_dead_lettered(
     assert info["pending"] == 0
 
 
+class DrainsWhileDown(Scripted):
+    """Infrastructure down on every call; the process starts draining (SIGTERM) during the
+    first one."""
+
+    runtime: ActorRuntime | None = None
+
+    async def handle(self, task: Task) -> list[Output]:
+        if self.runtime is not None and not self.calls:
+            self.runtime.drain()
+        return await super().handle(task)
+
+
+async def test_a_draining_runtime_releases_unavailable_at_once_instead_of_retrying(
+    client: RedisClient, names: N.Names
+) -> None:
+    # Given a handler whose infrastructure stays down, with 5 retries allowed
+    actor = DrainsWhileDown(["unavailable"])
+    policies = Policies(retry=RetryPolicy(max_retries=5))
+    await Producer(client, names).publish(N.TASKS, [encode(_task())])
+    settings = ConsumerSettings(block_ms=50)
+    async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=settings) as c:
+        runtime = ActorRuntime(c, actor, policies, RuntimeSettings(concurrency=1))
+        actor.runtime = runtime
+        # When the process drains during the first attempt
+        with trio.fail_after(30):
+            await runtime.serve()
+    # Then serve returned without the 5 retries (they would only hold the drain: a draining
+    # process starts nothing), and the entry was released (still pending, for a reclaimer),
+    # neither dead-lettered nor handed off
+    assert len(actor.calls) == 1
+    stats = runtime.statistics()
+    assert (stats.released, stats.dead_lettered, stats.handled) == (1, 0, 0)
+    assert await _dead(client, names) == []
+    info = await client.call(client.sync.xpending, names.stream(N.TASKS), c.group)
+    assert info["pending"] == 1
+
+
 async def test_reject_dead_letters_without_retry(client: RedisClient, names: N.Names) -> None:
     actor = Scripted(["reject"])
     await _run_until_settled(client, names, actor, Policies(), [encode(_task())])

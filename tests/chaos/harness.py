@@ -260,8 +260,10 @@ class Pipeline:
             lambda: all(a.ready_for() > 0 for a in self.actors), timeout=timeout_s, interval=0.2
         )
 
-    async def stop(self, timeout_s: float = 60.0) -> None:
-        """SIGTERM every process at once (graceful: drain, settle, exit 0)."""
+    async def stop(self, timeout_s: float = 90.0) -> None:
+        """SIGTERM every process at once (graceful: drain, settle, exit 0). The actors bound
+        their own drain at 60 s (``runtime.process.run_actor``), so a SIGKILL here after
+        ``timeout_s`` is an actor that did not keep its own bound."""
         async with trio.open_nursery() as nursery:
             for a in self.actors:
                 nursery.start_soon(a.stop, timeout_s)
@@ -619,7 +621,9 @@ def check_run(
     # No actor died of anything but our SIGKILLs, and every one stopped cleanly at the end
     assert pipeline.crashes() == {}, pipeline.logs()
     stopped = {a.name: a.stop_code for a in pipeline.actors if a.stop_code != 0}
-    assert stopped == {}, f"exit codes of the graceful stop: {stopped}"
+    assert stopped == {}, f"exit codes of the graceful stop: {stopped}\n" + "\n".join(
+        f"===== {a.name}\n{a.log_tail()}" for a in pipeline.actors if a.name in stopped
+    )
 
     # Exactly the configured number of training groups was admitted (and, sharded, every
     # counted admission was published)

@@ -80,6 +80,33 @@ async def test_gate_gives_up_with_a_retryable_error(autojump_clock: trio.abc.Clo
         await gate.wait_for(4)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+async def test_a_draining_generator_releases_a_waiting_task_at_once(
+    autojump_clock: trio.abc.Clock, strict: bool
+) -> None:
+    # Given a generator serving version 3 and a task waiting for version 4
+    shutdown = trio.Event()
+    gate = VersionGate(timeout_s=60, soft_timeout_s=5, shutdown=shutdown)
+    gate.advance(3)
+
+    async def drain_later() -> None:
+        await trio.sleep(1)
+        shutdown.set()
+
+    # When the process drains (SIGTERM) while it waits: version 4 may never come, the
+    # learner stops first
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain_later)
+        t0 = trio.current_time()
+        # Then the task gives up at once, retryably (released for another generator), in
+        # both modes: a draining process starts no new generation
+        with pytest.raises(Unavailable, match="draining"):
+            await gate.wait_for(4, strict=strict)
+        assert trio.current_time() - t0 == pytest.approx(1)
+    # and a version already served still passes while draining
+    await gate.wait_for(3)
+
+
 async def test_async_mode_waits_a_short_while_then_generates_on_what_is_served(
     autojump_clock: trio.abc.Clock,
 ) -> None:
