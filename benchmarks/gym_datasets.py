@@ -33,13 +33,15 @@ MAX_PROMPT_CHARS = 3000
 """What configs/gym.toml keeps of a prompt (prompt + 96 new tokens within the small models'
 2048 positions): a data set whose items are all longer does not work as a domain there."""
 SYSTEM = "Reply with only the final answer, between <answer> and </answer> tags."
-PROMPT = f'prompt = {{ system = "{SYSTEM}", few_shot_items = 2, response_prefix = "<answer>" }}\n'
+PROMPT = f'prompt = {{ system = "{SYSTEM}", few_shot_items = 1, response_prefix = "<answer>" }}\n'
 """Each domain's prompt in the written config: a small model (SmolLM2-135M) wrote no
 ``<answer>`` tag under reasoning-gym's default system prompt (0 of 128 completions over 32
-domains), so it gets two worked examples of the data set's own and an opened answer tag
-(benchmarks/gym_probe.py: docs/domains.md)."""
+domains), so it gets a worked example of the data set's own and an opened answer tag
+(benchmarks/gym_probe.py: docs/domains.md). One, not two: the second closes more tags (75% of
+completions against 55%) at the same reward, and makes every prompt 43% longer (519 tokens
+on average against 364), which the learner pays for in every step."""
 NO_SHOTS = {"arc_agi", "mahjong_puzzle", "modulo_grid", "rearc", "rotten_oranges"}
-"""Grid puzzles whose two worked examples put held-out items past the tiny model's 2048
+"""Grid puzzles whose worked examples put held-out items past the tiny model's 2048
 positions (arc_agi and modulo_grid: every item): no examples, the opened tag only."""
 
 
@@ -150,7 +152,7 @@ def gym_config(names: list[str], curriculum: dict[str, int], sizes: dict[str, in
 # eval is `eval_items` items per domain every `eval_every` versions. Domains with a
 # reasoning-gym curriculum move up a level when their recent train reward passes
 # curriculum.threshold (actors/scheduling.py). Every domain's prompt is a terse system prompt,
-# two worked examples of its own data set (none for five grid puzzles) and an opened <answer>
+# one worked example of its own data set (none for five grid puzzles) and an opened <answer>
 # tag: under reasoning-gym's default prompt SmolLM2-135M wrote no tag (docs/domains.md).
 #   streamrl up --config configs/gym.toml --max-minutes 20 --summary-json runs/gym.json
 #   streamrl up --config configs/gym.toml --set model.spec=tiny --max-minutes 5 \\
@@ -172,8 +174,8 @@ group_size = 4
 max_new_tokens = 96
 temperature = 0.8
 max_backlog = 4
-eval_every = 20
-eval_items = 2          # per trained domain: {2 * len(names)} held-out items a round, + 16 below
+eval_every = 30         # about 30 minutes here: the final evaluation covers a 20-minute run
+eval_items = 1          # per trained domain: {len(names)} held-out items a round, + 16 below
 eval_domains = ["general", "humaneval"]
 
 [generator]
@@ -191,7 +193,11 @@ concurrency = 4
 [learner]
 groups_per_step = 4
 max_staleness = 1
-lr = 2e-5
+lr = 3e-5
+advantage_std = false   # Dr. GRPO: many reasoning-gym scorers give partial credit (0.01, a
+                        # length ratio), and std-normalised a [0.01, 0, 0, 0] group pushed as
+                        # hard as [1, 0, 0, 0]: with it held-out fell 0.041 -> 0.003 in 20 min,
+                        # the model stopped closing <answer> (54% -> 7%, docs/domains.md)
 micro_batch_size = 8
 threads = 1
 keep_last = 2
@@ -209,7 +215,7 @@ progress_interval_s = 15
                  f'split = {{ train_size = {sizes[n]}, eval_size = 4 }}\n'
                  f'max_prompt_chars = {MAX_PROMPT_CHARS}'
                  '   # prompt + 96 new tokens within 2048 positions\n'
-                 + (PROMPT.replace("few_shot_items = 2", "few_shot_items = 0")
+                 + (PROMPT.replace("few_shot_items = 1", "few_shot_items = 0")
                     if n in NO_SHOTS else PROMPT))
         if curriculum.get(n, 1) > 1:
             table += "curriculum = { threshold = 0.7, min_groups = 8 }\n"

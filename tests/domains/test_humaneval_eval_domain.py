@@ -103,8 +103,10 @@ def test_every_domain_of_the_shipped_gym_config_passes_ups_start_check(declared:
     sched = SHIPPED.scheduler
     try:
         check_declared(SHIPPED.domain, eval_only=["general", "humaneval"])
-        # Then each round holds 2 items of every trained domain and 8 of each eval-only one
-        assert eval_round_size(SHIPPED) == 2 * len(sched.domains) + 8 + 8
+        # Then each round holds scheduler.eval_items (1) of every trained domain and 8 of each
+        # eval-only one
+        assert sched.eval_items == 1
+        assert eval_round_size(SHIPPED) == len(sched.domains) + 8 + 8
         assert [it.id for it in eval_items(SHIPPED, "humaneval")] == [
             f"HumanEval/{n}" for n in range(8)]
     finally:
