@@ -174,6 +174,10 @@ def distributed_step(trainer: Trainer, trajectories: list[Trajectory]) -> StepSt
     return trainer.step(trajectories)
 
 
+_followers_released = False
+"""Rank 0 of a distributed learner: set once it broadcast the end to the other ranks."""
+
+
 def follow(config: Config) -> int:
     """Ranks > 0 of a distributed learner: take every step rank 0 takes, on the groups it
     broadcasts, until it broadcasts an empty step (its end). No Redis; under FSDP each rank
@@ -237,6 +241,8 @@ class Learner:
             await self._serve(task_status)
         if self.distributed:  # the end: release the other ranks
             await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
+            global _followers_released
+            _followers_released = True
 
     @contextlib.asynccontextmanager
     async def _server_sync(self) -> AsyncIterator[None]:
@@ -559,6 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     0 is the learner actor (Redis, checkpoints, publishing), the other ranks follow it.
     Without torchrun it is the plain single-process learner."""
     import argparse
+    import importlib
 
     from streamrl.config.schema import load_config
     from streamrl.runtime.logs import configure_logging
@@ -571,13 +578,23 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config, args.overrides)
     distributed = dist_util.init_from_env()
     configure_logging(actor=f"learner-rank{dist_util.rank()}" if distributed else "learner")
+    released = False
     try:
         if dist_util.rank() == 0:
             trio.run(run_actor, "learner", config)
+            # run_actor serves the imported module (this one is __main__ under torchrun)
+            released = importlib.import_module("streamrl.actors.learner")._followers_released
         else:
             follow(config)
+            released = True  # rank 0 released it
     finally:
         if distributed:
+            if released:  # every rank tears down together: a gloo rank whose peer already
+                # closed its connections can abort in its IO thread while it destroys its
+                # group ("terminate called without an active exception", SIGABRT, seen once
+                # in CI). Only after rank 0's release: before it, the other ranks wait in a
+                # step's broadcast, which a barrier must not meet.
+                torch.distributed.barrier()
             torch.distributed.destroy_process_group()
     return 0
 
