@@ -21,6 +21,7 @@ import msgspec
 import trio
 
 from streamrl.protocol import names as N
+from streamrl.protocol.admission import counted
 from streamrl.protocol.health import DomainHealth, domain_health
 from streamrl.protocol.messages import Executed, Rollout, StepMetrics, Task, Trajectory
 from streamrl.protocol.pipeline import Stall, assess_stall, lag_flag, pipeline_state
@@ -100,6 +101,10 @@ class Summary(msgspec.Struct, kw_only=True):
     reward_first_steps: float | None
     reward_last_steps: float | None
     dropped_stale: int
+    skipped_zero_variance: int = 0
+    """Training groups the verifier skipped because their rewards were all equal (no GRPO
+    signal; ``verifier.dynamic_sampling``, 0 without it). Groups generated for training =
+    ``trajectories`` + ``dropped_stale`` + this + dead-lettered ones."""
     dead_letters: int
     learner_step_seconds: float | None
     learner_busy_fraction: float | None
@@ -207,6 +212,7 @@ class Monitor:
         self.queues: list[GroupState] = []
         self.stall: Stall | None = None
         self.dead = 0
+        self.zero_variance = 0
         self.health: dict[str, DomainHealth] = {}
         sched = ctx.config.scheduler
         self.trained_domains = list(sched.domains)
@@ -237,9 +243,11 @@ class Monitor:
                 await trio.sleep(1.0)
 
     async def refresh_domains(self) -> None:
-        """Read every trained domain's figures (:mod:`streamrl.protocol.health`)."""
+        """Read every trained domain's figures (:mod:`streamrl.protocol.health`) and the
+        run's count of groups skipped for equal rewards."""
         self.health = await domain_health(self.ctx.client, self.ctx.names,
                                           self.trained_domains)
+        self.zero_variance = await counted(self.ctx.client, self.ctx.names, "zero_variance")
 
     def forgetting(self) -> list[str]:
         """The eval-only domains flagged as forgetting so far."""
@@ -452,6 +460,7 @@ class Monitor:
             reward_first_steps=statistics.fmean(s.reward_mean for s in steps[:k]) if k else None,
             reward_last_steps=statistics.fmean(s.reward_mean for s in steps[-k:]) if k else None,
             dropped_stale=steps[-1].dropped_stale if steps else 0,
+            skipped_zero_variance=self.zero_variance,
             dead_letters=self.dead,
             learner_step_seconds=statistics.median(s.step_seconds for s in steps)
             if steps

@@ -54,6 +54,21 @@ async def test_summary_has_every_domain_and_flags_forgetting(
     assert s.domains["general"]["eval"] == [0.9, 0.7, 0.5]
     assert s.domains["general"]["forgetting"] and s.forgetting == ["general"]
     assert "forgetting: general" in monitor.progress_line()
+    assert s.skipped_zero_variance == 0  # no group skipped for equal rewards
+
+
+async def test_summary_counts_the_groups_dynamic_sampling_skipped(
+    client: RedisClient, roles: dict[str, RedisClient], names: N.Names, redis_url: str,
+    tmp_path: Path,
+) -> None:
+    config = run_config(tmp_path, redis_url, names.run, "verifier.dynamic_sampling=true")
+    # Given 5 training groups the verifier skipped for equal rewards, as its hand-offs count
+    await client.call(client.sync.incrby, names.counter("zero_variance"), 5)
+    # When the monitor (as its ACL user) reads the counters and summarises
+    monitor = Monitor(ActorContext(config, roles["monitor"], names), tmp_path, eval_items=2)
+    await monitor.refresh_domains()
+    # Then the summary has them beside the stale drops: generated = trained + skipped + stale
+    assert monitor.summary(names.run).skipped_zero_variance == 5
 
 
 async def test_summary_has_each_domains_dead_letters_and_quarantine(
