@@ -665,7 +665,12 @@ class LoraConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     groups_per_step: PosInt = 4
-    """Verified groups per optimiser step."""
+    """Verified groups per step (one published weight version)."""
+    updates_per_step: PosInt = 1
+    """AdamW updates per step (PPO's mini-batches): the step's groups with signal are split
+    in order into this many parts (fewer with fewer groups), one update each, and the version
+    is published after the last. More updates from the same samples and compute; the
+    learning-rate schedule (warmup_steps, lr_decay_steps) counts updates."""
     max_staleness: NonNegInt = 2
     """Groups sampled by a policy more than this many versions behind are dropped (counted)."""
     lr: PosFloat = 1e-5
@@ -739,11 +744,12 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """DAPO's soft length penalty: the reward falls linearly by up to 1 over this many
     tokens before max_new_tokens (0: off; single-turn samples)."""
     warmup_steps: NonNegInt = 0
-    """Linear learning-rate warmup over this many steps."""
+    """Linear learning-rate warmup over this many updates (steps with updates_per_step = 1)."""
     lr_decay: Literal["constant", "cosine"] = "constant"
     """After warmup: constant, or cosine down to min_lr_ratio * lr at lr_decay_steps."""
     lr_decay_steps: NonNegInt = 0
-    """Length of the learning-rate schedule in steps, warmup included (0: max_steps)."""
+    """Length of the learning-rate schedule in updates (steps times updates_per_step),
+    warmup included (0: max_steps times updates_per_step)."""
     min_lr_ratio: Fraction = 0.0
     """Where the cosine ends, as a fraction of lr."""
     device: str = "cpu"
@@ -774,7 +780,7 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     (then the servers load that version from disk and the rest of the run syncs by disk)."""
 
     def __post_init__(self) -> None:
-        steps = self.lr_decay_steps or self.max_steps
+        steps = self.lr_decay_steps or self.max_steps * self.updates_per_step
         if self.lr_decay == "cosine" and steps <= self.warmup_steps:
             raise ValueError("learner.lr_decay = 'cosine' needs lr_decay_steps (or max_steps) "
                              "above warmup_steps")

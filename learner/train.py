@@ -91,6 +91,13 @@ class TrainConfig:
     """Clip range above 1 (DAPO "clip-higher", e.g. 0.28); None means ``clip_eps``."""
     max_grad_norm: float = 1.0
     """Global gradient-norm clip (> 0)."""
+    updates_per_step: int = 1
+    """Optimiser updates per :meth:`Trainer.step` (>= 1; PPO's mini-batches): the step's groups
+    with signal are split in order into this many parts of near-equal size (fewer when there
+    are fewer groups), and each part is one AdamW update, its loss normalised over its own
+    tokens. Every sample is still trained on once; the later parts see the weights the
+    earlier ones updated, their PPO ratio still anchored to the behaviour (or recomputed)
+    logprobs. The learning-rate schedule counts updates."""
     micro_batch_size: int = 8
     """Samples per forward/backward (>= 1). Bounds activation memory; the gradient is
     accumulated over micro-batches and is the same for every value."""
@@ -192,6 +199,7 @@ class TrainConfig:
             "clip_eps_high > 0": self.clip_eps_high is None or self.clip_eps_high > 0,
             "max_grad_norm > 0": self.max_grad_norm > 0,
             "micro_batch_size >= 1": self.micro_batch_size >= 1,
+            "updates_per_step >= 1": self.updates_per_step >= 1,
             "temperature > 0": self.temperature is None or self.temperature > 0,
             "adv_eps > 0": self.adv_eps > 0,
             "tis_cap > 0": self.tis_cap is None or self.tis_cap > 0,
@@ -480,16 +488,21 @@ class Trainer:
                 seconds=time.perf_counter() - started,
             )  # fmt: skip
 
-        full = build_batch(
-            groups, pad_id=self.pad_id, eps=cfg.adv_eps, std_normalize=cfg.advantage_std,
-            overlong_filter=cfg.overlong_filter, length_penalty_tokens=cfg.length_penalty_tokens,
-        )  # fmt: skip
-        kl_sum = 0.0
-        if cfg.kl_in_reward and cfg.kl_coef > 0:
-            full, kl_sum = self._kl_in_reward(full, [len(t.rewards) for t in groups])
-        return self.step_batch(full, reward_mean=reward_mean, groups=len(groups),
-                               dropped_groups=dropped, started=started, apply=apply,
-                               kl_ref_sum=kl_sum)  # fmt: skip
+        parts = _split(groups, cfg.updates_per_step)
+        updates = []
+        for part in parts:
+            full = build_batch(
+                part, pad_id=self.pad_id, eps=cfg.adv_eps, std_normalize=cfg.advantage_std,
+                overlong_filter=cfg.overlong_filter,
+                length_penalty_tokens=cfg.length_penalty_tokens,
+            )  # fmt: skip
+            kl_sum = 0.0
+            if cfg.kl_in_reward and cfg.kl_coef > 0:
+                full, kl_sum = self._kl_in_reward(full, [len(t.rewards) for t in part])
+            updates.append(self.step_batch(full, reward_mean=reward_mean, groups=len(part),
+                                           dropped_groups=dropped, apply=apply,
+                                           kl_ref_sum=kl_sum))  # fmt: skip
+        return _merge(updates, time.perf_counter() - started)
 
     def _reference_logprobs(self, mb: Batch) -> Tensor:
         """The KL reference's logprobs of ``mb`` (a frozen model, or the base under LoRA)."""
@@ -703,6 +716,54 @@ class Trainer:
 
 _SUMS = 10
 """Statistics summed over micro-batches and ranks (see :meth:`Trainer.step_batch`)."""
+
+
+def _split(groups: list[Trajectory], parts: int) -> list[list[Trajectory]]:
+    """``groups`` in order, in ``min(parts, len(groups))`` runs whose sizes differ by <= 1."""
+    parts = min(parts, len(groups))
+    size, extra = divmod(len(groups), parts)
+    out, at = [], 0
+    for i in range(parts):
+        n = size + (i < extra)
+        out.append(groups[at : at + n])
+        at += n
+    return out
+
+
+def _merge(updates: list[StepStats], seconds: float) -> StepStats:
+    """One :class:`StepStats` for a step of several updates: counts summed, the per-token
+    means weighted by each update's tokens, the loss and the gradient norm (before
+    clipping) averaged over the updates, the mismatch extremes over all of them, the
+    learning rate of the first."""
+    if len(updates) == 1:
+        return dataclasses.replace(updates[0], seconds=seconds)
+    tokens = sum(u.tokens for u in updates)
+    weights = [u.tokens / max(tokens, 1) for u in updates]
+
+    def mean(field: str) -> float:
+        return sum(w * getattr(u, field) for w, u in zip(weights, updates, strict=True))
+
+    first = updates[0]
+    return dataclasses.replace(
+        first,
+        clip_frac=mean("clip_frac"),
+        ratio_mean=mean("ratio_mean"),
+        approx_kl=mean("approx_kl"),
+        kl_ref=mean("kl_ref"),
+        entropy=mean("entropy"),
+        is_clip_frac=mean("is_clip_frac"),
+        mismatch_kl=mean("mismatch_kl"),
+        mismatch_ratio_mean=mean("mismatch_ratio_mean"),
+        step=updates[-1].step,
+        loss=sum(u.loss for u in updates) / len(updates),
+        grad_norm=sum(u.grad_norm for u in updates) / len(updates),
+        groups=sum(u.groups for u in updates),
+        samples=sum(u.samples for u in updates),
+        tokens=tokens,
+        seconds=seconds,
+        mismatch_ratio_min=min(u.mismatch_ratio_min for u in updates),
+        mismatch_ratio_max=max(u.mismatch_ratio_max for u in updates),
+    )
 
 
 def _sequence_ids(mb: Batch) -> Tensor | None:

@@ -175,10 +175,11 @@ def test_every_switch_reaches_the_trainer_from_toml(tmp_path: Path) -> None:
         "entropy_coef = 0.001\noverlong_filter = true\nlength_penalty_tokens = 64\n"
         "warmup_steps = 5\nlr_decay = 'cosine'\nmax_steps = 100\nmin_lr_ratio = 0.1\n"
         "max_grad_norm = 0.5\nmax_tokens_per_micro_batch = 4096\nlogprob_chunk_tokens = 256\n"
+        "updates_per_step = 2\n"
     )
     # When the learner builds its TrainConfig
     cfg = train_config(load_config(path))
-    # Then each reaches it (lr_decay_steps defaults to max_steps)
+    # Then each reaches it (lr_decay_steps defaults to max_steps' updates)
     assert (cfg.clip_eps, cfg.clip_eps_high, cfg.objective) == (0.1, 0.28, "gspo")
     assert (cfg.aggregation, cfg.aggregation_tokens) == ("seq-mean-token-sum-norm", 512)
     assert (cfg.advantage_std, cfg.is_mode, cfg.is_level, cfg.is_low) == (
@@ -186,8 +187,8 @@ def test_every_switch_reaches_the_trainer_from_toml(tmp_path: Path) -> None:
     assert (cfg.tis_cap, cfg.kl_coef, cfg.kl_estimator, cfg.kl_in_reward) == (3.0, 0.01, "k2", True)
     assert (cfg.entropy_coef, cfg.overlong_filter, cfg.length_penalty_tokens) == (0.001, True, 64)
     assert (cfg.warmup_steps, cfg.lr_decay, cfg.lr_decay_steps, cfg.min_lr_ratio) == (
-        5, "cosine", 100, 0.1)  # fmt: skip
-    assert cfg.max_grad_norm == 0.5
+        5, "cosine", 200, 0.1)  # fmt: skip
+    assert (cfg.max_grad_norm, cfg.updates_per_step) == (0.5, 2)
     assert (cfg.max_tokens_per_micro_batch, cfg.logprob_chunk_tokens) == (4096, 256)
     # and the defaults are today's trainer
     default = train_config(load_config(None))

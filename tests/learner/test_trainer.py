@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +120,40 @@ def test_gradient_does_not_depend_on_micro_batching_or_checkpointing(
         assert s.loss == pytest.approx(stats[0].loss, rel=1e-4, abs=1e-6)
         assert s.grad_norm == pytest.approx(stats[0].grad_norm, rel=1e-4)
         assert s.tokens == stats[0].tokens == 48 + 5
+
+
+def test_updates_per_step_are_sequential_updates_on_the_parts_of_the_step(
+    tiny_dir: Path, group: Trajectory
+) -> None:
+    # Given three groups with signal (and one without, dropped before the split)
+    other = make_trajectory([1, 2, 3], [[7, 8, 9, 10], [11]], [[-5.0] * 4, [-6.0]], [0.0, 1.0],
+                            temperature=TEMPERATURE)  # fmt: skip
+    third = make_trajectory([4, 5], [[6, 7], [8, 9, 10]], [[-4.0] * 2, [-3.0] * 3], [1.0, 0.0],
+                            temperature=TEMPERATURE)  # fmt: skip
+    flat = make_trajectory([1, 2], [[3], [4]], [[-1.0], [-1.0]], [1.0, 1.0])
+    cfg = TrainConfig(lr=1e-3, micro_batch_size=3, lr_decay="cosine", lr_decay_steps=4)
+    # When one trainer takes one step of 2 updates, and another the same groups as 2 steps
+    split = Trainer(load_model(tiny_dir), dataclasses.replace(cfg, updates_per_step=2))
+    stats = split.step([group, flat, other, third])
+    one = Trainer(load_model(tiny_dir), cfg)
+    first = one.step([group, other])  # the first part: the first half, in order
+    second = one.step([third])
+    # Then the weights, the optimiser's step count and the schedule are the same
+    assert stats.step == split.steps == one.steps == 2
+    for name, weight in one.model.state_dict().items():
+        assert torch.allclose(split.model.state_dict()[name], weight, atol=1e-6), name
+    assert stats.lr == first.lr > second.lr  # the schedule counts updates
+    # and the step reports both updates: counts summed, means weighted by tokens
+    assert (stats.groups, stats.samples, stats.dropped_groups) == (3, 8, 1)
+    assert stats.tokens == first.tokens + second.tokens
+    assert stats.loss == pytest.approx((first.loss + second.loss) / 2, rel=1e-5)
+    assert stats.grad_norm == pytest.approx((first.grad_norm + second.grad_norm) / 2, rel=1e-5)
+    w = first.tokens / stats.tokens
+    assert stats.ratio_mean == pytest.approx(w * first.ratio_mean + (1 - w) * second.ratio_mean)
+    assert stats.mismatch_ratio_max == max(first.mismatch_ratio_max, second.mismatch_ratio_max)
+    # and more updates than groups is one update per group
+    assert Trainer(load_model(tiny_dir), dataclasses.replace(cfg, updates_per_step=5)).step(
+        [group, other]).step == 2  # fmt: skip
 
 
 def test_groups_without_signal_are_dropped_and_an_empty_step_is_skipped(
