@@ -175,10 +175,6 @@ def distributed_step(trainer: Trainer, trajectories: list[Trajectory]) -> StepSt
     return trainer.step(trajectories)
 
 
-_followers_released = False
-"""Rank 0 of a distributed learner: set once it broadcast the end to the other ranks."""
-
-
 def follow(config: Config) -> int:
     """Ranks > 0 of a distributed learner: take every step rank 0 takes, on the groups it
     broadcasts, until it broadcasts an empty step (its end). No Redis; under FSDP each rank
@@ -237,13 +233,16 @@ class Learner:
         settings = BatchSettings(heartbeat_interval_s=q.heartbeat_interval_s, sole_consumer=True)
         return open_batches(self.consumer, STAGE, Trajectory, policies, settings)
 
-    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> bool:
+        """Train until the run ends; returns whether it released the other ranks of a
+        distributed learner (broadcast the end; False in one process, and when it did not
+        end normally: the other ranks then still wait in a step's broadcast)."""
         async with self.batch_runtime() as self.batches, self._server_sync():
             await self._serve(task_status)
-        if self.distributed:  # the end: release the other ranks
-            await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])
-            global _followers_released
-            _followers_released = True
+        if not self.distributed:
+            return False
+        await trio.to_thread.run_sync(dist_util.broadcast_payloads, [])  # the end
+        return True
 
     @contextlib.asynccontextmanager
     async def _server_sync(self) -> AsyncIterator[None]:
@@ -553,12 +552,14 @@ class Learner:
         await self._announce(self.version, str(path), entry_ids, metrics, groups)
 
 
-async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> bool:
+    """The learner actor; returns :meth:`Learner.serve`'s (whether the other ranks were
+    released)."""
     # One learner per run: a fixed consumer name, so a restarted learner drains its own
     # pending entries (the groups it was collecting) first.
     async with ctx.consumer(N.TRAJECTORIES, "learner", consumer="learner-0") as consumer:
         learner = await trio.to_thread.run_sync(Learner, ctx, consumer)
-        await learner.serve(task_status=task_status)
+        return await learner.serve(task_status=task_status)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -566,7 +567,6 @@ def main(argv: list[str] | None = None) -> int:
     0 is the learner actor (Redis, checkpoints, publishing), the other ranks follow it.
     Without torchrun it is the plain single-process learner."""
     import argparse
-    import importlib
 
     from streamrl.config.schema import load_config
     from streamrl.runtime.logs import configure_logging
@@ -582,9 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     released = False
     try:
         if dist_util.rank() == 0:
-            trio.run(run_actor, "learner", config)
-            # run_actor serves the imported module (this one is __main__ under torchrun)
-            released = importlib.import_module("streamrl.actors.learner")._followers_released
+            released = bool(trio.run(run_actor, "learner", config))
         else:
             follow(config)
             released = True  # rank 0 released it

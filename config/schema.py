@@ -669,8 +669,9 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     updates_per_step: PosInt = 1
     """AdamW updates per step (PPO's mini-batches): the step's groups with signal are split
     in order into this many parts (fewer with fewer groups), one update each, and the version
-    is published after the last. More updates from the same samples and compute; the
-    learning-rate schedule (warmup_steps, lr_decay_steps) counts updates."""
+    is published after the last. More updates from the same samples and compute; the PPO
+    anchor stays the behaviour logprobs (with recompute_old_logprobs: the policy's before the
+    first update); the learning-rate schedule (warmup_steps, lr_decay_steps) counts updates."""
     max_staleness: NonNegInt = 2
     """Groups sampled by a policy more than this many versions behind are dropped (counted)."""
     lr: PosFloat = 1e-5

@@ -96,8 +96,9 @@ class TrainConfig:
     with signal are split in order into this many parts of near-equal size (fewer when there
     are fewer groups), and each part is one AdamW update, its loss normalised over its own
     tokens. Every sample is still trained on once; the later parts see the weights the
-    earlier ones updated, their PPO ratio still anchored to the behaviour (or recomputed)
-    logprobs. The learning-rate schedule counts updates."""
+    earlier ones updated, their PPO ratio still anchored to the behaviour logprobs (with
+    ``recompute_old_logprobs``: to the policy's logprobs before the first update, PPO's
+    pi_old). The learning-rate schedule counts updates."""
     micro_batch_size: int = 8
     """Samples per forward/backward (>= 1). Bounds activation memory; the gradient is
     accumulated over micro-batches and is the same for every value."""
@@ -488,9 +489,8 @@ class Trainer:
                 seconds=time.perf_counter() - started,
             )  # fmt: skip
 
-        parts = _split(groups, cfg.updates_per_step)
-        updates = []
-        for part in parts:
+        parts = []
+        for part in _split(groups, cfg.updates_per_step):
             full = build_batch(
                 part, pad_id=self.pad_id, eps=cfg.adv_eps, std_normalize=cfg.advantage_std,
                 overlong_filter=cfg.overlong_filter,
@@ -499,10 +499,42 @@ class Trainer:
             kl_sum = 0.0
             if cfg.kl_in_reward and cfg.kl_coef > 0:
                 full, kl_sum = self._kl_in_reward(full, [len(t.rewards) for t in part])
-            updates.append(self.step_batch(full, reward_mean=reward_mean, groups=len(part),
-                                           dropped_groups=dropped, apply=apply,
-                                           kl_ref_sum=kl_sum))  # fmt: skip
+            parts.append((full, len(part), kl_sum))
+        # Several updates with recomputed logprobs: every part's anchor is taken before the
+        # first update (PPO's pi_old), not at the weights the earlier parts left.
+        anchors = ([self._anchor_logprobs(full) for full, _, _ in parts]
+                   if cfg.recompute_old_logprobs and len(parts) > 1 else [None] * len(parts))
+        updates = [
+            self.step_batch(full, reward_mean=reward_mean, groups=n, dropped_groups=dropped,
+                            apply=apply, kl_ref_sum=kl_sum, anchors=anchor)
+            for (full, n, kl_sum), anchor in zip(parts, anchors, strict=True)
+        ]  # fmt: skip
         return _merge(updates, time.perf_counter() - started)
+
+    def _passes(self, full: Batch) -> list[Batch]:
+        """This rank's micro-batches of ``full``, then as many padding ones (row 0, loss weight
+        0) as make every rank's count the same: DDP needs the same backward passes on every
+        rank, FSDP the same forwards. All ranks hold the whole batch, so no communication is
+        needed."""
+        mine = self._micro_batches(full, dist_util.shard_rows(full.size))
+        shards = [dist_util.shard_rows(full.size, r) for r in range(dist_util.world_size())]
+        passes = max(len(self._micro_batches(full, s)) for s in shards)
+        return mine + [full.rows(slice(0, 1))] * (passes - len(mine))
+
+    def _anchor_logprobs(self, full: Batch) -> list[Tensor]:
+        """The current policy's logprobs of each of :meth:`_passes`' micro-batches, no
+        gradient: the PPO anchor when ``recompute_old_logprobs`` (a collective under FSDP)."""
+        cfg = self.config
+        chunk = cfg.logprob_chunk_tokens
+        out = []
+        with torch.no_grad(), _autocast(cfg):
+            for mb in self._passes(full):
+                mb = mb.to(cfg.device)
+                if self.fsdp is not None:
+                    out.append(self.fsdp(mb, cfg.temperature, chunk)[0])
+                else:
+                    out.append(token_logprobs(self.model, mb, cfg.temperature, chunk))
+        return out
 
     def _reference_logprobs(self, mb: Batch) -> Tensor:
         """The KL reference's logprobs of ``mb`` (a frozen model, or the base under LoRA)."""
@@ -545,10 +577,13 @@ class Trainer:
         started: float | None = None,
         apply: bool = True,
         kl_ref_sum: float = 0.0,
+        anchors: list[Tensor] | None = None,
     ) -> StepStats:
         """One optimiser step on an already built batch (the whole batch on every rank);
         ``apply=False``: the gradient only (see :meth:`step`). ``kl_ref_sum``: the KL
-        KL-in-reward took out of the rewards (reported as ``kl_ref``)."""
+        KL-in-reward took out of the rewards (reported as ``kl_ref``). ``anchors``: with
+        ``recompute_old_logprobs``, the PPO anchor of each of :meth:`_passes`' micro-batches
+        taken earlier (:meth:`_anchor_logprobs`); None: recomputed now."""
         cfg = self.config
         started = time.perf_counter() if started is None else started
         total_tokens = full.loss_mask.sum().to(cfg.device)  # of the whole batch, every rank
@@ -559,14 +594,8 @@ class Trainer:
             normalizer = (per_sample > 0).sum().to(cfg.device)
         norm_tokens = cfg.aggregation_tokens or max(int(per_sample.max()), 1)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
-        shard = dist_util.shard_rows(full.size)
-        mine = self._micro_batches(full, shard)
-        # DDP needs the same backward passes on every rank: as many as the rank with the
-        # most micro-batches. All ranks hold the whole batch, so no communication is needed;
-        # the ranks with fewer pad with row 0 of the batch at loss weight 0.
-        shards = [dist_util.shard_rows(full.size, r) for r in range(dist_util.world_size())]
-        passes = max(len(self._micro_batches(full, s)) for s in shards)
-        padding = [full.rows(slice(0, 1))] * (passes - len(mine))
+        batches = self._passes(full)
+        real = len(self._micro_batches(full, dist_util.shard_rows(full.size)))
 
         # Forward/backward per micro-batch of this rank's shard; each divides by the whole
         # step's token count, so the summed gradient is the full batch's gradient. Under
@@ -576,12 +605,13 @@ class Trainer:
         sums = torch.zeros(_SUMS, dtype=torch.float64)
         extremes = torch.full((2,), -math.inf, dtype=torch.float64)  # -min ratio, max ratio
         ddp = self.ddp
-        for i, mb in enumerate(mine + padding):
-            last = i == passes - 1
+        for i, mb in enumerate(batches):
+            last = i == len(batches) - 1
             with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
-                weight = 1.0 if i < len(mine) else 0.0
+                weight = 1.0 if i < real else 0.0
                 mb_sums, mb_extremes = self._micro_step(
-                    mb.to(cfg.device), normalizer, clip_high, weight, norm_tokens
+                    mb.to(cfg.device), normalizer, clip_high, weight, norm_tokens,
+                    None if anchors is None else anchors[i],
                 )
                 sums += mb_sums
                 extremes = torch.maximum(extremes, mb_extremes)
@@ -646,7 +676,7 @@ class Trainer:
 
     def _micro_step(
         self, mb: Batch, normalizer: Tensor, clip_high: float, weight: float = 1.0,
-        norm_tokens: int | None = None,
+        norm_tokens: int | None = None, anchor: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Forward + backward of one micro-batch; returns its token-weighted statistic sums
         and ``[-min, max]`` of its train-vs-rollout ratio. ``normalizer``: the step's token
@@ -658,7 +688,9 @@ class Trainer:
         old, behaviour = mb.old_logprobs, None
         ref = None
         with torch.no_grad(), _autocast(cfg):
-            if cfg.recompute_old_logprobs and self.fsdp is not None:  # FSDP gathers in forward
+            if cfg.recompute_old_logprobs and anchor is not None:  # taken before the step
+                old, behaviour = anchor, old
+            elif cfg.recompute_old_logprobs and self.fsdp is not None:  # FSDP gathers in forward
                 old, behaviour = self.fsdp(mb, cfg.temperature, chunk)[0], old
             elif cfg.recompute_old_logprobs:
                 old, behaviour = token_logprobs(self.model, mb, cfg.temperature, chunk), old

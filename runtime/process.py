@@ -21,12 +21,14 @@ def _serve_function(actor: str) -> Any:
     return importlib.import_module(f"streamrl.actors.{actor}").serve
 
 
-async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -> None:
-    """Serve one actor; SIGINT/SIGTERM drains it (work in hand settles), a second one stops it."""
+async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -> Any:
+    """Serve one actor; SIGINT/SIGTERM drains it (work in hand settles), a second one stops it.
+    Returns what the actor's ``serve`` returned (None when it was cancelled)."""
     from streamrl.runtime.context import open_context
 
     serve = _serve_function(actor)
     log = get_logger()
+    result = None
     if config.ops.metrics_port:
         from streamrl.runtime.metrics import start_metrics_server
 
@@ -36,7 +38,8 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
             async with trio.open_nursery() as nursery:
 
                 async def serve_and_finish(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-                    await serve(ctx, task_status=task_status)
+                    nonlocal result
+                    result = await serve(ctx, task_status=task_status)
                     nursery.cancel_scope.cancel()
 
                 async def on_signals() -> None:
@@ -58,3 +61,4 @@ async def run_actor(actor: str, config: Config, drain_timeout_s: float = 60.0) -
                 log.warning("drain deadline passed, work in hand left to the reclaimers",
                             drain_timeout_s=drain_timeout_s)
         log.info("actor stopped")
+    return result

@@ -156,6 +156,22 @@ def test_updates_per_step_are_sequential_updates_on_the_parts_of_the_step(
         [group, other]).step == 2  # fmt: skip
 
 
+def test_recomputed_anchors_of_several_updates_are_taken_before_the_first(
+    tiny_dir: Path, group: Trajectory
+) -> None:
+    other = make_trajectory([1, 2, 3], [[7, 8, 9, 10], [11]], [[-5.0] * 4, [-6.0]], [0.0, 1.0],
+                            temperature=TEMPERATURE)  # fmt: skip
+    cfg = TrainConfig(lr=1e-3, recompute_old_logprobs=True, tis_cap=None)
+    # When a step of one update, and one of two, anchor the ratio to recomputed logprobs
+    one = Trainer(load_model(tiny_dir), cfg).step([group, other])
+    two = Trainer(load_model(tiny_dir), dataclasses.replace(cfg, updates_per_step=2)).step(
+        [group, other])  # fmt: skip
+    # Then one update sees a ratio of exactly 1 (pi_old is the policy being trained); with two,
+    # the second update's ratio is the moved policy over the one before the step
+    assert one.ratio_mean == pytest.approx(1.0, abs=1e-6)
+    assert abs(two.ratio_mean - 1.0) > 1e-3
+
+
 def test_groups_without_signal_are_dropped_and_an_empty_step_is_skipped(
     tiny_model: Any,
 ) -> None:
