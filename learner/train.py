@@ -471,10 +471,11 @@ class Trainer:
             set_rng_state(state["rng"])
 
     def step(self, trajectories: Sequence[Trajectory], *, apply: bool = True) -> StepStats:
-        """One optimiser step on ``trajectories`` (already filtered for staleness). In a
-        distributed run every rank must call it with the same trajectories. ``apply=False``:
-        every forward and backward pass and the gradient check of the step, but the weights
-        and the optimiser are left as they were (a probe: does this group alone fail?)."""
+        """One step on ``trajectories`` (already filtered for staleness): one optimiser update,
+        or ``updates_per_step`` on its parts. In a distributed run every rank must call it with
+        the same trajectories. ``apply=False``: every forward and backward pass and the
+        gradient check of the step, but the weights and the optimiser are left as they were
+        (a probe: does this group alone fail?)."""
         cfg = self.config
         started = time.perf_counter()
         all_rewards = [r for t in trajectories for r in t.rewards]
