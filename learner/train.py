@@ -501,10 +501,10 @@ class Trainer:
             if cfg.kl_in_reward and cfg.kl_coef > 0:
                 full, kl_sum = self._kl_in_reward(full, [len(t.rewards) for t in part])
             parts.append((full, len(part), kl_sum))
-        # Several updates with recomputed logprobs: every part's anchor is taken before the
-        # first update (PPO's pi_old), not at the weights the earlier parts left.
+        # With recomputed logprobs every part's anchor is taken before the first update (PPO's
+        # pi_old), not at the weights the earlier parts left.
         anchors = ([self._anchor_logprobs(full) for full, _, _ in parts]
-                   if cfg.recompute_old_logprobs and len(parts) > 1 else [None] * len(parts))
+                   if cfg.recompute_old_logprobs else [None] * len(parts))
         updates = [
             self.step_batch(full, reward_mean=reward_mean, groups=n, dropped_groups=dropped,
                             apply=apply, kl_ref_sum=kl_sum, anchors=anchor)
@@ -512,15 +512,16 @@ class Trainer:
         ]  # fmt: skip
         return _merge(updates, time.perf_counter() - started)
 
-    def _passes(self, full: Batch) -> list[Batch]:
-        """This rank's micro-batches of ``full``, then as many padding ones (row 0, loss weight
-        0) as make every rank's count the same: DDP needs the same backward passes on every
-        rank, FSDP the same forwards. All ranks hold the whole batch, so no communication is
-        needed."""
-        mine = self._micro_batches(full, dist_util.shard_rows(full.size))
-        shards = [dist_util.shard_rows(full.size, r) for r in range(dist_util.world_size())]
-        passes = max(len(self._micro_batches(full, s)) for s in shards)
-        return mine + [full.rows(slice(0, 1))] * (passes - len(mine))
+    def _passes(self, full: Batch) -> tuple[list[Batch], int]:
+        """``(micro-batches, real)``: this rank's ``real`` micro-batches of ``full``, then as
+        many padding ones (row 0, loss weight 0) as make every rank's count the same: DDP needs
+        the same backward passes on every rank, FSDP the same forwards. All ranks hold the
+        whole batch, so no communication is needed."""
+        ranks = [self._micro_batches(full, dist_util.shard_rows(full.size, r))
+                 for r in range(dist_util.world_size())]  # fmt: skip
+        mine = ranks[dist_util.rank()]
+        passes = max(len(batches) for batches in ranks)
+        return mine + [full.rows(slice(0, 1))] * (passes - len(mine)), len(mine)
 
     def _anchor_logprobs(self, full: Batch) -> list[Tensor]:
         """The current policy's logprobs of each of :meth:`_passes`' micro-batches, no
@@ -529,7 +530,7 @@ class Trainer:
         chunk = cfg.logprob_chunk_tokens
         out = []
         with torch.no_grad(), _autocast(cfg):
-            for mb in self._passes(full):
+            for mb in self._passes(full)[0]:
                 mb = mb.to(cfg.device)
                 if self.fsdp is not None:
                     out.append(self.fsdp(mb, cfg.temperature, chunk)[0])
@@ -584,7 +585,7 @@ class Trainer:
         ``apply=False``: the gradient only (see :meth:`step`). ``kl_ref_sum``: the KL
         KL-in-reward took out of the rewards (reported as ``kl_ref``). ``anchors``: with
         ``recompute_old_logprobs``, the PPO anchor of each of :meth:`_passes`' micro-batches
-        taken earlier (:meth:`_anchor_logprobs`); None: recomputed now."""
+        taken earlier (:meth:`_anchor_logprobs`); None: taken now, before the update."""
         cfg = self.config
         started = time.perf_counter() if started is None else started
         total_tokens = full.loss_mask.sum().to(cfg.device)  # of the whole batch, every rank
@@ -595,8 +596,9 @@ class Trainer:
             normalizer = (per_sample > 0).sum().to(cfg.device)
         norm_tokens = cfg.aggregation_tokens or max(int(per_sample.max()), 1)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
-        batches = self._passes(full)
-        real = len(self._micro_batches(full, dist_util.shard_rows(full.size)))
+        batches, real = self._passes(full)
+        if cfg.recompute_old_logprobs and anchors is None:
+            anchors = self._anchor_logprobs(full)
 
         # Forward/backward per micro-batch of this rank's shard; each divides by the whole
         # step's token count, so the summed gradient is the full batch's gradient. Under
@@ -689,12 +691,8 @@ class Trainer:
         old, behaviour = mb.old_logprobs, None
         ref = None
         with torch.no_grad(), _autocast(cfg):
-            if cfg.recompute_old_logprobs and anchor is not None:  # taken before the step
+            if anchor is not None:  # recompute_old_logprobs: taken before the update
                 old, behaviour = anchor, old
-            elif cfg.recompute_old_logprobs and self.fsdp is not None:  # FSDP gathers in forward
-                old, behaviour = self.fsdp(mb, cfg.temperature, chunk)[0], old
-            elif cfg.recompute_old_logprobs:
-                old, behaviour = token_logprobs(self.model, mb, cfg.temperature, chunk), old
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:  # (KL-in-reward took it before)
                 ref = self._reference_logprobs(mb)
         with _autocast(cfg):
