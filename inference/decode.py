@@ -1,15 +1,16 @@
 """One static batch of autoregressive decoding with a KV cache (plain torch, no trio).
 
 Guarantees:
-- prompts are left-padded; position ids count real tokens only, so a row's logits do not
-  depend on how much padding its batch needed (up to float noise);
+- position ids count real tokens only and padding is masked out, so a row's logits do not
+  depend on how much padding its batch needed or where it sits (up to float noise);
 - the logprob reported for a token is computed from the very logits it was sampled from:
   ``log_softmax(logits / T)[token]`` (``T = 1`` for greedy rows), never renormalised over the
   top-p nucleus; a teacher-forced forward over prompt + completion reproduces it;
 - a row stops at its first stop token (kept) or at its ``max_new_tokens``; finished rows are
   dropped from the batch and the KV cache, so they cost nothing afterwards;
-- each sampled row draws from its own ``torch.Generator``: a row's randomness does not depend
-  on which other rows share its batch;
+- each sampled row draws from its own ``torch.Generator`` (one uniform number a token,
+  inverted through the row's cumulative distribution): a row's randomness does not depend on
+  which other rows share its batch;
 - weights may change between two decoding steps (``weights`` hook): the running rows go on
   under the new weights from a fresh prefill of prompt + tokens so far (the old KV cache was
   computed by the old weights), so every logprob is exactly the new weights' teacher-forced
@@ -18,12 +19,16 @@ Guarantees:
   (``finish_reason == "abort"``), the others go on.
 
 - prefill costs the batch's distinct prompt tokens, not rows x longest prompt: identical
-  prompts (a group's samples) are prefilled once and their cache rows copied, and the
-  distinct ones are prefilled in buckets of similar length (padding within a bucket at most
-  a quarter of its tokens), then laid into one left-padded cache; the logits are those of the
-  plain padded prefill up to float noise (``tests/inference/test_decode_prefill.py``).
-  Models whose cache is not plain per-layer key/value tensors (sliding-window or recurrent
-  layers) take the plain padded prefill.
+  prompts (a group's samples) are prefilled once and their cache rows copied; distinct
+  prompts that begin with the same tokens (a domain's chat template and instructions: 30 of
+  the demo's 43-66) prefill that prefix once; the rest are prefilled in buckets of similar
+  length (padding within a bucket at most a quarter of its tokens), then laid into one cache
+  (a row's shared prefix on the left, its own tokens on the right, padding between); the
+  logits are those of the plain left-padded prefill up to float noise
+  (``tests/inference/test_decode_prefill.py``). Models whose cache is not plain per-layer
+  key/value tensors (sliding-window or recurrent layers) take the plain padded prefill;
+- a decoding step appends its token to the cache in place (:class:`GrowingLayer`), not by
+  concatenation.
 
 Not covered: continuous batching (rows never join a running batch), repetition penalties,
 top-k, stop strings.
@@ -69,20 +74,40 @@ def _cache_kwarg(model: Any) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``probs`` [B, V] (non-negative, each row's sum > 0, not necessarily
+    normalised), drawn by inverting the row's cumulative distribution at ``uniform`` [B] in
+    [0, 1): index ``i`` is drawn with probability ``probs[i] / sum``. A zero-probability index
+    is never drawn (the first index whose cumulative sum exceeds the target has mass). One
+    float64 cumulative sum and a binary search per row: ``torch.multinomial`` costs a
+    full-vocabulary exponential draw per call (a quarter of a decoding step's time on a CPU at
+    48 rows, ``benchmarks/decode.py``)."""
+    cdf = probs.double().cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform.double()[:, None] * total, total.nextafter(total.new_zeros(())))
+    return torch.searchsorted(cdf, target, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+
+
 def _choose(logp: torch.Tensor, rows: list[Row]) -> torch.Tensor:
-    """Next token per row from tempered log-probabilities ``logp`` [B, V]."""
+    """Next token per row from tempered log-probabilities ``logp`` [B, V]: argmax for greedy
+    rows, a draw from the row's own generator for the others (over the top-p nucleus, sorted
+    by probability, when ``top_p < 1``)."""
     chosen = logp.argmax(dim=-1)
-    for j, row in enumerate(rows):
-        if row.temperature <= 0:
-            continue
-        probs = logp[j].exp()
-        if row.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            nucleus = (sorted_p.cumsum(0) - sorted_p) < row.top_p  # always keeps the top token
-            pick = torch.multinomial(sorted_p * nucleus, 1, generator=row.generator)
+    sampled = [j for j, row in enumerate(rows) if row.temperature > 0]
+    if not sampled:
+        return chosen
+    uniform = torch.cat([torch.rand(1, generator=rows[j].generator, dtype=torch.float64)
+                         for j in sampled])
+    full = [n for n, j in enumerate(sampled) if rows[j].top_p >= 1.0]
+    if full:
+        index = torch.tensor([sampled[n] for n in full], dtype=torch.long)
+        chosen[index] = sample_inverse_cdf(logp[index].exp(), uniform[full])
+    for n, j in enumerate(sampled):
+        if rows[j].top_p < 1.0:
+            sorted_p, order = logp[j].exp().sort(descending=True)
+            nucleus = (sorted_p.cumsum(0) - sorted_p) < rows[j].top_p  # always keeps the top
+            pick = sample_inverse_cdf((sorted_p * nucleus)[None], uniform[n : n + 1])
             chosen[j] = order[pick[0]]
-        else:
-            chosen[j] = torch.multinomial(probs, 1, generator=row.generator)[0]
     return chosen
 
 
@@ -104,11 +129,74 @@ def _padded(seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def _forward(model: Any, seqs: Sequence[Sequence[int]], pad_id: int
-             ) -> tuple[torch.Tensor, DynamicCache]:
-    """One left-padded forward over ``seqs``: ``(last logits [B, V], cache)``."""
-    ids, mask, positions = _padded(seqs, pad_id)
+class GrowingLayer(DynamicLayer):
+    """A plain key/value cache layer whose ``keys`` and ``values`` are views of buffers with
+    ``reserve`` spare positions: appending a decoding step's token writes it in place.
+    ``DynamicLayer`` concatenates, copying the whole cache of every layer at every step (an
+    eighth of a decoding step's time on a CPU at 48 rows of 65-130 tokens,
+    ``benchmarks/decode.py``). A step past the reserve reallocates, with ``reserve`` or the
+    length so far spare, whichever is more."""
+
+    def __init__(self, reserve: int) -> None:
+        super().__init__()
+        self.reserve = reserve
+        self._length = 0
+        self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self._length, self._length + key_states.shape[-2]
+        if self._buffers is None or end > self._buffers[0].shape[-2]:
+            spare = max(self.reserve, start)
+            grown = []
+            for old, new in ((self.keys, key_states), (self.values, value_states)):
+                rows, heads, _, dim = new.shape
+                buffer = new.new_empty((rows, heads, end + spare, dim))
+                if start and old is not None:
+                    buffer[:, :, :start] = old
+                grown.append(buffer)
+            self._buffers = (grown[0], grown[1])
+        keys, values = self._buffers
+        keys[:, :, start:end] = key_states
+        values[:, :, start:end] = value_states
+        self._length = end
+        self.keys, self.values = keys[:, :, :end], values[:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._buffers is not None:
+            self._buffers = (self._buffers[0][indices], self._buffers[1][indices])
+            self.keys = self._buffers[0][:, :, : self._length]
+            self.values = self._buffers[1][:, :, : self._length]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("decode never crops its cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("decode never repeats its cache rows")
+
+    def reset(self) -> None:
+        self._length, self._buffers = 0, None
+        super().reset()
+
+
+def _new_cache(model: Any, reserve: int) -> DynamicCache:
+    """An empty cache for ``model``: :class:`GrowingLayer` layers when the model's are plain
+    key/value layers (``reserve`` positions ahead), its own layer types otherwise."""
     kv = DynamicCache(config=model.config)
+    if kv.layers and all(type(layer) is DynamicLayer for layer in kv.layers):
+        kv.layers = [GrowingLayer(reserve) for _ in kv.layers]
+    return kv
+
+
+def _forward(model: Any, seqs: Sequence[Sequence[int]], pad_id: int, reserve: int = 0
+             ) -> tuple[torch.Tensor, DynamicCache]:
+    """One left-padded forward over ``seqs``: ``(last logits [B, V], cache)``, the cache with
+    room for ``reserve`` more positions."""
+    ids, mask, positions = _padded(seqs, pad_id)
+    kv = _new_cache(model, reserve)
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=positions,
         use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): kv},
@@ -117,7 +205,8 @@ def _forward(model: Any, seqs: Sequence[Sequence[int]], pad_id: int
 
 
 def _plain_layers(kv: DynamicCache) -> bool:
-    return all(type(layer) is DynamicLayer for layer in kv.layers)
+    return bool(kv.layers) and all(type(layer) in (DynamicLayer, GrowingLayer)
+                                   for layer in kv.layers)
 
 
 def _tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,48 +236,126 @@ def prefill_buckets(lengths: Sequence[int], slack: float = PREFILL_SLACK,
     return buckets
 
 
-def _prefill(model: Any, seqs: list[list[int]], pad_id: int
+MIN_SHARED_PREFIX = 16
+"""Distinct prompts that begin with at least this many identical tokens prefill them once."""
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def prefix_groups(seqs: Sequence[Sequence[int]], min_prefix: int = MIN_SHARED_PREFIX
+                  ) -> list[tuple[int, list[int]]]:
+    """``(shared prefix length, indices)`` of ``seqs`` (distinct sequences) grouped for
+    prefill: the members of a group begin with the same ``prefix length`` tokens (at least
+    ``min_prefix``, and each keeps one token of its own); a sequence that shares no such
+    prefix is a group of its own with prefix 0. Neighbours in sorted order are grouped, and a
+    sequence joins the group before it only if the tokens the group saves do not fall
+    (``members x prefix``, the prefix computed once instead of ``members + 1`` times)."""
+    groups: list[tuple[int, list[int]]] = []
+    for i in sorted(range(len(seqs)), key=lambda i: list(seqs[i])):
+        if groups:
+            shared, members = groups[-1]
+            first = seqs[members[0]]
+            cap = shared if len(members) > 1 else len(first) - 1
+            joint = min(_common(first, seqs[i]), len(seqs[i]) - 1, cap)
+            if joint >= min_prefix and len(members) * joint >= (len(members) - 1) * shared:
+                groups[-1] = (joint, [*members, i])
+                continue
+        groups.append((0, [i]))
+    return groups
+
+
+def _forward_after(model: Any, prefix: DynamicCache, seqs: Sequence[Sequence[int]],
+                   pad_id: int) -> tuple[torch.Tensor, DynamicCache]:
+    """A left-padded forward over ``seqs``, each continuing the one-row cache ``prefix``:
+    ``(last logits [B, V], cache)``, the cache's width the prefix's plus the longest of
+    ``seqs`` (the padding between the prefix and a shorter sequence masked out)."""
+    ids, mask, positions = _padded(seqs, pad_id)
+    kv = DynamicCache(config=model.config)
+    shared = 0
+    for n, layer in enumerate(prefix.layers):
+        keys, values = _tensors(layer)
+        shared = keys.shape[2]
+        kv.update(keys.expand(len(seqs), -1, -1, -1), values.expand(len(seqs), -1, -1, -1), n)
+    out = model(
+        input_ids=ids, attention_mask=torch.cat([mask.new_ones((len(seqs), shared)), mask], 1),
+        position_ids=positions + shared, use_cache=True, logits_to_keep=1,
+        **{_cache_kwarg(model): kv},
+    )
+    return out.logits[:, -1, :], kv
+
+
+def _prefill(model: Any, seqs: list[list[int]], pad_id: int, reserve: int = 0
              ) -> tuple[torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor]:
     """Prefill ``seqs``: ``(last logits [B, V], cache, attention mask, last position)``, the
-    cache and mask left-padded to the longest sequence. Identical sequences are computed once;
-    the distinct ones in buckets of similar length (:func:`prefill_buckets`)."""
+    cache and mask as wide as the longest sequence, the cache with room for ``reserve`` more
+    positions. Identical sequences are computed once. Distinct ones that begin alike (a
+    domain's chat template and instructions) compute their shared prefix once
+    (:func:`prefix_groups`) and their own tokens after it; the rest, and the parts after a
+    prefix, in buckets of similar length (:func:`prefill_buckets`). A row's layout in the
+    cache is its shared prefix (if any) on the left, its other tokens on the right, padding
+    (mask 0) between: the logits are those of the plain left-padded prefill up to float
+    noise. Models whose cache is not plain per-layer key/value tensors (sliding-window or
+    recurrent layers) take the plain left-padded prefill."""
     distinct: dict[tuple[int, ...], int] = {}
     rows = [distinct.setdefault(tuple(s), len(distinct)) for s in seqs]
     unique = list(distinct)
-    _, mask, positions = _padded(seqs, pad_id)
-    width = mask.shape[1]
-    buckets = prefill_buckets([len(s) for s in unique])
-    if len(unique) == len(seqs) and len(buckets) == 1:  # nothing to save: one plain forward
-        logits, kv = _forward(model, seqs, pad_id)
-        return logits, kv, mask, positions[:, -1:]
-    parts = [(bucket, *_forward(model, [unique[i] for i in bucket], pad_id))
+    width = max(len(s) for s in unique)
+    last = torch.tensor([[len(s) - 1] for s in seqs], dtype=torch.long)
+    plain = _plain_layers(DynamicCache(config=model.config))
+    groups = prefix_groups(unique) if plain else [(0, list(range(len(unique))))]
+    alone = [i for shared, members in groups if not shared for i in members]
+    buckets = prefill_buckets([len(unique[i]) for i in alone])
+    if not plain or (len(unique) == len(seqs) and len(buckets) == 1 and len(alone) == len(seqs)):
+        logits, kv = _forward(model, seqs, pad_id, reserve)  # nothing to save: plain forward
+        return logits, kv, _padded(seqs, pad_id)[1], last
+    # (rows of unique, their shared prefix length, last logits, cache)
+    parts = [([alone[j] for j in bucket], 0,
+              *_forward(model, [unique[alone[j]] for j in bucket], pad_id))
              for bucket in buckets]
-    if not all(_plain_layers(kv) for _, _, kv in parts):
-        logits, kv = _forward(model, seqs, pad_id)
-        return logits, kv, mask, positions[:, -1:]
-    logits = torch.empty((len(unique), parts[0][1].shape[-1]), dtype=parts[0][1].dtype)
+    for shared, members in groups:
+        if not shared:
+            continue
+        _, prefix = _forward(model, [unique[members[0]][:shared]], pad_id)
+        rest = [unique[i][shared:] for i in members]
+        for bucket in prefill_buckets([len(r) for r in rest]):
+            parts.append(([members[j] for j in bucket], shared,
+                          *_forward_after(model, prefix, [rest[j] for j in bucket], pad_id)))
+    logits = torch.empty((len(unique), parts[0][2].shape[-1]), dtype=parts[0][2].dtype)
+    mask = torch.zeros((len(unique), width), dtype=torch.long)
     layers: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for bucket, bucket_logits, kv in parts:
-        index = torch.tensor(bucket, dtype=torch.long)
-        logits[index] = bucket_logits
+    for members, shared, part_logits, kv in parts:
+        index = torch.tensor(members, dtype=torch.long)
+        logits[index] = part_logits
+        for i in members:
+            mask[i, :shared] = 1
+            mask[i, width - (len(unique[i]) - shared):] = 1
         for n, layer in enumerate(kv.layers):
-            keys, values = _tensors(layer)  # the bucket's own width
+            keys, values = _tensors(layer)  # the part's own width: prefix, then its tokens
             if n == len(layers):
-                shape = (len(unique), keys.shape[1], width, keys.shape[3])
-                layers.append((keys.new_zeros(shape), values.new_zeros(
-                    (len(unique), values.shape[1], width, values.shape[3]))))
-            # the bucket is left-padded to its own width: right-aligned in the full width,
-            # its padding falls where the full mask is 0 as well
-            layers[n][0][index, :, width - keys.shape[2]:] = keys
-            layers[n][1][index, :, width - values.shape[2]:] = values
-    cache = DynamicCache(config=model.config)
+                layers.append((keys.new_zeros((len(unique), keys.shape[1], width, keys.shape[3])),
+                               values.new_zeros((len(unique), values.shape[1], width,
+                                                 values.shape[3]))))
+            own = keys.shape[2] - shared
+            # the part's tokens are left-padded to its own width: right-aligned in the full
+            # width, their padding falls where the full mask is 0 as well
+            for full, part in zip(layers[n], (keys, values), strict=True):
+                full[index, :, :shared] = part[:, :, :shared]
+                full[index, :, width - own:] = part[:, :, shared:]
+    cache = _new_cache(model, reserve)
     for n, (keys, values) in enumerate(layers):
         cache.update(keys, values, n)
     if len(unique) < len(seqs):  # copy the shared rows out
         expand = torch.tensor(rows, dtype=torch.long)
         cache.batch_select_indices(expand)
-        logits = logits[expand]
-    return logits, cache, mask, positions[:, -1:]
+        logits, mask = logits[expand], mask[expand]
+    return logits, cache, mask, last
 
 
 @torch.inference_mode()
@@ -215,7 +382,7 @@ def decode_batch(
         checkpoint()
     version = weights() if weights else 0
     logits, kv, mask, last_pos = _prefill(model, [list(rows[a].prompt) for a in active],
-                                          pad_id)
+                                          pad_id, max(rows[a].max_new_tokens for a in active))
     temps = torch.tensor([[rows[a].temperature if rows[a].temperature > 0 else 1.0]
                           for a in active])
     forwards = 1
@@ -248,7 +415,8 @@ def decode_batch(
         if current != version:  # new weights: rebuild the cache under them
             version = current
             seqs = [[*rows[a].prompt, *results[a].tokens] for a in active]
-            logits, kv, mask, last_pos = _prefill(model, seqs, pad_id)
+            left = max(rows[a].max_new_tokens - len(results[a].tokens) for a in active)
+            logits, kv, mask, last_pos = _prefill(model, seqs, pad_id, left)
             forwards += 1
             continue
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)
