@@ -13,7 +13,11 @@ SmolLM2's chat template: 43-66 tokens, the first 30 the same in all; no stop tok
 every row decodes exactly ``--new-tokens`` and both arms do the same work):
 - ``train``: ``--groups`` groups of 8 identical prompts at temperature 0.7
   (configs/demo.toml's generator batch: 6 groups, 48 rows);
-- ``eval``: 48 distinct prompts, greedy (a held-out round's batch).
+- ``eval``: 48 distinct prompts, greedy (a held-out round's batch);
+- ``train_update``: ``train`` with one weight update halfway (the ``weights`` hook reports a
+  new version before step ``--new-tokens // 2``; the weights stay the same): the running rows
+  are prefilled again, prompt and tokens so far, as when the learner publishes mid-batch
+  (every step in the demo). A group's rows share their prompt there too.
 Arms alternate (baseline, candidate, baseline, ...) after one warm-up each; each figure is the
 median of ``--repeats``. Greedy tokens must be identical in both arms (``greedy_tokens_equal``:
 the cache and the prefill change where keys are stored and in which pass they are computed,
@@ -46,6 +50,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=6)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workloads", nargs="+", default=["train", "eval", "train_update"],
+                    choices=["train", "eval", "train_update"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="JSON only (the default prints it too)")
     args = ap.parse_args()
@@ -67,7 +73,8 @@ def main() -> None:
         return head + [rng.randrange(3, vocab) for _ in range(rng.randint(13, 36))]
 
     train = [p for p in (prompt() for _ in range(args.groups)) for _ in range(8)]
-    workloads = {"train": (train, 0.7), "eval": ([prompt() for _ in range(48)], 0.0)}
+    workloads = {"train": (train, 0.7, False), "eval": ([prompt() for _ in range(48)], 0.0, False),
+                 "train_update": (train, 0.7, True)}
 
     def baseline_cache(model: Any, reserve: int) -> DynamicCache:
         return DynamicCache(config=model.config)
@@ -87,32 +94,40 @@ def main() -> None:
     baseline = {"_new_cache": baseline_cache, "_choose": baseline_choose,
                 "prefix_groups": baseline_groups}
 
-    def run(arm: dict[str, Any], seqs: list[list[int]], temperature: float
+    def run(arm: dict[str, Any], seqs: list[list[int]], temperature: float, update: bool
             ) -> tuple[float, list[list[int]]]:
         for name, fn in arm.items():
             setattr(decode, name, fn)
         rows = [decode.Row(prompt=s, max_new_tokens=args.new_tokens, temperature=temperature,
                            generator=torch.Generator().manual_seed(i) if temperature else None)
                 for i, s in enumerate(seqs)]
+        steps = iter(range(1 << 30))
+
+        def weights() -> int:  # called before every step: version 1 from halfway on
+            return int(next(steps) >= args.new_tokens // 2)
+
         start = time.perf_counter()
-        results, _ = decode.decode_batch(model, rows, frozenset(), 0)
+        results, _ = decode.decode_batch(model, rows, frozenset(), 0,
+                                         weights=weights if update else None)
         return time.perf_counter() - start, [r.tokens for r in results]
 
     results: dict[str, Any] = {}
     try:
-        for name, (seqs, temperature) in workloads.items():
-            run(baseline, seqs, temperature)
-            run(candidate, seqs, temperature)
+        for name in args.workloads:
+            seqs, temperature, update = workloads[name]
+            run(baseline, seqs, temperature, update)
+            run(candidate, seqs, temperature, update)
             times: dict[str, list[float]] = {"baseline": [], "candidate": []}
             tokens: dict[str, list[list[int]]] = {}
             for _ in range(args.repeats):
                 for arm_name, arm in (("baseline", baseline), ("candidate", candidate)):
-                    seconds, tokens[arm_name] = run(arm, seqs, temperature)
+                    seconds, tokens[arm_name] = run(arm, seqs, temperature, update)
                     times[arm_name].append(seconds)
             generated = len(seqs) * args.new_tokens
             base_s, cand_s = (statistics.median(times[a]) for a in ("baseline", "candidate"))
             results[name] = {
                 "rows": len(seqs), "temperature": temperature, "new_tokens": args.new_tokens,
+                "weight_update_halfway": update,
                 "baseline_s": round(base_s, 3), "candidate_s": round(cand_s, 3),
                 "baseline_tokens_per_s": round(generated / base_s, 1),
                 "candidate_tokens_per_s": round(generated / cand_s, 1),
