@@ -80,8 +80,8 @@ def sample_inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tens
     [0, 1): index ``i`` is drawn with probability ``probs[i] / sum``. A zero-probability index
     is never drawn (the first index whose cumulative sum exceeds the target has mass). One
     float64 cumulative sum and a binary search per row: ``torch.multinomial`` costs a
-    full-vocabulary exponential draw per call (a quarter of a decoding step's time on a CPU at
-    48 rows, ``benchmarks/decode.py``)."""
+    full-vocabulary exponential draw per call (14% of a 48-row training batch's time on one
+    CPU thread, profiled; ``benchmarks/decode.py``)."""
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(uniform.double()[:, None] * total, total.nextafter(total.new_zeros(())))
@@ -132,10 +132,10 @@ def _padded(seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None
 class GrowingLayer(DynamicLayer):
     """A plain key/value cache layer whose ``keys`` and ``values`` are views of buffers with
     ``reserve`` spare positions: appending a decoding step's token writes it in place.
-    ``DynamicLayer`` concatenates, copying the whole cache of every layer at every step (an
-    eighth of a decoding step's time on a CPU at 48 rows of 65-130 tokens,
-    ``benchmarks/decode.py``). A step past the reserve reallocates, with ``reserve`` or the
-    length so far spare, whichever is more."""
+    ``DynamicLayer`` concatenates, copying the whole cache of every layer at every step (the
+    profiler put 13% of a 48-row batch's time on one CPU thread in concatenations, these and
+    the rotary embedding's; ``benchmarks/decode.py``). A step past the reserve reallocates,
+    with ``reserve`` or the length so far spare, whichever is more."""
 
     def __init__(self, reserve: int) -> None:
         super().__init__()
