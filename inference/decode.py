@@ -186,7 +186,7 @@ def _new_cache(model: Any, reserve: int) -> DynamicCache:
     """An empty cache for ``model``: :class:`GrowingLayer` layers when the model's are plain
     key/value layers (``reserve`` positions ahead), its own layer types otherwise."""
     kv = DynamicCache(config=model.config)
-    if kv.layers and all(type(layer) is DynamicLayer for layer in kv.layers):
+    if _plain_layers(kv):
         kv.layers = [GrowingLayer(reserve) for _ in kv.layers]
     return kv
 
@@ -312,7 +312,7 @@ def _prefill(model: Any, seqs: list[list[int]], pad_id: int, reserve: int = 0
     groups = prefix_groups(unique) if plain else [(0, list(range(len(unique))))]
     alone = [i for shared, members in groups if not shared for i in members]
     buckets = prefill_buckets([len(unique[i]) for i in alone])
-    if not plain or (len(unique) == len(seqs) and len(buckets) == 1 and len(alone) == len(seqs)):
+    if not plain or (len(alone) == len(seqs) and len(buckets) == 1):
         logits, kv = _forward(model, seqs, pad_id, reserve)  # nothing to save: plain forward
         return logits, kv, _padded(seqs, pad_id)[1], last
     # (rows of unique, their shared prefix length, last logits, cache)
