@@ -104,6 +104,7 @@ def train_config(config: Config, device: str | None = None) -> TrainConfig:
         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
         logprob_chunk_tokens=cfg.logprob_chunk_tokens,
         grad_checkpointing=cfg.grad_checkpointing,
+        shared_prefix=cfg.shared_prefix,
         seed=config.run.seed,
         num_threads=cfg.threads or None,
         tis_cap=cfg.tis_cap,

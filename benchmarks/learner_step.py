@@ -1,14 +1,19 @@
-"""Claim: the wall time (and peak memory) of one ``Trainer.step`` on the real policy, with and
-without gradient checkpointing.
+"""Claim: the wall time (and peak memory) of one ``Trainer.step`` on the real policy: plain
+(every row computes its whole prompt), with each group's prompt computed once for its rows
+(``shared_prefix``, :mod:`learner.prefix`, the default), and with gradient checkpointing.
 
 Workload: ``--groups`` GRPO groups of ``--group-size`` samples, each ``--prompt-len`` prompt +
 ``--completion-len`` completion tokens (random ids, fixed seed, rewards with variance so that no
-group is dropped). Each configuration runs in its own process (so peak RSS is its own): one
-warm-up step, then ``--steps`` timed steps; a no-grad forward over the same batch is timed in
-the same process as the baseline. Prints one JSON object.
+group is dropped; a group's prompt is shared by its samples). Each configuration runs in its
+own process (so peak RSS is its own): one warm-up step, then ``--steps`` timed steps; a
+no-grad forward over the same batch is timed in the same process. ``plain`` is the baseline:
+``shared_prefix_speedup`` is its median step time over ``shared``'s, ``checkpointing_slowdown``
+``checkpointing``'s over it. Prints one JSON object.
 
     .venv/bin/python benchmarks/learner_step.py                  # smollm2-135m, 8 x (60 + 48)
     .venv/bin/python benchmarks/learner_step.py --model tiny --steps 1
+    .venv/bin/python benchmarks/learner_step.py --groups 3 --group-size 8 --prompt-len 51 \
+        --completion-len 32 --threads 1 --steps 3                # the demo's step (arith)
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run_one(args: argparse.Namespace, checkpointing: bool) -> dict[str, object]:
+MODES = ("plain", "shared", "checkpointing")
+
+
+def run_one(args: argparse.Namespace, mode: str) -> dict[str, object]:
     import torch
 
     from streamrl.learner.batch import build_batch
@@ -52,10 +60,11 @@ def run_one(args: argparse.Namespace, checkpointing: bool) -> dict[str, object]:
         rewards = [float(i % 2) for i in range(args.group_size)]
         groups.append(make_trajectory(prompt, completions, logprobs, rewards, temperature=1.0))
 
+    shared = {"plain": {"shared_prefix": 0}, "shared": {}, "checkpointing": {}}[mode]
     trainer = Trainer(
         model,
-        TrainConfig(lr=1e-6, grad_checkpointing=checkpointing,
-                    micro_batch_size=args.micro_batch_size),
+        TrainConfig(lr=1e-6, grad_checkpointing=mode == "checkpointing",
+                    micro_batch_size=args.micro_batch_size, **shared),
     )  # fmt: skip
     trainer.step(groups)  # warm-up
     step_times = []
@@ -66,11 +75,12 @@ def run_one(args: argparse.Namespace, checkpointing: bool) -> dict[str, object]:
     batch = build_batch(groups, pad_id=trainer.pad_id)
     started = time.perf_counter()
     with torch.no_grad():
-        token_logprobs(trainer.model, batch)
+        token_logprobs(trainer.model, batch, shared_prefix=trainer.shared_prefix)
     forward_s = time.perf_counter() - started
 
     return {
-        "grad_checkpointing": checkpointing,
+        "mode": mode,
+        "shared_prefix": trainer.shared_prefix,
         "step_seconds": step_times,
         "step_seconds_median": statistics.median(step_times),
         "tokens_trained_per_step": stats.tokens,
@@ -90,23 +100,23 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="0: torch's default")
-    parser.add_argument("--only", choices=["off", "on"], help=argparse.SUPPRESS)
+    parser.add_argument("--only", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.only:
-        print(json.dumps(run_one(args, checkpointing=args.only == "on")))
+        print(json.dumps(run_one(args, args.only)))
         return
 
     import torch
 
     results = []
-    for mode in ("off", "on"):
+    for mode in MODES:
         child = subprocess.run(
             [sys.executable, __file__, *sys.argv[1:], "--only", mode],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
         results.append(json.loads(child.stdout.strip().splitlines()[-1]))
-    off, on = results
+    plain, shared, checkpointing = (r["step_seconds_median"] for r in results)
     print(json.dumps({
         "benchmark": "learner_step",
         "model": args.model,
@@ -119,7 +129,8 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "machine": platform.machine(),
         "results": results,
-        "checkpointing_slowdown": on["step_seconds_median"] / off["step_seconds_median"],
+        "shared_prefix_speedup": plain / shared,
+        "checkpointing_slowdown": checkpointing / plain,
     }, indent=2))  # fmt: skip
 
 

@@ -706,6 +706,12 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     once are ``[chunk, vocab]``, never the whole micro-batch's."""
     grad_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
+    shared_prefix: NonNegInt = 16
+    """A micro-batch whose samples begin with at least this many identical tokens computes
+    them once for all its samples: the same loss and gradient, fewer positions through the
+    layers (learner/prefix.py). Micro-batches are consecutive samples of a step's groups, so
+    with micro_batch_size dividing the group size each one shares its group's whole prompt.
+    0: never. Off with grad_checkpointing and with packing (max_tokens_per_micro_batch)."""
     keep_last: PosInt = 3
     """Weight versions kept on disk."""
     checkpoint_optimizer: bool = True

@@ -68,6 +68,7 @@ from streamrl.learner.loss import (
 )
 from streamrl.learner.model import load_model
 from streamrl.learner.packing import is_packed, model_inputs, pack
+from streamrl.learner.prefix import MIN_SHARED_TOKENS, hidden_states
 from streamrl.learner.shaping import LRDecay, lr_factor, sequence_kl
 
 if TYPE_CHECKING:
@@ -177,6 +178,11 @@ class TrainConfig:
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk of the vocabulary projection and log-softmax (>= 1): bounds the fp32
     logits held at once to ``[chunk, vocab]`` (:mod:`learner.logprobs`)."""
+    shared_prefix: int = MIN_SHARED_TOKENS
+    """A right-padded micro-batch whose rows begin with at least this many identical tokens
+    (a group's prompt) computes them once for all rows (:mod:`learner.prefix`; the same loss
+    and gradient); 0: never. Off under ``grad_checkpointing`` (no cache to continue) and for
+    packed micro-batches (``max_tokens_per_micro_batch``)."""
     max_tokens_per_micro_batch: int = 0
     """Pack samples into micro-batches of at most this many tokens, several samples per row
     without attending across them (:mod:`learner.packing`); 0: ``micro_batch_size``
@@ -216,6 +222,7 @@ class TrainConfig:
             "num_threads >= 1": self.num_threads is None or self.num_threads >= 1,
             "logprob_chunk_tokens >= 1": self.logprob_chunk_tokens >= 1,
             "max_tokens_per_micro_batch >= 0": self.max_tokens_per_micro_batch >= 0,
+            "shared_prefix >= 0": self.shared_prefix >= 0,
             "parallelism in (ddp, fsdp)": self.parallelism in ("ddp", "fsdp"),
             "lora with parallelism ddp (FSDP publishes whole models only)": self.lora is None
             or self.parallelism == "ddp",
@@ -255,12 +262,14 @@ class StepStats:
 
 
 def token_logprobs(
-    model: Any, batch: Batch, temperature: float | None = None, chunk_tokens: int = 1024
-) -> Tensor:
+    model: Any, batch: Batch, temperature: float | None = None, chunk_tokens: int = 1024,
+    shared_prefix: int = 0,
+) -> Tensor:  # fmt: skip
     """``log_softmax(logits / T)`` of each next token where ``batch.loss_mask`` is 1, shape
     ``[B, L-1]`` (aligned like ``loss_mask``; 0 elsewhere). ``T`` is each sample's own
     temperature unless overridden. See :func:`token_logprobs_and_entropy`."""
-    return token_logprobs_and_entropy(model, batch, temperature, chunk_tokens)[0]
+    return token_logprobs_and_entropy(model, batch, temperature, chunk_tokens,
+                                      shared_prefix=shared_prefix)[0]  # fmt: skip
 
 
 def token_logprobs_and_entropy(
@@ -269,9 +278,14 @@ def token_logprobs_and_entropy(
     temperature: float | None = None,
     chunk_tokens: int = 1024,
     entropy_grad: bool = False,
+    shared_prefix: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """:func:`token_logprobs` and the entropy of each predicted distribution (same layout;
     with a gradient only if ``entropy_grad``: an entropy bonus).
+
+    ``shared_prefix`` > 0: when the rows begin with at least that many identical tokens (one
+    group's prompt), the prefix is computed once for all rows (:mod:`learner.prefix`; the
+    same values and gradients).
 
     The logits are the model's own (``model(...).logits``: soft-capping and logit scaling
     respected, :func:`learner.logprobs.logit_transform`), computed only on the loss
@@ -281,9 +295,10 @@ def token_logprobs_and_entropy(
     """
     if is_packed(batch):  # several samples per row (learner/packing.py)
         inputs = model_inputs(batch, next(model.parameters()).dtype)
+        hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
     else:
-        inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
-    hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
+        hidden = hidden_states(model.base_model, model.config, batch.input_ids,
+                               batch.attention_mask, shared_prefix)  # fmt: skip
     keep = batch.loss_mask.bool()
     if temperature is None:
         per_token = batch.temperature.to(hidden.device)[:, None].expand_as(keep)[keep]
@@ -346,10 +361,10 @@ class _PolicyLogprobs(torch.nn.Module):
 
     def forward(
         self, batch: Batch, temperature: float | None, chunk_tokens: int,
-        entropy_grad: bool = False,
+        entropy_grad: bool = False, shared_prefix: int = 0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         return token_logprobs_and_entropy(
-            self.policy, batch, temperature, chunk_tokens, entropy_grad
+            self.policy, batch, temperature, chunk_tokens, entropy_grad, shared_prefix
         )
 
 
@@ -410,6 +425,8 @@ class Trainer:
         )
         self.pad_id = self.model.config.pad_token_id or 0
         self.steps = 0
+        # activation checkpointing recomputes the layers without a cache to continue from
+        self.shared_prefix = 0 if config.grad_checkpointing else config.shared_prefix
 
     @classmethod
     def from_dir(
@@ -433,7 +450,8 @@ class Trainer:
             raise ValueError("base_logprobs needs TrainConfig.lora")
         cfg = self.config
         with torch.no_grad(), _autocast(cfg), self.peft.disable_adapter():
-            return token_logprobs(self.model, batch, cfg.temperature, cfg.logprob_chunk_tokens)
+            return token_logprobs(self.model, batch, cfg.temperature, cfg.logprob_chunk_tokens,
+                                  self.shared_prefix)  # fmt: skip
 
     def load_adapter(self, directory: Path | str) -> None:
         """Resume the adapters of a LoRA version directory (:func:`learner.lora.
@@ -533,9 +551,10 @@ class Trainer:
             for mb in self._passes(full)[0]:
                 mb = mb.to(cfg.device)
                 if self.fsdp is not None:
-                    out.append(self.fsdp(mb, cfg.temperature, chunk)[0])
+                    out.append(self.fsdp(mb, cfg.temperature, chunk, False, self.shared_prefix)[0])
                 else:
-                    out.append(token_logprobs(self.model, mb, cfg.temperature, chunk))
+                    out.append(token_logprobs(self.model, mb, cfg.temperature, chunk,
+                                              self.shared_prefix))  # fmt: skip
         return out
 
     def _reference_logprobs(self, mb: Batch) -> Tensor:
@@ -543,10 +562,11 @@ class Trainer:
         cfg = self.config
         with torch.no_grad(), _autocast(cfg):
             if self.ref_fsdp is not None:
-                return self.ref_fsdp(mb, cfg.temperature, cfg.logprob_chunk_tokens)[0]
+                return self.ref_fsdp(mb, cfg.temperature, cfg.logprob_chunk_tokens, False,
+                                     self.shared_prefix)[0]  # fmt: skip
             if self.ref_model is not None:
                 return token_logprobs(self.ref_model, mb, cfg.temperature,
-                                      cfg.logprob_chunk_tokens)  # fmt: skip
+                                      cfg.logprob_chunk_tokens, self.shared_prefix)  # fmt: skip
         return self.base_logprobs(mb)
 
     def _kl_in_reward(self, full: Batch, group_sizes: list[int]) -> tuple[Batch, float]:
@@ -696,13 +716,14 @@ class Trainer:
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:  # (KL-in-reward took it before)
                 ref = self._reference_logprobs(mb)
         with _autocast(cfg):
+            prefix = self.shared_prefix
             if self.fsdp is not None:  # through the root's forward: it gathers its weights
-                new_logprobs, entropy = self.fsdp(mb, cfg.temperature, chunk, bonus)
+                new_logprobs, entropy = self.fsdp(mb, cfg.temperature, chunk, bonus, prefix)
             elif self.ddp is not None:  # through DDP's forward: it arms the gradient all-reduce
-                new_logprobs, entropy = self.ddp(mb, cfg.temperature, chunk, bonus)
+                new_logprobs, entropy = self.ddp(mb, cfg.temperature, chunk, bonus, prefix)
             else:
                 new_logprobs, entropy = token_logprobs_and_entropy(
-                    self.model, mb, cfg.temperature, chunk, bonus
+                    self.model, mb, cfg.temperature, chunk, bonus, prefix
                 )
         loss, stats = policy_loss(
             new_logprobs,

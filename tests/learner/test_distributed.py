@@ -35,6 +35,10 @@ CASES: dict[str, tuple[dict[str, Any], int | None]] = {
          "recompute_old_logprobs": True},
         None,
     ),
+    # each micro-batch's rows share their group's prompt (2-3 tokens), computed once
+    # (learner/prefix.py): the prefix forward and the rows' forward after it, under a KL
+    # reference that shares it too
+    "shared_prefix": ({"micro_batch_size": 2, "shared_prefix": 2, "kl_coef": 0.1}, None),
 }  # fmt: skip
 """Case name -> (TrainConfig fields besides ``lr``, the batch's first N rows or all)."""
 

@@ -1,0 +1,82 @@
+"""The training forward with a micro-batch's shared prefix computed once.
+
+A GRPO group is one prompt and several completions, so a micro-batch of one group's samples
+has rows that begin with the same tokens (the chat template, the instructions, the task).
+The plain forward runs every row's copy of that prefix through every layer, forward and
+backward. :func:`hidden_states` runs the prefix once as a one-row batch keeping its keys and
+values, then every row's own tokens after it, attending to the prefix's keys and values
+expanded to all rows (a view; the attention concatenates it with each row's own). The
+gradient flows back through the expansion, which sums the rows' contributions to the
+prefix: the result equals the plain forward's up to float noise, value and gradient
+(tests/learner/test_prefix.py). With ``P`` shared tokens, ``B`` rows and ``C`` tokens after
+them per row, the layers process ``P + B * C`` positions instead of ``B * (P + C)``
+(``benchmarks/learner_step.py``).
+
+It applies to right-padded micro-batches (every row's first token at position 0) whose rows
+share at least ``min_tokens`` leading tokens, all attended; packed micro-batches
+(:mod:`learner.packing`) and models whose cache is not plain per-layer keys and values take
+the plain forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+MIN_SHARED_TOKENS = 16
+"""The default least shared prefix worth a separate forward (``TrainConfig.shared_prefix``)."""
+
+
+def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor) -> int:
+    """How many leading tokens every row has alike and attended, at most one less than the
+    width (at least one position per row is computed after the prefix). 0 for one row."""
+    rows, width = input_ids.shape
+    if rows < 2 or width < 2:
+        return 0
+    same = ((input_ids == input_ids[:1]) & attention_mask.bool()).all(0)
+    differs = (~same).nonzero()
+    length = int(differs[0, 0]) if len(differs) else width
+    return min(length, width - 1)
+
+
+def _cache_kwarg(module: Any) -> str:
+    """``cache`` in transformers >= 5.x model forwards that take it, else ``past_key_values``."""
+    params = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def hidden_states(base: Any, config: Any, input_ids: Tensor, attention_mask: Tensor,
+                  min_tokens: int) -> Tensor:
+    """The last hidden states ``[B, L, H]`` of ``base`` (a decoder's base model, e.g.
+    ``model.base_model``; ``config`` its model config) on a right-padded micro-batch: the
+    shared prefix computed once when it has at least ``min_tokens`` tokens (0: never), else
+    the plain forward."""
+    prefix = shared_prefix_length(input_ids, attention_mask) if min_tokens > 0 else 0
+    if prefix < max(min_tokens, 1):
+        return base(input_ids=input_ids, attention_mask=attention_mask,
+                    use_cache=False).last_hidden_state  # fmt: skip
+    head = base(input_ids=input_ids[:1, :prefix], use_cache=True)
+    cache = head.past_key_values
+    if cache is None or not cache.layers or not all(
+        type(layer) is DynamicLayer for layer in cache.layers
+    ):  # no cache (activation checkpointing), or sliding-window or recurrent layers
+        return base(input_ids=input_ids, attention_mask=attention_mask,
+                    use_cache=False).last_hidden_state  # fmt: skip
+    rows, width = input_ids.shape
+    expanded = DynamicCache(config=config)
+    for n, layer in enumerate(cache.layers):
+        assert layer.keys is not None and layer.values is not None
+        expanded.update(layer.keys.expand(rows, -1, -1, -1),
+                        layer.values.expand(rows, -1, -1, -1), n)  # fmt: skip
+    positions = torch.arange(prefix, width, device=input_ids.device).expand(rows, -1)
+    tail = base(
+        input_ids=input_ids[:, prefix:], attention_mask=attention_mask, position_ids=positions,
+        use_cache=True, **{_cache_kwarg(base): expanded},
+    )  # fmt: skip
+    shared = head.last_hidden_state.expand(rows, -1, -1)
+    return torch.cat([shared, tail.last_hidden_state], dim=1)
