@@ -74,8 +74,9 @@ def run_one(args: argparse.Namespace, mode: str) -> dict[str, object]:
 
     batch = build_batch(groups, pad_id=trainer.pad_id)
     started = time.perf_counter()
-    with torch.no_grad():
-        token_logprobs(trainer.model, batch, shared_prefix=trainer.shared_prefix)
+    with torch.no_grad():  # micro-batch by micro-batch, as the step's forward goes
+        for mb in batch.micro_batches(args.micro_batch_size):
+            token_logprobs(trainer.model, mb, shared_prefix=trainer.shared_prefix)
     forward_s = time.perf_counter() - started
 
     return {
