@@ -68,7 +68,7 @@ class RowResult:
     finish_reason: str = "length"
 
 
-def _cache_kwarg(model: Any) -> str:
+def cache_kwarg(model: Any) -> str:
     """``cache`` in transformers >= 5.x, ``past_key_values`` before."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -186,7 +186,7 @@ def _new_cache(model: Any, reserve: int) -> DynamicCache:
     """An empty cache for ``model``: :class:`GrowingLayer` layers when the model's are plain
     key/value layers (``reserve`` positions ahead), its own layer types otherwise."""
     kv = DynamicCache(config=model.config)
-    if _plain_layers(kv):
+    if plain_layers(kv):
         kv.layers = [GrowingLayer(reserve) for _ in kv.layers]
     return kv
 
@@ -199,14 +199,25 @@ def _forward(model: Any, seqs: Sequence[Sequence[int]], pad_id: int, reserve: in
     kv = _new_cache(model, reserve)
     out = model(
         input_ids=ids, attention_mask=mask, position_ids=positions,
-        use_cache=True, logits_to_keep=1, **{_cache_kwarg(model): kv},
+        use_cache=True, logits_to_keep=1, **{cache_kwarg(model): kv},
     )
     return out.logits[:, -1, :], kv
 
 
-def _plain_layers(kv: DynamicCache) -> bool:
+def plain_layers(kv: DynamicCache) -> bool:
     return bool(kv.layers) and all(type(layer) in (DynamicLayer, GrowingLayer)
                                    for layer in kv.layers)
+
+
+def expand_rows(prefix: DynamicCache, rows: int, config: Any) -> DynamicCache:
+    """A cache of ``rows`` rows that each hold the one-row cache ``prefix`` (plain layers):
+    views of its keys and values (``expand``), copied only when a forward appends to them,
+    and differentiable, so a backward pass sums the rows' gradients into the prefix's."""
+    kv = DynamicCache(config=config)
+    for n, layer in enumerate(prefix.layers):
+        keys, values = _tensors(layer)
+        kv.update(keys.expand(rows, -1, -1, -1), values.expand(rows, -1, -1, -1), n)
+    return kv
 
 
 def _tensors(layer: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,16 +288,12 @@ def _forward_after(model: Any, prefix: DynamicCache, seqs: Sequence[Sequence[int
     ``(last logits [B, V], cache)``, the cache's width the prefix's plus the longest of
     ``seqs`` (the padding between the prefix and a shorter sequence masked out)."""
     ids, mask, positions = _padded(seqs, pad_id)
-    kv = DynamicCache(config=model.config)
-    shared = 0
-    for n, layer in enumerate(prefix.layers):
-        keys, values = _tensors(layer)
-        shared = keys.shape[2]
-        kv.update(keys.expand(len(seqs), -1, -1, -1), values.expand(len(seqs), -1, -1, -1), n)
+    kv = expand_rows(prefix, len(seqs), model.config)
+    shared = kv.get_seq_length()
     out = model(
         input_ids=ids, attention_mask=torch.cat([mask.new_ones((len(seqs), shared)), mask], 1),
         position_ids=positions + shared, use_cache=True, logits_to_keep=1,
-        **{_cache_kwarg(model): kv},
+        **{cache_kwarg(model): kv},
     )
     return out.logits[:, -1, :], kv
 
@@ -308,7 +315,7 @@ def _prefill(model: Any, seqs: list[list[int]], pad_id: int, reserve: int = 0
     unique = list(distinct)
     width = max(len(s) for s in unique)
     last = torch.tensor([[len(s) - 1] for s in seqs], dtype=torch.long)
-    plain = _plain_layers(DynamicCache(config=model.config))
+    plain = plain_layers(DynamicCache(config=model.config))
     groups = prefix_groups(unique) if plain else [(0, list(range(len(unique))))]
     alone = [i for shared, members in groups if not shared for i in members]
     buckets = prefill_buckets([len(unique[i]) for i in alone])
@@ -423,7 +430,7 @@ def decode_batch(
         last_pos = last_pos + 1
         logits = model(
             input_ids=tokens[:, None], attention_mask=mask, position_ids=last_pos,
-            use_cache=True, **{_cache_kwarg(model): kv},
+            use_cache=True, **{cache_kwarg(model): kv},
         ).logits[:, -1, :]
         forwards += 1
 

@@ -20,13 +20,12 @@ the plain forward.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from streamrl.inference.decode import cache_kwarg, expand_rows, plain_layers
 
 MIN_SHARED_TOKENS = 16
 """The default least shared prefix worth a separate forward (``TrainConfig.shared_prefix``)."""
@@ -44,39 +43,27 @@ def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor) -> int:
     return min(length, width - 1)
 
 
-def _cache_kwarg(module: Any) -> str:
-    """``cache`` in transformers >= 5.x model forwards that take it, else ``past_key_values``."""
-    params = inspect.signature(module.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
-def hidden_states(base: Any, config: Any, input_ids: Tensor, attention_mask: Tensor,
-                  min_tokens: int) -> Tensor:
+def hidden_states(base: Any, input_ids: Tensor, attention_mask: Tensor, min_tokens: int
+                  ) -> Tensor:
     """The last hidden states ``[B, L, H]`` of ``base`` (a decoder's base model, e.g.
-    ``model.base_model``; ``config`` its model config) on a right-padded micro-batch: the
-    shared prefix computed once when it has at least ``min_tokens`` tokens (0: never), else
-    the plain forward."""
+    ``model.base_model``) on a right-padded micro-batch: the shared prefix computed once when
+    it has at least ``min_tokens`` tokens (0: never), else the plain forward."""
+
+    def plain() -> Tensor:
+        return base(input_ids=input_ids, attention_mask=attention_mask,
+                    use_cache=False).last_hidden_state  # fmt: skip
+
     prefix = shared_prefix_length(input_ids, attention_mask) if min_tokens > 0 else 0
     if prefix < max(min_tokens, 1):
-        return base(input_ids=input_ids, attention_mask=attention_mask,
-                    use_cache=False).last_hidden_state  # fmt: skip
+        return plain()
     head = base(input_ids=input_ids[:1, :prefix], use_cache=True)
-    cache = head.past_key_values
-    if cache is None or not cache.layers or not all(
-        type(layer) is DynamicLayer for layer in cache.layers
-    ):  # no cache (activation checkpointing), or sliding-window or recurrent layers
-        return base(input_ids=input_ids, attention_mask=attention_mask,
-                    use_cache=False).last_hidden_state  # fmt: skip
+    if head.past_key_values is None or not plain_layers(head.past_key_values):
+        return plain()  # no cache (activation checkpointing), or sliding-window layers
     rows, width = input_ids.shape
-    expanded = DynamicCache(config=config)
-    for n, layer in enumerate(cache.layers):
-        assert layer.keys is not None and layer.values is not None
-        expanded.update(layer.keys.expand(rows, -1, -1, -1),
-                        layer.values.expand(rows, -1, -1, -1), n)  # fmt: skip
     positions = torch.arange(prefix, width, device=input_ids.device).expand(rows, -1)
     tail = base(
         input_ids=input_ids[:, prefix:], attention_mask=attention_mask, position_ids=positions,
-        use_cache=True, **{_cache_kwarg(base): expanded},
+        use_cache=True, **{cache_kwarg(base): expand_rows(head.past_key_values, rows, base.config)},
     )  # fmt: skip
     shared = head.last_hidden_state.expand(rows, -1, -1)
     return torch.cat([shared, tail.last_hidden_state], dim=1)

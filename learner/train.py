@@ -297,8 +297,8 @@ def token_logprobs_and_entropy(
         inputs = model_inputs(batch, next(model.parameters()).dtype)
         hidden = model.base_model(**inputs, use_cache=False).last_hidden_state
     else:
-        hidden = hidden_states(model.base_model, model.config, batch.input_ids,
-                               batch.attention_mask, shared_prefix)  # fmt: skip
+        hidden = hidden_states(model.base_model, batch.input_ids, batch.attention_mask,
+                               shared_prefix)  # fmt: skip
     keep = batch.loss_mask.bool()
     if temperature is None:
         per_token = batch.temperature.to(hidden.device)[:, None].expand_as(keep)[keep]
