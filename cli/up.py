@@ -345,10 +345,13 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
     await trio.to_thread.run_sync(resolve_model, config.model.spec)
     if not url:
         binary = find_server_binary(config.run.redis_server)
-        server = ServerProcess(data_dir=run_dir / "redis", binary=binary).start()
+        server = ServerProcess(
+            data_dir=run_dir / "redis", binary=binary, allocator=config.run.redis_allocator
+        ).start()
         url = server.url
-        print(f"streamrl: embedded Redis ({binary}) on 127.0.0.1:{server.port} (AOF, password)",
-              flush=True)
+        allocator = f", {server.preloaded} preloaded" if server.preloaded else ""
+        print(f"streamrl: embedded Redis ({binary}{allocator}) on 127.0.0.1:{server.port} "
+              "(AOF, password)", flush=True)
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else math.inf
     admin_url = url
     try:

