@@ -225,8 +225,14 @@ def compact_aof(sync: redis.Redis) -> None:
                 return
             time.sleep(0.05)
 
-    wait()
-    sync.bgrewriteaof()
+    while True:  # a rewrite the server started itself between INFO and here: wait, then ours
+        wait()
+        try:
+            sync.bgrewriteaof()
+            break
+        except redis.ResponseError as exc:
+            if "already in progress" not in str(exc):
+                raise
     time.sleep(0.05)
     wait()
 
