@@ -14,7 +14,7 @@ import trio
 
 from streamrl.domains.cad import CONSTRAINTS, Cad, CadItem, constraints, read_verdict
 from streamrl.domains.cad import generate as gen
-from streamrl.domains.cad.domain import nonce, program
+from streamrl.domains.cad.domain import SCRIPT_TIMEOUT_S, nonce, program
 from streamrl.domains.cad.runtime import install
 from streamrl.domains.registry import get_domain
 from streamrl.sandbox.base import ExecResult
@@ -87,6 +87,9 @@ def test_generated_data_is_reproducible_and_consistent() -> None:
 
 
 async def test_every_reference_shape_scores_full(cad: Cad, box: ProcessSandbox) -> None:
+    # the domain's own script timeout, not the module's 6 s: 8 scripts start at once, each
+    # importing numpy and manifold3d, and on a loaded CI machine all 8 once scored 0
+    cad = Cad(script_timeout_s=SCRIPT_TIMEOUT_S)
     one_per_kind = {it.kind: it for it in cad.load_items("eval")}
     assert len(one_per_kind) == 8
     scores: dict[str, float] = {}
