@@ -204,12 +204,17 @@ def settle(*nodes: Nodes) -> None:
     otherwise runs on the same two cores as the latency measurement that follows them."""
     for group in nodes:
         for client in group.clients:
-            while True:
-                info = client.info("persistence")
-                if not (info["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]):
-                    break
-                time.sleep(0.05)
+            wait_for_rewrites(client)
     os.sync()
+
+
+def wait_for_rewrites(sync: redis.Redis) -> None:
+    """Until the server has no AOF rewrite in progress or scheduled."""
+    while True:
+        info = sync.info("persistence")
+        if not (info["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]):
+            return
+        time.sleep(0.05)
 
 
 def compact_aof(sync: redis.Redis) -> None:
@@ -218,15 +223,8 @@ def compact_aof(sync: redis.Redis) -> None:
     running when timing starts. Rewrites triggered by the timed run's own writes run as
     configured (``auto-aof-rewrite-percentage``) and are counted."""
 
-    def wait() -> None:
-        while True:
-            info = sync.info("persistence")
-            if not (info["aof_rewrite_in_progress"] or info["aof_rewrite_scheduled"]):
-                return
-            time.sleep(0.05)
-
     while True:  # a rewrite the server started itself between INFO and here: wait, then ours
-        wait()
+        wait_for_rewrites(sync)
         try:
             sync.bgrewriteaof()
             break
@@ -234,7 +232,7 @@ def compact_aof(sync: redis.Redis) -> None:
             if "already in progress" not in str(exc):
                 raise
     time.sleep(0.05)
-    wait()
+    wait_for_rewrites(sync)
 
 
 class Nodes:
