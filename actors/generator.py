@@ -240,7 +240,7 @@ def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextMan
     from streamrl.inference.transformers_engine import open_transformers_engine
 
     return open_transformers_engine(model_dir, max_batch=cfg.max_batch,
-                                    threads=cfg.threads or None)
+                                    threads=cfg.threads or None, dtype=cfg.dtype)
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -253,6 +253,8 @@ async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORE
         open_engine(cfg, model_dir) as engine,
         trio.open_nursery() as nursery,
     ):
+        log.info("engine open", engine=cfg.engine,
+                 dtype=str(getattr(engine, "dtype", "the server's")).removeprefix("torch."))
         staleness = ctx.staleness()
         gate = VersionGate(shutdown=ctx.shutdown)
         await nursery.start(serve_weight_updates, ctx, engine, gate)

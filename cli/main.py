@@ -178,6 +178,8 @@ def _parser() -> argparse.ArgumentParser:
     serve_model.add_argument("--max-batch", type=int, default=32)
     serve_model.add_argument("--threads", type=int, default=1, help="torch threads (0: default)")
     serve_model.add_argument("--weight-version", default="default")
+    serve_model.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                             help="weights and compute (auto: bfloat16 where the CPU has it)")
     serve_model.add_argument("--openai-port", type=int, default=0,
                              help="also serve the OpenAI-compatible endpoint here (docs/agents.md)")
     return p
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_logging(actor="serve-model")
         return main_serve_model(args.model, args.host, args.port, args.max_batch, args.threads,
-                                args.weight_version, args.openai_port)
+                                args.weight_version, args.openai_port, args.dtype)
     if args.command == "config-doc":
         from streamrl.config.doc import main as config_doc
 

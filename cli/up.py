@@ -194,7 +194,8 @@ def _serve_models(config: Config) -> tuple[Config, list[Child]]:
               [sys.executable, "-m", "streamrl", "serve-model", "--model", config.model.spec,
                "--host", "127.0.0.1", "--port", str(port),
                "--max-batch", str(config.generator.max_batch),
-               "--threads", str(config.generator.threads)],
+               "--threads", str(config.generator.threads),
+               "--dtype", config.generator.dtype],
               env, run_dir / "logs" / f"serve-model-{i}.log", health_url=url + "/health")
         for i, (port, url) in enumerate(zip(ports, urls, strict=True))
     ]

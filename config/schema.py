@@ -495,6 +495,13 @@ class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     threads: NonNegInt = 1
     """torch threads in this process (0: torch's default). One per process is fastest on
     small CPUs: with 2 threads a forward pass of the 135M model took 2.5x longer here."""
+    dtype: str = "float32"
+    """In-process engine (and ``up.serve_models``): the dtype its weights are held and run
+    in: 'float32', 'bfloat16', or 'auto' (bfloat16 where the CPU multiplies bf16 in hardware,
+    AMX or AVX512-BF16, else float32). bfloat16 decodes the demo's batches 1.9x faster on
+    such a CPU (``benchmarks/serving_dtype.py``); the learner still trains in float32, and its
+    importance weights (``learner.tis_cap``) correct for the difference, which each step
+    logs as ``mismatch_kl``, as with any bf16 inference server."""
     time_limit_s: PosFloat = 600.0
     """Longest a generator may work on one message before it counts as failed (retried)."""
     engine: str = "transformers"
@@ -523,6 +530,9 @@ class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     def __post_init__(self) -> None:
         if self.engine not in ("transformers", "sglang"):
             raise ValueError(f"generator.engine {self.engine!r}: use 'transformers' or 'sglang'")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"generator.dtype {self.dtype!r}: use 'auto', 'float32' or "
+                             "'bfloat16'")
         if self.engine == "sglang" and not (self.server_urls or self.router_url):
             raise ValueError("generator.engine 'sglang' needs server_urls or router_url")
         if self.pause_mode not in ("abort", "retract", "in_place"):

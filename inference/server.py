@@ -343,6 +343,7 @@ async def server_info(request: Request) -> Response:
         "port": state.port,
         "served_model_name": state.model_path,
         "device": "cpu",
+        "dtype": str(state.engine.dtype).removeprefix("torch."),
         "dp_size": 1,
         "tp_size": 1,
         "max_running_requests": state.engine.max_batch,
@@ -539,7 +540,7 @@ def build_app(state: ServerState) -> Starlette:
 async def serve_model(
     model_dir: str | Path, *, host: str, port: int, max_batch: int = 32, threads: int = 1,
     weight_version: str = "default", openai_port: int = 0, openai_model: str = "streamrl-policy",
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    dtype: str = "float32", task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Load the model, start the batcher and the HTTP server; run until cancelled. With
     ``openai_port`` the same engine also answers the OpenAI-compatible endpoint there
@@ -550,7 +551,7 @@ async def serve_model(
     guard_connections()
     engine = await trio.to_thread.run_sync(partial(
         TransformersEngine, model_dir, max_batch=max_batch, threads=threads or None,
-        batch_wait_s=BATCH_WAIT_S))
+        batch_wait_s=BATCH_WAIT_S, dtype=dtype))
     state = ServerState(engine, str(model_dir), host, port, weight_version=weight_version)
     config = HypercornConfig()
     config.bind = [f"{host}:{port}"]
@@ -571,12 +572,12 @@ async def serve_model(
             await nursery.start(partial(serve_openai, Sessions.for_engine(engine),
                                         model=openai_model, host=host, port=openai_port))
         log.info("serving", host=host, port=port, model=str(model_dir),
-                 weight_version=weight_version)
+                 weight_version=weight_version, dtype=str(engine.dtype).removeprefix("torch."))
         task_status.started()
 
 
 def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: int,
-                     weight_version: str, openai_port: int = 0) -> int:
+                     weight_version: str, openai_port: int = 0, dtype: str = "float32") -> int:
     """The ``streamrl serve-model`` command (blocks until interrupted)."""
     from streamrl.learner.model import resolve_model
 
@@ -584,7 +585,7 @@ def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: 
     try:
         trio.run(partial(serve_model, model_dir, host=host, port=port, max_batch=max_batch,
                          threads=threads, weight_version=weight_version,
-                         openai_port=openai_port))
+                         openai_port=openai_port, dtype=dtype))
     except KeyboardInterrupt:
         return 130
     return 0

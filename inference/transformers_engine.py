@@ -21,7 +21,11 @@ Guarantees (on top of those in :mod:`inference.engine`):
 - a failure inside the batcher propagates out of :func:`open_transformers_engine` and fails
   every waiting ``generate`` call with :class:`EngineClosed`; cancelling a caller drops its
   rows (a running batch finishes its other rows); closing the engine aborts a running batch
-  within one decoding step.
+  within one decoding step;
+- the model is held and run in ``dtype`` (``float32``; ``bfloat16``; ``auto``: bfloat16 where
+  the CPU multiplies it in hardware, :func:`native_bf16`); a token's logprob is always the
+  fp32 ``log_softmax`` of the logits the model gave, and weight updates (fp32 checkpoints)
+  are cast as they are loaded.
 
 Usage::
 
@@ -50,6 +54,27 @@ from streamrl.inference.decode import Row, RowResult, decode_batch
 from streamrl.inference.engine import Completion
 from streamrl.learner.model import load_model, load_tokenizer
 from streamrl.protocol.messages import Sampling
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""What ``generator.dtype`` / ``serve-model --dtype`` name, besides ``auto``."""
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX tiles or AVX512-BF16, which
+    torch reaches through oneDNN); without either, bf16 is emulated and slower than fp32."""
+    return bool(torch.backends.mkldnn.is_available() and (
+        torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()))
+
+
+def serving_dtype(name: str) -> torch.dtype:
+    """The dtype an engine holds its weights and computes in: ``float32``, ``bfloat16``, or
+    ``auto`` (bfloat16 where :func:`native_bf16`, else float32)."""
+    if name == "auto":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r}: use 'auto', {', '.join(map(repr, DTYPES))}") from None
 
 
 class EngineClosed(RuntimeError):
@@ -126,6 +151,7 @@ class TransformersEngine:
         stop_token_ids: Iterable[int] | None = None,
         weight_version: int = 0,
         batch_wait_s: float = 0.0,
+        dtype: str = "float32",
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -135,7 +161,8 @@ class TransformersEngine:
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir).eval()
+        self.dtype = serving_dtype(dtype)
+        self.model = load_model(model_dir, dtype=self.dtype).eval()
         self.stop_ids = frozenset(stop_token_ids if stop_token_ids is not None else self._stops())
         self.pad_id = int(self.tokenizer.pad_token_id)
         self._vocab = int(self.model.config.vocab_size)
@@ -380,11 +407,13 @@ async def open_transformers_engine(
     stop_token_ids: Iterable[int] | None = None,
     weight_version: int = 0,
     batch_wait_s: float = 0.0,
+    dtype: str = "float32",
 ) -> AsyncIterator[TransformersEngine]:
     """Load the model (in a thread), start the batcher, hand out the engine; stop on exit."""
     engine = await trio.to_thread.run_sync(partial(
         TransformersEngine, model_dir, max_batch=max_batch, threads=threads,
         stop_token_ids=stop_token_ids, weight_version=weight_version, batch_wait_s=batch_wait_s,
+        dtype=dtype,
     ))
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.serve_batches)

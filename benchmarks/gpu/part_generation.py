@@ -10,7 +10,8 @@ random prompts of ``--gen-prompt-len`` tokens at temperature 1 is timed. ``token
 counts the completion tokens the engine returned, ``completions_per_s`` the completions.
 
 The engine decodes on the CPU (it has no GPU path: GPUs serve through SGLang), with torch's
-default thread count; the figures say so (``engine_device``, ``threads``).
+default thread count, in ``generator.dtype = "auto"`` (bf16 where the host CPU has AMX or
+AVX512-BF16); the figures say so (``engine_device``, ``threads``, ``engine_dtype``).
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ async def measure_all(args: argparse.Namespace, report: Report, work: Path) -> N
     directory = await trio.to_thread.run_sync(save_version, model, work, 0)
     del model
     batches = [int(b) for b in args.gen_batches.split(",")]
-    async with open_transformers_engine(directory, max_batch=max(batches),
-                                        stop_token_ids=()) as engine:  # fmt: skip
+    async with open_transformers_engine(directory, max_batch=max(batches), stop_token_ids=(),
+                                        dtype="auto") as engine:  # fmt: skip
         await engine.generate([[1, 2, 3]], Sampling(max_new_tokens=2, seed=0))
         report.update(engine="transformers (in-process)", engine_device="cpu",
+                      engine_dtype=str(engine.dtype).removeprefix("torch."),
                       threads=torch.get_num_threads(), model=model_name(args.tiny),
                       prompt_tokens=args.gen_prompt_len, new_tokens=args.gen_new_tokens,
                       setup_s=round(time.perf_counter() - started, 2), batches=[])  # fmt: skip

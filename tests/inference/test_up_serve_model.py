@@ -16,8 +16,12 @@ from tests.up_run import run_up
 def test_up_starts_serve_model_and_the_generator_uses_it(
     redis_url: str, tmp_path: Path, weight_sync: str
 ) -> None:
+    # (the broadcast run's server holds the policy in bf16: the learner's fp32 buckets are
+    # cast as they land)
+    dtype = "bfloat16" if weight_sync == "broadcast" else "float32"
     done = run_up(redis_url, tmp_path, {
         "up.serve_models": "1", "learner.max_steps": "2", "learner.weight_sync": weight_sync,
+        "generator.dtype": dtype,
     }, prefix=f"srv{weight_sync[:4]}", timeout_s=540)
     summary = done.summary
     assert summary["steps"] >= 2 and summary["dead_letters"] == 0
@@ -26,6 +30,7 @@ def test_up_starts_serve_model_and_the_generator_uses_it(
     # disk through the generator, or over the learner's weight-update group
     served = done.log("serve-model-0")
     generator = done.log("generator-0")
+    assert f'"dtype": "{dtype}"' in served
     if weight_sync == "disk":
         assert '"weights updated"' in served or "weights updated" in served
         assert "server weights updated" in generator
