@@ -84,14 +84,12 @@ def measure(parallelism: Literal["ddp", "fsdp"], args: argparse.Namespace) -> di
 
 def worker(args: argparse.Namespace) -> None:
     """Under torchrun: both parallelisms in one process group; each rank writes its counts."""
-    import torch.distributed as dist
-
     from streamrl.learner import distributed as dist_util
 
     assert dist_util.init_from_env()
     counts = {"ddp": measure("ddp", args), "fsdp": measure("fsdp", args)}
     Path(args.worker_out, f"rank{dist_util.rank()}.json").write_text(json.dumps(counts))
-    dist.destroy_process_group()
+    dist_util.teardown()
 
 
 def fsdp_vs_ddp(vocab: int, hidden: int, layers: int, threads: int = 1) -> dict[str, Any]:

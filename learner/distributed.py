@@ -66,6 +66,18 @@ def init_from_env() -> bool:
     return True
 
 
+def teardown() -> None:
+    """Destroy the default group, every rank together: a barrier first, because a gloo rank
+    whose peer already closed its connections can abort in its IO thread while it destroys
+    its own group ("terminate called without an active exception", SIGABRT; seen in CI under
+    load after the last collective). Call it where no rank can still be inside a collective
+    that the others skip (the learner actor, ``actors/learner.py``, waits for rank 0's
+    release first)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard_rows(n: int, of_rank: int | None = None) -> slice:
     """Rank ``of_rank``'s (default: this rank's) contiguous slice of ``n`` samples; the
     sizes differ by at most one, and a rank gets an empty slice when ``n < world``. Every

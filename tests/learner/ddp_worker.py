@@ -27,7 +27,7 @@ def main(out: Path) -> None:
                     "grad_norm": stats.grad_norm, "tokens": stats.tokens,
                     "kl_ref": stats.kl_ref},
                    out / f"{case}-rank{dist_util.rank()}.pt")  # fmt: skip
-    torch.distributed.destroy_process_group()
+    dist_util.teardown()
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def main(out: Path) -> None:
             trainer.save_sharded(staging)
             fsdp.publish(trainer.model, resolve_model("tiny"), out / "weights", 1, keep_last=2,
                          extra=lambda d: fsdp.move_sharded(staging, d))  # fmt: skip
-    torch.distributed.destroy_process_group()
+    dist_util.teardown()
 
 
 if __name__ == "__main__":
