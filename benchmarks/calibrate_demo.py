@@ -40,6 +40,7 @@ from streamrl.inference.transformers_engine import TransformersEngine, open_tran
 from streamrl.learner.model import resolve_model
 from streamrl.protocol.messages import Sampling
 from streamrl.sandbox import ProcessSandbox, opened
+from streamrl.testing.logprobs import teacher_forced_logprobs
 
 
 async def score_all(domain: Any, box: ProcessSandbox, pairs: list[tuple[Any, str]]
@@ -99,13 +100,9 @@ async def reward_table(engine: TransformersEngine, domain: Any, box: ProcessSand
 def teacher_forced_gap(engine: TransformersEngine, prompts: list[list[int]],
                        completions: list[Any], temperature: float) -> float:
     gap = 0.0
-    with torch.inference_mode():
-        for p, c in zip(prompts, completions, strict=True):
-            ids = torch.tensor([p + c.tokens.tolist()])
-            logits = engine.model(input_ids=ids).logits[0, len(p) - 1 : -1].float()
-            t = temperature if temperature > 0 else 1.0
-            ref = torch.log_softmax(logits / t, -1).gather(1, ids[0, len(p):, None])[:, 0]
-            gap = max(gap, float((ref - torch.from_numpy(c.logprobs)).abs().max()))
+    for p, c in zip(prompts, completions, strict=True):
+        ref = teacher_forced_logprobs(engine.model, p, c.tokens.tolist(), temperature)
+        gap = max(gap, float((ref - torch.from_numpy(c.logprobs)).abs().max()))
     return gap
 
 

@@ -59,6 +59,7 @@ def main() -> None:
     from streamrl.inference import decode
     from streamrl.inference.transformers_engine import native_bf16
     from streamrl.learner.model import load_model, load_tokenizer, resolve_model
+    from streamrl.testing.logprobs import teacher_forced_logprobs
 
     torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
@@ -104,19 +105,12 @@ def main() -> None:
             "times_s": {a: [round(t, 3) for t in ts] for a, ts in times.items()},
         }
 
-    def learner_logprobs(prompt: list[int], tokens: list[int], temperature: float
-                         ) -> torch.Tensor:
-        ids = torch.tensor([prompt + tokens])
-        with torch.inference_mode():
-            logits = models["fp32"](input_ids=ids).logits[0, len(prompt) - 1: -1].float()
-        t = temperature if temperature > 0 else 1.0
-        return torch.log_softmax(logits / t, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
-
     train_seqs, train_t = workloads["train"]
     mismatch = {}
     for arm in models:
         log_r = torch.cat([
-            learner_logprobs(list(p), r.tokens, train_t) - torch.tensor(r.logprobs)
+            teacher_forced_logprobs(models["fp32"], p, r.tokens, train_t)
+            - torch.tensor(r.logprobs)
             for p, r in zip(train_seqs, last["train"][arm], strict=True)])
         r = log_r.exp()
         mismatch[arm] = {

@@ -13,6 +13,7 @@ import torch
 import trio
 
 from streamrl.learner.model import load_model
+from streamrl.testing.logprobs import teacher_forced_logprobs
 from streamrl.testing.wait import wait_until
 from tests.inference.conftest import ServeModel
 
@@ -45,10 +46,7 @@ def test_generate_input_ids_with_logprobs(one_server: ServeModel, tiny_dir: Path
     assert [t[1] for t in triples] == answer["output_ids"] and all(t[2] is None for t in triples)
     # And the logprobs are the model's, at the request's temperature
     model = load_model(tiny_dir).eval()
-    ids = torch.tensor([PROMPT + answer["output_ids"]])
-    with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0, len(PROMPT) - 1 : -1]
-    ref = torch.log_softmax(logits / 0.8, -1).gather(1, ids[0, len(PROMPT):, None])[:, 0]
+    ref = teacher_forced_logprobs(model, PROMPT, answer["output_ids"], 0.8)
     torch.testing.assert_close(torch.tensor([t[0] for t in triples]), ref, atol=1e-4, rtol=0)
 
 

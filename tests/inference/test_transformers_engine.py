@@ -16,6 +16,7 @@ from streamrl.inference.engine import Completion, Engine
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
 from streamrl.learner.model import load_model, resolve_model
 from streamrl.protocol.messages import Sampling
+from streamrl.testing.logprobs import teacher_forced_logprobs
 
 PROMPTS = [
     [1, 9690, 198, 2683, 359, 253, 5356],
@@ -38,11 +39,7 @@ async def engine(tiny: Path) -> AsyncIterator[TransformersEngine]:
 def teacher_forced(model: torch.nn.Module, prompt: list[int], c: Completion,
                    temperature: float) -> torch.Tensor:
     """Logprobs of the completion's tokens from one forward over prompt + completion."""
-    ids = torch.tensor([prompt + c.tokens.tolist()])
-    with torch.inference_mode():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    t = temperature if temperature > 0 else 1.0
-    return torch.log_softmax(logits / t, -1).gather(1, ids[0, len(prompt):, None])[:, 0]
+    return teacher_forced_logprobs(model, prompt, c.tokens.tolist(), temperature)
 
 
 def assert_consistent(engine: TransformersEngine, prompts: list[list[int]],
