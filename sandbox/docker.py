@@ -18,9 +18,10 @@ Guarantees (on top of :mod:`sandbox.base`):
   removed instead if the reset fails or the runner misbehaved;
 - nothing outlives its owner: after each command the runner kills every process it started;
   sessions give their container back (reset) on every exit path; ``aclose`` removes every
-  container; a container whose executor died sees EOF on stdin, its runner exits and Docker
-  removes it (``AutoRemove``); ``reap_orphans()`` (also run at start) removes what is left
-  by executors that died. Containers carry the labels ``streamrl.sandbox``,
+  container (those it tracks and any the engine lists under its instance label) and returns
+  once the engine lists none; a container whose executor died sees EOF on stdin, its runner
+  exits and Docker removes it (``AutoRemove``); ``reap_orphans()`` (also run at start)
+  removes what is left by executors that died. Containers carry the labels ``streamrl.sandbox``,
   ``streamrl.instance`` and ``streamrl.owner`` (host/pid/start time); a session's container
   is renamed ``streamrl-<label>-<instance>-<n>`` after its label (the message id) before it
   is used, a one-shot ``run``'s container likewise once its command has run
@@ -110,6 +111,7 @@ RUNNER_SOURCE = Path(__file__).with_name("runner.py").read_text()
 SANDBOX_UID = 65534
 RUNNER_MB = 32  # added to the memory limit: the runner and init live in the same cgroup
 RUNNER_PIDS = 2  # init and the runner, added to the pids limit
+REMOVE_WAIT_S = 20.0  # how long a removal waits for the engine to drop the container
 LABEL = "streamrl.sandbox"
 
 
@@ -469,6 +471,38 @@ class DockerSandbox:
         self._fail(exc)
         return True
 
+    async def _delete(self, container: Any, name: str, deadline_s: float = REMOVE_WAIT_S) -> bool:
+        """Force-remove ``container`` and return once the engine no longer has it (True), or
+        False when it still does after ``deadline_s`` (logged). The engine answers 409 while
+        a removal is already under way, most often its own ``AutoRemove`` (the runner exits
+        when its stdin closes) and returns before that removal ends: the container is still
+        listed for a while, so this waits for the 404."""
+        if self._loop is None:
+            raise SandboxUnavailable("Docker sandbox loop is not running")
+        retrying = Retrying(Backoff(0.05, 1.0))
+        with trio.move_on_after(deadline_s):
+            while True:
+                try:
+                    await self._aio(container.delete(force=True, v=True))
+                except SandboxUnavailable:
+                    raise
+                except Exception as exc:  # 404: gone; 409: being removed; else: try again
+                    status = getattr(exc, "status", None)
+                    if status == 404:
+                        return True
+                    if status != 409:
+                        log.debug("sandbox.remove_retry", container=name, error=repr(exc))
+                try:
+                    await self._aio(container.show())
+                except SandboxUnavailable:
+                    raise
+                except Exception as exc:
+                    if getattr(exc, "status", None) == 404:
+                        return True
+                await retrying.wait()
+        log.warning("sandbox.remove_unfinished", container=name, waited_s=deadline_s)
+        return False
+
     async def _aio(self, coro: Awaitable[T]) -> T:
         """Await an asyncio (aiodocker) coroutine from trio, through this sandbox's loop."""
         if self._loop is None:
@@ -522,11 +556,27 @@ class DockerSandbox:
         self._pools[box.image].changed()
 
     async def _remove_all(self) -> None:
+        """Remove every container: those it tracks, then any the engine still lists under
+        this instance's label (a create or a removal whose answer was lost), logged."""
         for pool in self._pools.values():
             pool.ready.clear()
         async with trio.open_nursery() as nursery:
             for box in list(self._boxes.values()):
                 nursery.start_soon(box.remove)
+        label = f"streamrl.instance={self.instance}"
+        try:
+            left = await self._aio(
+                self._docker.containers.list(all=True, filters=json.dumps({"label": [label]}))
+            )
+        except Exception as exc:  # the engine is unreachable: nothing more to do here
+            log.warning("sandbox.leftovers_unlisted", error=repr(exc))
+            return
+        if left:
+            names = [item["Names"][0].lstrip("/") for item in left]
+            log.warning("sandbox.leftovers_removed", containers=names)
+            async with trio.open_nursery() as nursery:
+                for item, name in zip(left, names, strict=True):
+                    nursery.start_soon(self._delete, item, name)
 
     # -- the pool ------------------------------------------------------------------------
 
@@ -659,8 +709,8 @@ class DockerSandbox:
                         await self._aio(stream.close())
                 if container is None:  # a create that timed out may still have made it
                     container = self._docker.containers.container(name)
-                with contextlib.suppress(Exception), trio.move_on_after(10):
-                    await self._aio(container.delete(force=True, v=True))
+                with contextlib.suppress(Exception):
+                    await self._delete(container, name, deadline_s=10)
             if isinstance(exc, (aiodocker.DockerError, RunnerGone, trio.TooSlowError, OSError)):
                 raise SandboxUnavailable(f"cannot start a container of {image}: {exc}") from exc
             raise
@@ -971,7 +1021,8 @@ class _Box:
         await self.channel.reset()
 
     async def remove(self) -> None:
-        """Kill and remove the container (idempotent, shielded)."""
+        """Kill and remove the container (idempotent, shielded); returns once the engine no
+        longer lists it (or after ``REMOVE_WAIT_S``, logged)."""
         if self._removed:
             return
         self._removed = True
@@ -980,8 +1031,8 @@ class _Box:
         with trio.CancelScope(shield=True):
             with contextlib.suppress(Exception):
                 await sandbox._aio(self.stream.close())
-            with contextlib.suppress(Exception):
-                await sandbox._aio(self.container.delete(force=True, v=True))
+            with contextlib.suppress(SandboxUnavailable):  # (the loop is gone)
+                await sandbox._delete(self.container, self.name)
         if sandbox._boxes.pop(self.id, None) is not None:
             sandbox._slots.release()
             sandbox._counts["removed"] += 1

@@ -507,3 +507,27 @@ async def test_a_run_cancelled_at_any_point_leaves_no_container(docker_image: st
     names = [n for c in json.loads(body) for n in c["Names"]]
     assert status == 200
     assert not [n for n in names for i in instances if f"streamrl-sbx-{i}-" in n], names
+
+
+
+async def test_no_container_is_left_once_aclose_returns(docker_image: str) -> None:
+    """``aclose`` returns once the engine lists none of the backend's containers: those it
+    used (their removal waits for the engine, which may still be auto-removing one), and one
+    the engine made although its create's answer never came back (made here by hand)."""
+    for _ in range(2):
+        names = []
+        async with open_docker_sandbox(docker_image, pool_size=2) as sandbox:
+            for label in ("a", "b", "c"):
+                async with sandbox.session(Limits(), label=f"left-{label}") as session:
+                    assert (await session.run(sh("echo x > f"))).ok
+                    assert session.container_name is not None
+                    names.append(session.container_name)
+            lost = f"streamrl-lost-{sandbox.instance}"
+            subprocess.run(
+                ["docker", "create", "--name", lost, "--network", "none", "--label",
+                 f"streamrl.instance={sandbox.instance}", docker_image, "true"],
+                check=True, capture_output=True, timeout=60,
+            )  # fmt: skip
+            names.append(lost)
+        # Then, as soon as the sandbox is closed, the engine lists none of them
+        assert [name for name in names if _container_exists(name)] == []
