@@ -471,34 +471,44 @@ class DockerSandbox:
         self._fail(exc)
         return True
 
-    async def _delete(self, container: Any, name: str, deadline_s: float = REMOVE_WAIT_S) -> bool:
-        """Force-remove ``container`` and return once the engine no longer has it (True), or
+    async def _delete(self, container: Any, name: str, deadline_s: float = REMOVE_WAIT_S,
+                      *, by_name: bool = False) -> bool:
+        """Force-remove ``container`` and return once the engine no longer lists it (True), or
         False when it still does after ``deadline_s`` (logged). The engine answers 409 while
         a removal is already under way, most often its own ``AutoRemove`` (the runner exits
-        when its stdin closes) and returns before that removal ends: the container is still
-        listed for a while, so this waits for the 404."""
+        when its stdin closes), before that removal ends: the container is still listed for
+        a while, so this waits until it is not. Whether it is listed is asked with a list
+        filtered by the sandbox label (by id, or by ``name`` with ``by_name``): the one
+        query the socket proxy (sandbox/socket_proxy.py) answers for a container that is
+        gone (it refuses calls on containers it cannot see labelled, gone ones included)."""
         if self._loop is None:
             raise SandboxUnavailable("Docker sandbox loop is not running")
+        which = {"name": [f"^/{re.escape(name)}$"]} if by_name else {"id": [container.id]}
+        query = json.dumps({"label": [LABEL], **which})
         retrying = Retrying(Backoff(0.05, 1.0))
+        removing = False  # the engine took a removal: wait for it, never ask again
         with trio.move_on_after(deadline_s):
             while True:
+                if not removing:
+                    try:
+                        await self._aio(container.delete(force=True, v=True))
+                        removing = True
+                    except SandboxUnavailable:
+                        raise
+                    except Exception as exc:  # 404: gone; 409: being removed; else: again
+                        status = getattr(exc, "status", None)
+                        if status == 404:
+                            return True
+                        removing = status == 409
+                        if not removing:
+                            log.debug("sandbox.remove_retry", container=name, error=repr(exc))
                 try:
-                    await self._aio(container.delete(force=True, v=True))
+                    if not await self._aio(self._docker.containers.list(all=True, filters=query)):
+                        return True
                 except SandboxUnavailable:
                     raise
-                except Exception as exc:  # 404: gone; 409: being removed; else: try again
-                    status = getattr(exc, "status", None)
-                    if status == 404:
-                        return True
-                    if status != 409:
-                        log.debug("sandbox.remove_retry", container=name, error=repr(exc))
-                try:
-                    await self._aio(container.show())
-                except SandboxUnavailable:
-                    raise
-                except Exception as exc:
-                    if getattr(exc, "status", None) == 404:
-                        return True
+                except Exception as exc:  # the engine's answer is lost: ask again
+                    log.debug("sandbox.remove_check_failed", container=name, error=repr(exc))
                 await retrying.wait()
         log.warning("sandbox.remove_unfinished", container=name, waited_s=deadline_s)
         return False
@@ -563,10 +573,10 @@ class DockerSandbox:
         async with trio.open_nursery() as nursery:
             for box in list(self._boxes.values()):
                 nursery.start_soon(box.remove)
-        label = f"streamrl.instance={self.instance}"
+        labels = [LABEL, f"streamrl.instance={self.instance}"]  # (both: the proxy's rule)
         try:
             left = await self._aio(
-                self._docker.containers.list(all=True, filters=json.dumps({"label": [label]}))
+                self._docker.containers.list(all=True, filters=json.dumps({"label": labels}))
             )
         except Exception as exc:  # the engine is unreachable: nothing more to do here
             log.warning("sandbox.leftovers_unlisted", error=repr(exc))
@@ -710,7 +720,7 @@ class DockerSandbox:
                 if container is None:  # a create that timed out may still have made it
                     container = self._docker.containers.container(name)
                 with contextlib.suppress(Exception):
-                    await self._delete(container, name, deadline_s=10)
+                    await self._delete(container, name, deadline_s=10, by_name=True)
             if isinstance(exc, (aiodocker.DockerError, RunnerGone, trio.TooSlowError, OSError)):
                 raise SandboxUnavailable(f"cannot start a container of {image}: {exc}") from exc
             raise

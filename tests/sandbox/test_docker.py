@@ -524,7 +524,8 @@ async def test_no_container_is_left_once_aclose_returns(docker_image: str) -> No
                     names.append(session.container_name)
             lost = f"streamrl-lost-{sandbox.instance}"
             subprocess.run(
-                ["docker", "create", "--name", lost, "--network", "none", "--label",
+                ["docker", "create", "--name", lost, "--network", "none",
+                 "--label", "streamrl.sandbox=1", "--label",
                  f"streamrl.instance={sandbox.instance}", docker_image, "true"],
                 check=True, capture_output=True, timeout=60,
             )  # fmt: skip
