@@ -90,6 +90,8 @@ class Child:
     """Why this child is no longer restarted (a crash loop); empty while it is kept up."""
     pass_fds: tuple[int, ...] = ()  # the lifeline's read end (runtime/lifeline.py)
     backoff: Backoff = RESTART_BACKOFF
+    nice: int = 0
+    """Its niceness (``up.decode_nice`` for the decoding processes): started under ``nice``."""
     finished: bool = False
     """It exited 0: its work is done (the learner at ``learner.max_steps``), not restarted."""
 
@@ -106,7 +108,7 @@ class Child:
         while not self.stopping:
             with self.log_path.open("ab") as logf:
                 self.process = await trio.lowlevel.open_process(
-                    self.argv,
+                    ["nice", "-n", str(self.nice), *self.argv] if self.nice else self.argv,
                     env=self.env,
                     stdout=logf,
                     stderr=subprocess.STDOUT,
@@ -196,7 +198,8 @@ def _serve_models(config: Config) -> tuple[Config, list[Child]]:
                "--max-batch", str(config.generator.max_batch),
                "--threads", str(config.generator.threads),
                "--dtype", config.generator.dtype],
-              env, run_dir / "logs" / f"serve-model-{i}.log", health_url=url + "/health")
+              env, run_dir / "logs" / f"serve-model-{i}.log", health_url=url + "/health",
+              nice=config.up.decode_nice)
         for i, (port, url) in enumerate(zip(ports, urls, strict=True))
     ]
     generator = msgspec.structs.replace(config.generator, engine="sglang", server_urls=urls)
@@ -250,7 +253,9 @@ def _child(config: Config, config_file: Path, credentials: Mapping[str, Credenti
     argv = [sys.executable, "-m", "streamrl", "run", actor, "--config", str(config_file)]
     log_path = config.run.path / "logs" / f"{actor}-{index}.log"
     env = child_environment(config, os.environ, actor, config.run.redis_url, credentials)
-    return Child(actor, index, argv, env, log_path)
+    decodes = actor == "generator" and config.generator.engine == "transformers"
+    return Child(actor, index, argv, env, log_path,
+                 nice=config.up.decode_nice if decodes else 0)
 
 
 async def _serve_autoscaler(config: Config, ctx: Any, children: list[Child], config_file: Path,

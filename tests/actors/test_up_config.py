@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import trio
+
 from streamrl.cli.main import _public
-from streamrl.cli.up import _children, _serve_models, write_child_config
+from streamrl.cli.up import Child, _children, _serve_models, write_child_config
 from streamrl.config.schema import load_config
 
 
@@ -35,3 +38,22 @@ def test_children_load_exactly_the_merged_config_of_up(tmp_path: Path) -> None:
     )
     assert json.loads(shown.stdout) == _public(config)
     assert config.generator.engine == "sglang" and config.learner.lr == 3e-5
+
+
+async def test_the_decoding_processes_run_at_up_decode_nice(tmp_path: Path) -> None:
+    # Given up.decode_nice, with the generators decoding in-process and then through servers
+    base = [f"run.work_dir={tmp_path}", "run.name=nice", "up.decode_nice=7"]
+    own = load_config("configs/tiny.toml", base)
+    served, servers = _serve_models(load_config("configs/tiny.toml", [*base, "up.serve_models=1"]))
+    # Then the processes that decode get it, and no other child does
+    niced = {c.actor: c.nice for c in _children(own, tmp_path / "c.json", {})}
+    assert niced["generator"] == 7 and niced["learner"] == niced["scheduler"] == 0
+    assert [s.nice for s in servers] == [7]
+    assert all(c.nice == 0 for c in _children(served, tmp_path / "c.json", {}))
+    # And a child started with it runs at that niceness (above up's own)
+    child = Child("generator", 0, [sys.executable, "-c", "import os; print(os.nice(0))"], {},
+                  tmp_path / "g.log", nice=7)
+    with trio.fail_after(60):
+        await child.serve()
+    assert int(child.log_path.read_text().split()[-1]) == os.nice(0) + 7
+    assert child.finished
