@@ -8,6 +8,10 @@ Arms, alternating each repeat, each in fresh processes:
 - ``nice0``: beside ``--decoders`` decoding loops at niceness 0;
 - ``nice``: beside the same loops at niceness ``--nice``.
 
+Every process starts in a session of its own, as ``streamrl up`` starts its children, and a
+niced decoder's session gets the nice value too (runtime/priority.py: with the kernel's
+session autogroups a process's own nice value weighs only within its session).
+
 Learner: ``benchmarks/learner_step.py --only shared`` with the demo's step (``--groups`` 4 of
 8 samples, 51 prompt + 32 completion tokens, 1 torch thread). Decoders: each a process holding
 the policy in ``--dtype`` (``auto``: bf16 where the CPU has bf16 hardware), 1 torch thread,
@@ -75,12 +79,12 @@ def decode_loop(args: argparse.Namespace) -> None:
 def learner_step(args: argparse.Namespace) -> tuple[list[float], float, float]:
     """The learner's step times, and when its process started and ended (unix time)."""
     started = time.time()
-    child = subprocess.run(
+    child = subprocess.run(  # in a session of its own, as `up` starts the learner
         [sys.executable, str(HERE / "learner_step.py"), "--only", "shared",
          "--model", args.model, "--groups", str(args.groups), "--group-size", "8",
          "--prompt-len", "51", "--completion-len", "32", "--threads", "1",
          "--steps", str(args.steps)],
-        check=True, capture_output=True, text=True,
+        check=True, capture_output=True, text=True, start_new_session=True,
     )  # fmt: skip
     ended = time.time()
     return json.loads(child.stdout.strip().splitlines()[-1])["step_seconds"], started, ended
@@ -88,15 +92,20 @@ def learner_step(args: argparse.Namespace) -> tuple[list[float], float, float]:
 
 def run_arm(args: argparse.Namespace, nice: int | None, tmp: Path) -> dict[str, Any]:
     """One arm: ``nice`` None runs the learner alone, else beside decoders at that niceness."""
+    from streamrl.runtime.priority import lower_priority, niced
+
     decoders, logs = [], []
     try:
         for i in range(args.decoders if nice is not None else 0):
             log = tmp / f"decoder-{nice}-{i}-{time.monotonic_ns()}.txt"
             logs.append(log)
-            decoders.append(subprocess.Popen(
-                ["nice", "-n", str(nice), sys.executable, __file__, "--decode-loop", str(log),
-                 "--model", args.model, "--dtype", args.dtype],
-            ))  # fmt: skip
+            decoder = subprocess.Popen(  # as `up` starts a generator (cli/up.py)
+                niced([sys.executable, __file__, "--decode-loop", str(log), "--model",
+                       args.model, "--dtype", args.dtype], nice),
+                start_new_session=True,
+            )  # fmt: skip
+            lower_priority(decoder.pid, nice)
+            decoders.append(decoder)
         deadline = time.monotonic() + 600
         while not all(log.exists() for log in logs):  # every decoder has finished a batch
             if any(d.poll() is not None for d in decoders):
@@ -141,6 +150,7 @@ def main() -> None:
     import torch
 
     from streamrl.inference.transformers_engine import native_bf16, serving_dtype
+    from streamrl.runtime.priority import autogroups_enabled
 
     arms: dict[str, int | None] = {"alone": None, "nice0": 0, "nice": args.nice}
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
@@ -166,6 +176,7 @@ def main() -> None:
         "native_bf16": native_bf16(), "groups": args.groups, "rows_per_step_trained":
         args.groups * 8, "steps": args.steps, "repeats": args.repeats, "cpus": os.cpu_count(),
         "machine": platform.machine(), "torch": torch.__version__,
+        "autogroups": autogroups_enabled(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "arms": summary,
         "nice_speedup": round(nice0 / nice, 3),

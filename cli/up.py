@@ -59,6 +59,7 @@ from streamrl.runtime.auth import (
 from streamrl.runtime.context import open_context
 from streamrl.runtime.lifeline import Lifeline, open_lifeline
 from streamrl.runtime.logs import configure_logging, get_logger
+from streamrl.runtime.priority import lower_priority, niced
 from streamrl.sandbox.base import IsolationTooWeak
 
 log = get_logger()
@@ -91,7 +92,8 @@ class Child:
     pass_fds: tuple[int, ...] = ()  # the lifeline's read end (runtime/lifeline.py)
     backoff: Backoff = RESTART_BACKOFF
     nice: int = 0
-    """Its niceness (``up.decode_nice`` for the decoding processes): started under ``nice``."""
+    """Its nice value (``up.decode_nice`` for the decoding processes): its own and its
+    session's (runtime/priority.py)."""
     finished: bool = False
     """It exited 0: its work is done (the learner at ``learner.max_steps``), not restarted."""
 
@@ -108,7 +110,7 @@ class Child:
         while not self.stopping:
             with self.log_path.open("ab") as logf:
                 self.process = await trio.lowlevel.open_process(
-                    ["nice", "-n", str(self.nice), *self.argv] if self.nice else self.argv,
+                    niced(self.argv, self.nice),
                     env=self.env,
                     stdout=logf,
                     stderr=subprocess.STDOUT,
@@ -116,6 +118,7 @@ class Child:
                     start_new_session=True,
                     pass_fds=self.pass_fds,
                 )
+                lower_priority(self.process.pid, self.nice)  # its session's share of the CPUs
             if not started:
                 started = True
                 if self.health_url:

@@ -825,11 +825,13 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     progress_interval_s: PosFloat = 10.0
     """How often ``up`` prints a progress line (policy version, reward, queues)."""
     decode_nice: Annotated[int, Meta(ge=0, le=19)] = 0
-    """Niceness of the processes that decode: the generators (in-process engine), or the
-    serve-model processes with ``serve_models`` > 0. On a machine where they share the CPUs
-    with the learner, a positive value gives the learner's step the CPU it needs first and
-    the decoders the rest (they are held to the learner's pace by ``scheduler.max_backlog``
-    and ``learner.max_staleness`` anyway): benchmarks/learner_priority.py. 0: as started."""
+    """Nice value of the processes that decode: the generators (in-process engine), or the
+    serve-model processes with ``serve_models`` > 0; their sessions' too, which is what
+    counts where the kernel shares the CPUs between sessions first (autogroups,
+    runtime/priority.py). On a machine where they share the CPUs with the learner, a
+    positive value gives the learner's step the CPU it needs first and the decoders the rest
+    (``scheduler.max_backlog`` and ``learner.max_staleness`` hold them to the learner's pace
+    anyway): benchmarks/learner_priority.py. 0: as started."""
     autoscale: bool = False
     """Add replicas of the stage whose input backlog persists and remove idle ones
     (``streamrl up --autoscale``; cli/autoscale.py): generators, executors and verifiers,

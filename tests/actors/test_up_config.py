@@ -13,6 +13,7 @@ import trio
 from streamrl.cli.main import _public
 from streamrl.cli.up import Child, _children, _serve_models, write_child_config
 from streamrl.config.schema import load_config
+from streamrl.runtime.priority import autogroups_enabled
 
 
 def test_children_load_exactly_the_merged_config_of_up(tmp_path: Path) -> None:
@@ -50,10 +51,24 @@ async def test_the_decoding_processes_run_at_up_decode_nice(tmp_path: Path) -> N
     assert niced["generator"] == 7 and niced["learner"] == niced["scheduler"] == 0
     assert [s.nice for s in servers] == [7]
     assert all(c.nice == 0 for c in _children(served, tmp_path / "c.json", {}))
-    # And a child started with it runs at that niceness (above up's own)
-    child = Child("generator", 0, [sys.executable, "-c", "import os; print(os.nice(0))"], {},
-                  tmp_path / "g.log", nice=7)
+    # And a child started with it runs at that nice value (above up's own), and so does its
+    # session, where the kernel shares the CPUs between sessions first (autogroups)
+    groups = autogroups_enabled()
+    child = Child("generator", 0, [sys.executable, "-c", REPORT_NICE],
+                  {"WAIT_GROUP": "1"} if groups else {}, tmp_path / "g.log", nice=7)
     with trio.fail_after(60):
         await child.serve()
-    assert int(child.log_path.read_text().split()[-1]) == os.nice(0) + 7
-    assert child.finished
+    own, session = child.log_path.read_text().split()
+    assert child.finished and int(own) == min(os.nice(0) + 7, 19)
+    assert session == "7" or not groups
+
+
+REPORT_NICE = """
+import os, pathlib, time
+group = pathlib.Path("/proc/self/autogroup")
+deadline = time.monotonic() + 10  # up sets the session's value just after the start
+while os.environ.get("WAIT_GROUP") and group.read_text().split()[-1] == "0" \
+        and time.monotonic() < deadline:
+    time.sleep(0.02)
+print(os.nice(0), group.read_text().split()[-1] if group.exists() else "none")
+"""
