@@ -11,7 +11,6 @@ sets both."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 
@@ -40,15 +39,3 @@ def lower_priority(pid: int, nice: int) -> bool:
         return False
     return True
 
-
-def autogroup_nice(pid: int) -> int | None:
-    """The nice value of process ``pid``'s autogroup, or None without autogroups."""
-    try:
-        text = Path(f"/proc/{pid}/autogroup").read_text()  # "/autogroup-123 nice 10"
-    except OSError:
-        return None
-    return int(text.split()[-1])
-
-
-def process_nice(pid: int) -> int:
-    return os.getpriority(os.PRIO_PROCESS, pid)

@@ -474,25 +474,24 @@ class DockerSandbox:
     async def _delete(self, container: Any, name: str, deadline_s: float = REMOVE_WAIT_S,
                       *, by_name: bool = False) -> bool:
         """Force-remove ``container`` and return once the engine no longer lists it (True), or
-        False when it still does after ``deadline_s`` (logged). The engine answers 409 while
-        a removal is already under way, most often its own ``AutoRemove`` (the runner exits
-        when its stdin closes), before that removal ends: the container is still listed for
-        a while, so this waits until it is not. Whether it is listed is asked with a list
-        filtered by the sandbox label (by id, or by ``name`` with ``by_name``): the one
-        query the socket proxy (sandbox/socket_proxy.py) answers for a container that is
-        gone (it refuses calls on containers it cannot see labelled, gone ones included)."""
-        if self._loop is None:
-            raise SandboxUnavailable("Docker sandbox loop is not running")
+        False when it still does after ``deadline_s`` (logged). A delete that succeeds returns
+        once the container is gone; a 409 (a removal already under way, most often the
+        engine's own ``AutoRemove``: the runner exits when its stdin closes) comes before that
+        removal ends, so this then waits until the container is no longer listed. Whether it
+        is listed is asked with a list filtered by the sandbox label (by id, or by ``name``
+        with ``by_name``): the one query the socket proxy (sandbox/socket_proxy.py) answers
+        for a container that is gone (it refuses calls on containers it cannot see labelled,
+        gone ones included)."""
         which = {"name": [f"^/{re.escape(name)}$"]} if by_name else {"id": [container.id]}
         query = json.dumps({"label": [LABEL], **which})
         retrying = Retrying(Backoff(0.05, 1.0))
-        removing = False  # the engine took a removal: wait for it, never ask again
+        removing = False  # the engine is removing it (409): wait for that, never ask again
         with trio.move_on_after(deadline_s):
             while True:
                 if not removing:
                     try:
                         await self._aio(container.delete(force=True, v=True))
-                        removing = True
+                        return True  # (the engine answers once the container is removed)
                     except SandboxUnavailable:
                         raise
                     except Exception as exc:  # 404: gone; 409: being removed; else: again
