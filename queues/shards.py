@@ -175,6 +175,19 @@ class ShardedConsumer:
             out += self._qualified(shard, await self.consumers[shard].reclaim(count - len(out)))
         return out
 
+    async def give_back(self, deliveries: Sequence[Delivery]) -> int:
+        """:meth:`StreamConsumer.give_back`, each entry in its own shard."""
+        by_shard: dict[int, list[Delivery]] = defaultdict(list)
+        for d in deliveries:
+            shard, eid = unqualify(d.entry_id)
+            by_shard[shard].append(dataclasses.replace(d, entry_id=eid))
+        return sum([await self.consumers[k].give_back(ds) for k, ds in by_shard.items()])
+
+    async def give_back_held(self) -> None:
+        """Give back the entries read from Redis and not handed out yet (closing)."""
+        held, self._held = self._held, []
+        await self.give_back(held)
+
     async def heartbeat(self, entry_ids: list[str]) -> None:
         held = [d.entry_id for d in self._held]
         for shard, eids in self._by_shard([*entry_ids, *held]).items():
@@ -309,7 +322,18 @@ async def open_sharded_consumer(
             )
             for shard in shards
         }
-        yield ShardedConsumer(names, consumers)
+        sharded = ShardedConsumer(names, consumers)
+        try:
+            yield sharded
+        finally:
+            await _give_back_on_close(sharded)
+
+
+async def _give_back_on_close(consumer: ShardedConsumer) -> None:
+    """The read-ahead of a closing consumer, given back uncharged when Redis answers within a
+    few seconds (else it stays charged one delivery: never lost)."""
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        await consumer.give_back_held()
 
 
 Consumer = StreamConsumer | ShardedConsumer

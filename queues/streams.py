@@ -60,6 +60,7 @@ _HANDOFF_BATCH = lua("handoff_batch.lua")
 _PUBLISH_COUNTED = lua("publish_counted.lua")
 _PUBLISH_ONCE = lua("publish_once.lua")
 _REQUEUE = lua("requeue.lua")
+_GIVEBACK = lua("giveback.lua")
 
 FIELD = b"d"
 _FLUSHES_IN_FLIGHT = 2  # hand-off script calls one consumer has in flight at once
@@ -210,6 +211,7 @@ class StreamConsumer:
         self._deadletter = client.sync.register_script(_DEADLETTER)
         self._trim = client.sync.register_script(_TRIM)
         self._handoff_batch = client.sync.register_script(_HANDOFF_BATCH)
+        self._giveback = client.sync.register_script(_GIVEBACK)
         self._read_new = ("XREADGROUP", "GROUP", group, self.consumer, "COUNT")
         self._pending_cursor: str | None = "0"  # None once the own pending list is drained
         self._batches: list[_Batch] = []  # hand-offs waiting for serve_flusher, oldest first
@@ -356,6 +358,26 @@ class StreamConsumer:
                 entry_ids,
                 justid=True,
             )
+
+    async def give_back(self, deliveries: Sequence[Delivery]) -> int:
+        """Return entries handed out to this consumer that no handler began (read ahead, or
+        released before their work started): each still pending here with the delivery count
+        it was handed out with keeps the count it had before (``giveback.lua``), so reading it
+        is not charged against ``max_deliveries``. It stays pending, for this consumer's next
+        read of its own pending list or a reclaimer. Returns how many were given back; 0 when
+        Redis refuses (logged: they stay pending, charged, never lost)."""
+        if not deliveries:
+            return 0
+        args: list[Arg] = [self.group, self.consumer]
+        for d in deliveries:
+            args += (d.entry_id, d.deliveries)
+        try:
+            given = int(await self.client.call(self._giveback, keys=[self.stream], args=args))
+        except redis.RedisError as exc:
+            log.warning("not given back", stream=self.stream_name, error=str(exc))
+            return 0
+        log.info("given back", stream=self.stream_name, entries=len(deliveries), given=given)
+        return given
 
     # ------------------------------------------------------------------ finishing
     async def complete(self, handoff: Handoff) -> None:

@@ -15,6 +15,9 @@ batch at a time (the learner, the archiver).
   hand-off publishes and counts nothing twice), settled alone (:meth:`BatchRuntime.settle`
   with one entry: a duplicate, a stale group), or dead-lettered; an entry whose process dies
   first stays pending and is read again (own pending list at restart, a reclaimer);
+- an entry read ahead (held, no step taken on it yet: the learner's next batch) is given back
+  uncharged when the runtime closes, so a stop does not bring it closer to its delivery
+  limit; an entry whose step began keeps the delivery it was charged;
 - a batch handler that raises is retried with the retry policy's backoff
   (:meth:`BatchRuntime.handle`); when it still fails, each entry is tried alone and only
   the ones that fail alone are dead-lettered, with their error; the rest are handled. Entries
@@ -119,6 +122,9 @@ class BatchRuntime(Generic[M]):
         self.held: set[str] = set()
         """Entry ids collected and not settled yet (batches being collected, handled,
         settled): this consumer's share of the group's pending list."""
+        self.ahead: dict[str, Delivery] = {}
+        """The held entries no step has been taken on yet (read ahead): given back uncharged
+        when the runtime closes (:meth:`give_back_ahead`)."""
         self._next_reclaim = 0.0
         self._rng = random.Random()
 
@@ -150,6 +156,7 @@ class BatchRuntime(Generic[M]):
                 if accept is None or await accept(held, batch):
                     batch.append(held)
                     self.held.add(d.entry_id)
+                    self.ahead[d.entry_id] = d
             if until is not None and until.is_set():
                 break
             if not batch:
@@ -205,7 +212,7 @@ class BatchRuntime(Generic[M]):
         names, s = self.consumer.names, settlement
         if not (s.outputs or s.counts or s.tickets):
             await self.consumer.ack(list(entry_ids))
-            self.held.difference_update(entry_ids)
+            self._release(entry_ids)
             return
         await self.consumer.ack_many(
             list(entry_ids),
@@ -215,14 +222,28 @@ class BatchRuntime(Generic[M]):
             counters=[(names.counter(c.name), c.n) for c in s.counts],
             only_settling=s.only_settling,
         )
+        self._release(entry_ids)
+
+    def _release(self, entry_ids: Sequence[str]) -> None:
         self.held.difference_update(entry_ids)
+        for eid in entry_ids:
+            self.ahead.pop(eid, None)
+
+    async def give_back_ahead(self) -> None:
+        """Give back the entries read ahead (held, no step taken on them): they stay pending,
+        their read not charged against the delivery limit
+        (:meth:`queues.streams.StreamConsumer.give_back`); the entries of a step that began
+        keep their charge."""
+        ahead, self.ahead = list(self.ahead.values()), {}
+        self.held.difference_update(d.entry_id for d in ahead)
+        await self.consumer.give_back(ahead)
 
     async def dead_letter(self, held: Held[M], reason: str, *, frees_ticket: bool = True) -> None:
         """Dead-letter ``held`` with ``reason`` (:func:`runtime.serve.dead_letter`); with
         ``frees_ticket`` an admitted training group frees its admission slot with it."""
         message = held.message if frees_ticket else None
         await dead_letter(self.consumer, self.stage, held.delivery, reason, message)
-        self.held.discard(held.entry_id)
+        self._release([held.entry_id])
 
     async def handle(
         self,
@@ -237,6 +258,8 @@ class BatchRuntime(Generic[M]):
         when every entry passes alone, or when there is no ``probe`` (the caller cannot
         isolate: it fails loudly, the supervisor restarts it and the delivery limit bounds
         the redeliveries)."""
+        for held in batch:  # begun: a process that dies now is charged their delivery
+            self.ahead.pop(held.entry_id, None)
         retry = self.policies.retry
         failure: Exception | None = None
         for attempt in range(retry.max_retries + 1):
@@ -325,9 +348,14 @@ async def open_batches(
     settings: BatchSettings,
 ) -> AsyncIterator[BatchRuntime[M]]:
     """A :class:`BatchRuntime` on ``consumer`` whose held entries are heart-beaten while
-    the block runs."""
+    the block runs; on leaving it (cancelled included) the entries read ahead are given back
+    uncharged (:meth:`BatchRuntime.give_back_ahead`)."""
     runtime = BatchRuntime(consumer, stage, kind, policies, settings)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(runtime.serve_heartbeats)
-        yield runtime
-        nursery.cancel_scope.cancel()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(runtime.serve_heartbeats)
+            yield runtime
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True), trio.move_on_after(5):  # else charged, not lost
+            await runtime.give_back_ahead()

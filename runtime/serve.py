@@ -9,6 +9,10 @@
   ``max_downstream_backlog`` entries undelivered or pending (producer-side backpressure);
 - entries being handled are heart-beaten, so the reclaimer of another replica does not
   steal live work;
+- an entry a draining process releases (:class:`runtime.policies.Unavailable`, released at
+  once instead of retried: a task still waiting for weights) is given back uncharged: that
+  delivery does not count toward its delivery limit
+  (:meth:`queues.streams.StreamConsumer.give_back`);
 - malformed input (undecodable, wrong schema or version) is dead-lettered with the reason
   and the actor keeps running.
 - on a sharded run (``consumer`` a :class:`queues.shards.ShardedConsumer`) all of this holds
@@ -261,6 +265,8 @@ class ActorRuntime:
                     if isinstance(exc, Unavailable):  # left pending: the reclaimer redelivers
                         log.warning("handler unavailable, released", error=error, retry=retry)
                         self._released += 1
+                        if self._draining:  # returned by the drain, not by its own failure
+                            await self.consumer.give_back([delivery])
                         return None
                     await self._dead_letter(
                         delivery, f"failed {retry} times, last: {error}", message,
