@@ -34,7 +34,9 @@ Admission guarantees:
   ratios of trained samples from the verifier's per-domain counters); a domain's items in
   epochs without replacement (:class:`actors.scheduling.EpochOrder`), and a domain with
   difficulty levels moves up one when its recent train reward passes its curriculum
-  threshold (:class:`actors.scheduling.Climb`);
+  threshold (:class:`actors.scheduling.Climb`), unless that level has no usable item: the
+  domain is then held below it for the run, and why is recorded for ``streamrl status``
+  (:mod:`protocol.curriculum`);
 - quarantine: a domain with ``quarantine_after`` of its last ``quarantine_window`` groups
   dead-lettered (:class:`actors.scheduling.Quarantine`, fed the dead-letter script's
   per-domain counters) is quarantined in Redis (:mod:`protocol.quarantine`, run-global, so a
@@ -66,6 +68,7 @@ from streamrl.actors.scheduling import (
 from streamrl.config.schema import Config
 from streamrl.domains.registry import get_domain
 from streamrl.learner.model import load_tokenizer, model_limits
+from streamrl.protocol import curriculum as C
 from streamrl.protocol import names as N
 from streamrl.protocol import quarantine as Q
 from streamrl.protocol.admission import (
@@ -296,14 +299,24 @@ class Scheduler:
             if climb.observe(groups, reward):
                 try:
                     self.items[name] = train_items(self.ctx.config, name, climb.level)
-                except ValueError as exc:  # its items outgrew the model: it stays, for good
-                    log.warning("curriculum level not taken", domain=name, level=climb.level,
-                                reason=str(exc))  # fmt: skip
-                    climb.level -= 1
-                    climb.levels = climb.level + 1
+                except ValueError as exc:  # no usable item there: it stays below, for good
+                    await self.hold_back(name, climb, str(exc))
                     continue
                 self.orders[name] = self._order(name)
-                log.info("curriculum level up", domain=name, level=climb.level)
+                failed = getattr(get_domain(name), "generation_failures", lambda _: {})
+                log.info("curriculum level up", domain=name, level=climb.level,
+                         items=len(self.items[name]), failed_to_generate=len(failed(climb.level)))
+
+    async def hold_back(self, name: str, climb: Climb, reason: str) -> None:
+        """Keep ``name`` at the level below ``climb.level`` for the rest of the run, and say
+        why where ``streamrl status`` reads it (:mod:`protocol.curriculum`)."""
+        levels = climb.levels
+        climb.level -= 1
+        climb.levels = climb.level + 1
+        log.warning("curriculum level not taken", domain=name, level=climb.level + 1,
+                    reason=reason)  # fmt: skip
+        held = C.Held(level=climb.level, levels=levels, reason=reason, at=time.time())
+        await C.hold(self.ctx.client, self.ctx.names, name, held)
 
     async def observe_domains(self) -> None:
         """Feed the per-domain counters (resolved, trained groups) to the share, and the

@@ -9,7 +9,8 @@ from it; for the run: the learner's policy version and step rate, dead letters i
 Per domain (protocol/health.py, as the admin role): the top ``--top`` (10) by backlog, then
 failures, or every one with ``--all``: admitted, resolved, trained, backlog, failed training
 groups (by stage and cause), train reward, quarantined (and why), forgetting (an eval-only
-domain, from the monitor's ``<run dir>/evals.jsonl`` where status runs beside it).
+domain, from the monitor's ``<run dir>/evals.jsonl`` where status runs beside it); and every
+curriculum domain the scheduler holds below a level, and why (protocol/curriculum.py).
 
 Bottleneck: over several samples (``--samples``, or the history of ``--watch``), the stage
 whose input backlog (lag + pending) grows. Backpressure makes every stage upstream of a slow
@@ -42,6 +43,7 @@ import trio
 
 from streamrl.config.schema import Config
 from streamrl.protocol import names as N
+from streamrl.protocol.curriculum import held_back
 from streamrl.protocol.health import DomainHealth, domain_health
 from streamrl.protocol.messages import WeightsPublished
 from streamrl.protocol.pipeline import PIPELINE, Stall, assess_stall, lag_flag
@@ -129,6 +131,8 @@ class Snapshot:
     """How many domains the run has (configured, admitted or quarantined)."""
     forgetting: list[str] = field(default_factory=list)
     """Eval-only domains whose held-out reward fell past ``scheduler.forgetting_margin``."""
+    held_back: dict[str, str] = field(default_factory=dict)
+    """Curriculum domains the scheduler holds below a level, and why (protocol/curriculum.py)."""
     fleet: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each executor's Docker sandbox fleet (``<host>/<pid>/<image>``): containers starting
     and running, created, reaped, leaked, sessions expired, and ``at`` (when its executor
@@ -262,6 +266,7 @@ async def snapshot(
         names.run, time.time(), version, rate, total_dead, groups, shards=names.shards,
         stall=stall, quarantined=held, domains=top_domains(rows, view.top),
         domains_total=len(rows), forgetting=flagged, fleet=await read_fleet(client, names),
+        held_back={d: h.describe() for d, h in (await held_back(client, names)).items()},
     )
 
 
@@ -389,6 +394,7 @@ def render(s: Snapshot) -> str:
     lines += render_fleet(s)
     lines += [f"quarantined {d}: {why} (lift: streamrl domains lift {d})"
               for d, why in s.quarantined.items()]
+    lines += [f"held back {d}: {why}" for d, why in s.held_back.items()]
     lines += [f"forgetting {d}: held-out reward fell past scheduler.forgetting_margin"
               for d in s.forgetting]
     return "\n".join(lines)

@@ -322,8 +322,12 @@ def _give_metrics_ports(config: Config, children: list[Child]) -> None:
 
 
 async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summary:
-    from streamrl.learner.model import resolve_model
+    from streamrl.learner.model import UnknownModelSpec, check_model_spec, resolve_model
 
+    try:  # a mistyped model spec: one line, before anything is removed or started
+        check_model_spec(config.model.spec)
+    except UnknownModelSpec as exc:
+        raise SystemExit(f"streamrl: {exc}") from None
     run_dir = config.run.path
     server = None
     url = config.run.redis_url
@@ -340,9 +344,11 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
     try:  # every declared domain builds and loads both splits, before anything is started
         sched = config.scheduler
         eval_only = [d for d in sched.eval_domains if d not in sched.domains]
-        await trio.to_thread.run_sync(check_declared, config.domain, eval_only)
+        notes = await trio.to_thread.run_sync(check_declared, config.domain, eval_only)
     except DeclarationError as exc:
         raise SystemExit(f"streamrl: {exc}") from None
+    for note in notes:  # e.g. items a generator failed on: skipped in the run
+        print(f"streamrl: note: {note}", flush=True)
     try:  # which isolation the executors will get, before anything is started
         for line in await isolation_report(config):
             print(f"streamrl: {line}", flush=True)

@@ -467,17 +467,20 @@ def _factory(name: str, cfg: DomainConfig) -> Callable[[], Domain]:
 
 
 def check_declared(domains: Mapping[str, DomainConfig], eval_only: Collection[str] = ()
-                   ) -> None:
+                   ) -> list[str]:
     """Build every declared domain and load both splits (a generated one: its ``check()``)
     (``up`` at start): a bad declaration raises :class:`DeclarationError` before any actor
     runs. A trained domain needs train items; an ``eval_only`` one (in
-    ``scheduler.eval_domains`` only) held-out items instead."""
+    ``scheduler.eval_domains`` only) held-out items instead. Returns the checks' notes
+    (items a generator failed on, skipped in the run) for ``up`` to print."""
+    notes: list[str] = []
     for name in declare_domains(domains):
         domain = registry.get_domain(name)
         check = getattr(domain, "check", None)
         if check is not None:  # a generated domain: a sample, not every item (slow ones)
-            check()
+            notes += check() or []
             continue
         split = "eval" if name in eval_only else "train"
         if not domain.load_items(split):
             raise DeclarationError(f"domain {name!r}: no {split} items")
+    return notes

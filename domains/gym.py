@@ -8,6 +8,13 @@ its last ``<answer>...</answer>`` (reasoning-gym's ``extract_answer``; the defau
 prompt, reasoning-gym's, asks for that format).
 
 Guarantees:
+- an item reasoning-gym fails to generate (tsumego's "Failed to generate a capture
+  problem" at levels 1-3) is skipped and counted (:meth:`generation_failures`), never the
+  whole level; :meth:`check` (``up`` at start) configures every curriculum level and
+  generates its first :data:`CHECK_ITEMS` items, refusing a level none of them generates
+  and noting each that lost some; a level with no usable item at all (none generates, or
+  every prompt is over ``max_prompt_chars``) raises in :meth:`level_items`, naming why, so
+  the scheduler holds the domain below it and says so (``streamrl status``);
 - deterministic: the same config and seeds give the same items in every process; the
   held-out items come from ``split.eval_seed`` at the configured difficulty, train items
   from ``split.train_seed`` (a seed range of their own per curriculum level,
@@ -50,6 +57,9 @@ at ``train_seed + L * LEVEL_SEED_STRIDE`` so no two levels (and no level and the
 FEW_SHOT = -2
 """The level key of the worked examples (``prompt.few_shot_items``): the configured
 difficulty, seeded at ``split.eval_seed + FEW_SHOT_SEED_OFFSET``, never trained or held out."""
+CHECK_ITEMS = 4
+"""Items per level that :meth:`ReasoningGymDomain.check` generates at start (a level's whole
+train set can take minutes: ``bf``)."""
 FEW_SHOT_SEED_OFFSET = 2_000_000_011
 """Past every curriculum level's train seeds (200 levels apart) and below 2**32 with the
 default seeds (numpy-seeded generators refuse more)."""
@@ -84,6 +94,8 @@ class ReasoningGymDomain:
         self._items: dict[int, list[Record]] = {}
         self._entries: dict[tuple[int, int], dict[str, Any]] = {}
         self._levels: int | None = None
+        self._failed: dict[int, dict[int, str]] = {}
+        self._unusable: dict[int, str] = {}
 
     # -- difficulty -------------------------------------------------------------------
     @cached_property
@@ -143,56 +155,94 @@ class ReasoningGymDomain:
             self._generators[level] = generator
         return self._generators[level]
 
+    def _entry(self, level: int, i: int) -> dict[str, Any] | None:
+        """Item ``i`` of ``level`` as reasoning-gym generates it; None when its generator
+        fails on it (the reason kept in :meth:`generation_failures`)."""
+        generator = self._generator(level)  # a config reasoning-gym refuses: raised
+        try:
+            entry = generator[i]
+            entry["question"], entry["answer"]  # an entry without them fails here too
+        except Exception as exc:  # third-party generator code: a failure becomes a count
+            self._failed.setdefault(level, {})[i] = f"{type(exc).__name__}: {exc}"
+            return None
+        return entry  # type: ignore[no-any-return]
+
+    def generation_failures(self, level: int) -> dict[int, str]:
+        """The items of ``level`` (by index) reasoning-gym failed to generate so far, and
+        why; they are left out of the level's items."""
+        return dict(self._failed.get(level, {}))
+
     def _records(self, level: int) -> list[Record]:
         if level not in self._items:
             generator = self._generator(level)
             held_out = set() if level == EVAL else {r.prompt for r in self._records(EVAL)} | {
                 shot.prompt for shot in self.prompt.few_shot}
             split = "eval" if level == EVAL else f"train{level}"
-            out = []
+            out, too_long = [], 0
             for i in range(len(generator)):
-                try:
-                    entry = generator[i]
-                    record = Record(
-                        id=f"{self.dataset}/{split}/{i}",
-                        prompt=str(entry["question"]),
-                        answer=_plain(entry["answer"]),
-                        extra={"level": level, "index": i,
-                               "metadata": _plain(entry.get("metadata", {}))},
-                    )
-                except Exception as exc:
-                    raise DeclarationError(f"domain {self.name!r}: reasoning_gym "
-                                           f"{self.dataset!r} item {i} ({split}): "
-                                           f"{type(exc).__name__}: {exc}") from None
-                too_long = 0 < self.cfg.max_prompt_chars < len(record.prompt)
-                if record.prompt not in held_out and not too_long:
+                entry = self._entry(level, i)
+                if entry is None:
+                    continue
+                record = Record(
+                    id=f"{self.dataset}/{split}/{i}",
+                    prompt=str(entry["question"]),
+                    answer=_plain(entry["answer"]),
+                    extra={"level": level, "index": i,
+                           "metadata": _plain(entry.get("metadata", {}))},
+                )
+                long = 0 < self.cfg.max_prompt_chars < len(record.prompt)
+                too_long += long
+                if record.prompt not in held_out and not long:
                     out.append(record)
             self._items[level] = out
+            if not out:
+                self._unusable[level] = self._why_none(level, len(generator), too_long)
         return self._items[level]
 
+    def _why_none(self, level: int, size: int, too_long: int) -> str:
+        failed = self._failed.get(level, {})
+        reasons = [f"{len(failed)} failed to generate ({next(iter(failed.values()))})"
+                   ] if failed else []
+        reasons += [f"{too_long} with a prompt over max_prompt_chars "
+                    f"({self.cfg.max_prompt_chars})"] if too_long else []
+        rest = size - len(failed) - too_long
+        reasons += [f"{rest} held out or worked examples"] if rest > 0 else []
+        return (f"domain {self.name!r}: level {level} has no usable item: of its {size}, "
+                + ", ".join(reasons))
+
     def level_items(self, level: int) -> list[Record]:
-        """Train items at curriculum ``level`` (0 <= level < :meth:`levels`); a level whose
-        every prompt is too long (``max_prompt_chars``) keeps the level below's."""
+        """Train items at curriculum ``level`` (0 <= level < :meth:`levels`); raises
+        :class:`DeclarationError` naming why when the level has none usable."""
         if not 0 <= level < self.levels():
             raise ValueError(f"domain {self.name!r}: level {level} outside 0..{self.levels() - 1}")
-        return list(self._records(level) or self.level_items(level - 1) if level else
-                    self._records(0))
+        items = self._records(level)
+        if not items:
+            raise DeclarationError(self._unusable[level])
+        return list(items)
 
-    def check(self) -> None:
+    def check(self) -> list[str]:
         """Refuse a declaration that cannot work, cheaply (``up`` at start): the held-out
-        items and the first train items generate; a level past level 0 only configures."""
+        items generate, and at every curriculum level the config builds and at least one of
+        its first :data:`CHECK_ITEMS` items generates; returns a note for each level some of
+        whose sampled items failed (they are skipped in the run)."""
         if not self._records(EVAL):
-            raise DeclarationError(f"domain {self.name!r}: no held-out items")
-        generator = self._generator(0)
-        for i in range(min(2, len(generator))):
-            try:
-                generator[i]
-            except Exception as exc:
-                raise DeclarationError(f"domain {self.name!r}: reasoning_gym "
-                                       f"{self.dataset!r} item {i}: {type(exc).__name__}: "
-                                       f"{exc}") from None
-        self.levels()
+            raise DeclarationError(self._unusable.get(EVAL) or
+                                   f"domain {self.name!r}: no held-out items")
+        notes = []
+        for level in range(self.levels()):
+            sample = range(min(CHECK_ITEMS, len(self._generator(level))))
+            lost = [i for i in sample if self._entry(level, i) is None]
+            if not lost:
+                continue
+            why = self._failed[level][lost[0]]
+            if len(lost) == len(sample):
+                raise DeclarationError(f"domain {self.name!r}: level {level}: none of its first "
+                                       f"{len(sample)} items generates ({why}); set "
+                                       f"curriculum.max_level below {level}")
+            notes.append(f"domain {self.name!r}: level {level}: {len(lost)} of its first "
+                         f"{len(sample)} items failed to generate (skipped): {why}")
         self.prompt  # noqa: B018 (the worked examples generate)
+        return notes
 
     # -- the domain contract ------------------------------------------------------------
     def load_items(self, split: str) -> list[Record]:
@@ -213,11 +263,9 @@ class ReasoningGymDomain:
         generator = self._generator(FEW_SHOT)
         shots: list[FewShot] = []  # the shortest usable of the 4 x N candidates, in order
         for i in range(len(generator)):
-            try:
-                entry = generator[i]
-            except Exception as exc:
-                raise DeclarationError(f"domain {self.name!r}: reasoning_gym {self.dataset!r} "
-                                       f"few-shot item {i}: {type(exc).__name__}: {exc}") from None
+            entry = self._entry(FEW_SHOT, i)
+            if entry is None:  # counted like any other; the rest may still do
+                continue
             question = str(entry["question"])
             if question in held_out or 0 < self.cfg.max_prompt_chars < len(question):
                 continue
@@ -255,7 +303,9 @@ class ReasoningGymDomain:
             if 0 <= index < len(generator):
                 if len(self._entries) > 4096:
                     self._entries.clear()
-                self._entries[key] = generator[index]
+                made = self._entry(level, index)
+                if made is not None:
+                    self._entries[key] = made
         entry: dict[str, Any] | None = self._entries.get(key)
         if entry is None or str(entry["question"]) != item.prompt:
             return {"question": item.prompt, "answer": item.answer,

@@ -11,6 +11,10 @@ once per run from a model spec:
   tokenizer, a few hundred thousand parameters; for fast tests.
 - any existing directory path: used as it is.
 
+``smollm2`` (what ``streamrl serve-model --model`` has always taken) names ``smollm2-135m``
+wherever a spec is read; :func:`check_model_spec` turns any other name, or a path that is no
+model directory, into one line naming the valid specs (:class:`UnknownModelSpec`).
+
 Conversion results are cached under ``$STREAMRL_CACHE`` (default ``~/.cache/streamrl``).
 """
 
@@ -142,21 +146,48 @@ def _smollm2_tokenizer_dir() -> Path:
     return _atomic_dir(cache_dir() / "smollm2-tokenizer", build, marker="tokenizer.json")
 
 
+SPEC_ALIASES = {"smollm2": "smollm2-135m"}
+"""Other names of the built-in specs (``serve-model --model smollm2``)."""
+BUILT_IN_SPECS = ("smollm2-135m", "tiny")
+
+
+class UnknownModelSpec(ValueError):
+    """A model spec that names no built-in model and no model directory (one line)."""
+
+
+def check_model_spec(spec: str) -> str:
+    """The built-in spec ``spec`` names (an alias resolved), or ``spec`` itself where it is
+    a Hugging Face directory (one with ``config.json``); else :class:`UnknownModelSpec`,
+    saying which specs exist or what the path lacks. Reads nothing but the path."""
+    spec = SPEC_ALIASES.get(spec, spec)
+    if spec in BUILT_IN_SPECS:
+        return spec
+    path = Path(spec)
+    if "/" not in spec and not path.exists():
+        raise UnknownModelSpec(f"unknown model spec {spec!r}: use 'smollm2-135m' (or 'smollm2'), "
+                               "'tiny' or a Hugging Face directory")
+    if not path.is_dir():
+        raise UnknownModelSpec(f"model spec {spec!r}: no such directory")
+    if not (path / "config.json").is_file():
+        raise UnknownModelSpec(f"model spec {spec!r}: no config.json in that directory (not a "
+                               "Hugging Face model)")
+    return spec
+
+
 def resolve_model(spec: str) -> Path:
     """A Hugging Face directory for a model spec (see module docstring)."""
+    spec = check_model_spec(spec)
     if spec == "smollm2-135m":
         return _smollm2_dir()
     if spec == "tiny":
         return _tiny_dir()
-    path = Path(spec)
-    if (path / "config.json").exists():
-        return path
-    raise ValueError(f"unknown model spec {spec!r}: use 'smollm2-135m', 'tiny' or a HF directory")
+    return Path(spec)
 
 
 def model_limits(spec: str) -> tuple[Path, int]:
     """(a directory holding the model's tokenizer, its maximum positions), without building
     or loading its weights (for the scheduler's check that a prompt fits the model)."""
+    spec = check_model_spec(spec)
     if spec == "smollm2-135m":
         def build(out: Path) -> None:
             from transformers import AutoConfig

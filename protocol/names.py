@@ -148,6 +148,13 @@ class Names(Layout):
         return f"{self.prefix}quarantine"
 
     @property
+    def held_back(self) -> str:
+        """Hash of the curriculum domains held below a level (run-global): domain -> level,
+        levels and why (JSON, protocol/curriculum.py), written by the scheduler when a level
+        cannot be taken, read by ``streamrl status``."""
+        return f"{self.prefix}held_back"
+
+    @property
     def dead_groups(self) -> str:
         """Counter of training groups dead-lettered in this shard (``queues/deadletter.lua``
         adds one with the letter, ``queues/requeue.lua`` takes it back): each frees its slot

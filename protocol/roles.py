@@ -96,6 +96,7 @@ STOP = Key(lambda n: n.stop)
 DEAD_GROUPS = Key(lambda n: n.dead_groups)
 QUARANTINE = Key(lambda n: n.quarantine)
 FLEET = Key(lambda n: n.fleet)
+HELD_BACK = Key(lambda n: n.held_back)
 DOMAIN_HEALTH = (
     ReadTally(ADMITTED_BY_DOMAIN), ReadCounters((*SHARES, FAILED)), ReadHash(QUARANTINE)
 )
@@ -122,6 +123,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         # (protocol/quarantine.py)
         ReadHash(QUARANTINE),
         SetFields(QUARANTINE),
+        SetFields(HELD_BACK),  # a curriculum level not taken, and why (protocol/curriculum.py)
     ),
     # multi-turn episodes: a turn's context by reference (runtime/contexts.py): read here
     "generator": (consume(N.TASKS, (N.ROLLOUTS,)), Follow((N.WEIGHTS,)), ReadStored(CONTEXTS)),
@@ -188,6 +190,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         *DOMAIN_HEALTH,
         DeleteFields(QUARANTINE),
         ReadHash(FLEET),  # status: the executors' sandbox fleets
+        ReadHash(HELD_BACK),  # status: curriculum domains held below a level, and why
     ),
 }
 """What each role does in Redis: the one table its ACL grants are derived from."""

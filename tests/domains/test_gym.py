@@ -230,3 +230,84 @@ def test_prompt_options_a_domain_would_ignore_are_refused() -> None:
         build_domain("m", table(kind="exact", data="x.jsonl", prompt={"few_shot_items": 1}))
     with pytest.raises(DeclarationError, match="response_prefix applies to"):
         build_domain("arith", table(prompt={"response_prefix": "<answer>"}))  # a plugin
+
+
+TSUMEGO = {"split": {"train_size": 8, "eval_size": 4, "train_seed": 67},
+           "curriculum": {"threshold": 0.6, "min_groups": 4}}
+"""reasoning-gym's tsumego fails to generate some items at levels 1-3 ("Failed to generate a
+capture problem"); with these seeds: item 1 of level 1, items 3 and 7 of level 2, item 0 of
+level 3 (configs/gym.toml's table, train_seed 1, fails at item 0 of level 1)."""
+TSUMEGO_FAILED = {1: {1}, 2: {3, 7}, 3: {0}}
+
+
+def test_an_item_that_fails_to_generate_is_skipped_and_counted() -> None:
+    domain = _gym("tsumego", **TSUMEGO)
+    assert domain.levels() == 4
+    for level, failed in TSUMEGO_FAILED.items():
+        items = domain.level_items(level)  # no error: the level is taken without them
+        assert {r.extra["index"] for r in items} == set(range(8)) - failed
+        why = domain.generation_failures(level)
+        assert set(why) == failed
+        assert all("Failed to generate a capture problem" in w for w in why.values())
+    assert domain.generation_failures(0) == {}
+
+
+def test_the_start_check_samples_every_level_and_says_what_failed() -> None:
+    # When up checks the declaration at start (its first CHECK_ITEMS items per level)
+    notes = _gym("tsumego", **TSUMEGO).check()
+    # Then each level whose sample lost an item says so (levels 1-3 here, not only level 0)
+    assert [n.split(":")[1].strip() for n in notes] == ["level 1", "level 2", "level 3"], notes
+    assert all("1 of its first 4 items failed to generate (skipped)" in n and
+               "Failed to generate a capture problem" in n for n in notes), notes
+
+
+async def test_the_scheduler_takes_a_level_whose_items_partly_fail_to_generate(
+    client: RedisClient, redis_url: str, tmp_path: Path
+) -> None:
+    names = N.Names(f"t{uuid.uuid4().hex[:10]}")
+    config = run_config(
+        tmp_path, redis_url, names.run, "scheduler.domains=['rg-go']",
+        "domain.rg-go.kind='reasoning_gym'", "domain.rg-go.dataset='tsumego'",
+        *(f"domain.rg-go.{k}.{f}={v!r}" for k, t in TSUMEGO.items() for f, v in t.items()),
+    )
+    declare_domains(config.domain)
+    scheduler = Scheduler(ActorContext(config, client, names))
+    groups, reward = reward_counters("rg-go")
+    # When the verifier's counters say 4 groups at mean reward 0.75
+    await client.call(client.sync.set, names.counter(groups), 4)
+    await client.call(client.sync.set, names.counter(reward), 3000)
+    await scheduler.observe_curriculum()
+    # Then the domain is at level 1, without the item reasoning-gym could not generate
+    assert scheduler.climbs["rg-go"].level == 1
+    assert scheduler.climbs["rg-go"].levels == 4  # and the levels above are still there
+    tasks = [t for t in (scheduler.sample(0) for _ in range(14)) if t is not None]
+    assert {t.spec["extra"]["index"] for t in tasks} == set(range(8)) - TSUMEGO_FAILED[1]
+    assert {t.spec["extra"]["level"] for t in tasks} == {1}
+
+
+async def test_a_domain_held_back_is_shown_by_status_with_why(
+    client: RedisClient, redis_url: str, tmp_path: Path
+) -> None:
+    from streamrl.cli.status import DomainView, render, snapshot
+
+    # Given count_bits, whose level-1 prompts are all longer than its max_prompt_chars
+    names = N.Names(f"t{uuid.uuid4().hex[:10]}")
+    config = run_config(
+        tmp_path, redis_url, names.run, "scheduler.domains=['rg-bits']",
+        "domain.rg-bits.kind='reasoning_gym'", "domain.rg-bits.dataset='count_bits'",
+        "domain.rg-bits.split.train_size=16", "domain.rg-bits.split.eval_size=4",
+        "domain.rg-bits.max_prompt_chars=74",
+        "domain.rg-bits.curriculum.threshold=0.6", "domain.rg-bits.curriculum.min_groups=4",
+    )
+    declare_domains(config.domain)
+    scheduler = Scheduler(ActorContext(config, client, names))
+    groups, reward = reward_counters("rg-bits")
+    # When its reward passes the threshold
+    await client.call(client.sync.set, names.counter(groups), 4)
+    await client.call(client.sync.set, names.counter(reward), 4000)
+    await scheduler.observe_curriculum()
+    # Then it stays at level 0, and status says so and why
+    assert scheduler.climbs["rg-bits"].level == 0
+    text = render(await snapshot(client, names, view=DomainView(known=("rg-bits",))))
+    line = next((x for x in text.splitlines() if x.startswith("held back rg-bits")), "")
+    assert "at level 0 of 5" in line and "level 1" in line and "max_prompt_chars" in line, text
