@@ -17,13 +17,14 @@ import contextlib
 import functools
 import json
 import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 import trio
 
-from streamrl.cli.ops import OPS_COMMANDS, add_ops_parsers, run_ops_command
+from streamrl.cli.ops import OPS_COMMANDS, add_ops_parsers, open_run_redis, run_ops_command
 from streamrl.config.schema import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
 from streamrl.queues.client import RedisURL
 from streamrl.runtime.lifeline import exit_with_supervisor
@@ -113,6 +114,25 @@ def _public(config: Config) -> dict[str, Any]:
     with contextlib.suppress(ValueError):  # empty (embedded server) or not a URL
         data["run"]["redis_url"] = RedisURL(config.run.redis_url).redacted
     return data
+
+
+def _status(args: argparse.Namespace, config: Config) -> int:
+    """``streamrl status`` on the run's server (an embedded run's too: cli/ops.py
+    ``open_run_redis``)."""
+    from streamrl.cli.status import RedisUnreachable, print_status
+
+    configure_logging(actor="status", level="warning")
+    try:
+        with open_run_redis(config) as connected:
+            return trio.run(
+                functools.partial(
+                    print_status, connected, args.json, watch=args.watch, samples=args.samples,
+                    interval_s=args.interval, top=None if args.all else max(0, args.top),
+                )
+            )
+    except RedisUnreachable as exc:
+        print(f"streamrl status: {exc}", file=sys.stderr)
+        return 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -228,15 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "status":
-        from streamrl.cli.status import print_status
-
-        configure_logging(actor="status", level="warning")
-        return trio.run(
-            functools.partial(
-                print_status, config, args.json, watch=args.watch, samples=args.samples,
-                interval_s=args.interval, top=None if args.all else max(0, args.top),
-            )
-        )
+        return _status(args, config)
     if args.command in OPS_COMMANDS:
         configure_logging(actor=args.command, level="warning")
         return run_ops_command(args, config)
@@ -245,10 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "up":
         from streamrl.cli.up import run_up
 
-        summary = run_up(config, max_minutes=args.max_minutes, fresh=args.fresh)
-        if args.summary_json:
-            with open(args.summary_json, "w") as f:
-                json.dump(msgspec.to_builtins(summary), f, indent=2)
+        run_up(config, max_minutes=args.max_minutes, fresh=args.fresh,
+               summary_json=Path(args.summary_json) if args.summary_json else None)
         return 0
     return 2
 

@@ -9,16 +9,20 @@
 They connect as the run's ``admin`` role where ``auth.enabled`` and its password
 (``$STREAMRL_PASSWORD_ADMIN``) are set, else with ``run.redis_url`` as given (the operator's
 credentials; runtime/auth.py ``ops_url``), give up on an unreachable Redis within seconds (exit
-status 2) and import their heavy parts lazily.
+status 2) and import their heavy parts lazily. A run of ``up``'s embedded server (no
+``run.redis_url``) is opened by its config (or ``<run dir>/config.json``): its server while
+``up`` runs, else one started over the run's data for the command (:func:`open_run_redis`).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import msgspec
 import trio
 
 from streamrl.config.schema import Config
@@ -73,18 +77,66 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
     common(domains)
 
 
+NO_RUN_HINT = (
+    "give the run's config (--config FILE, or the merged <run dir>/config.json `up` wrote; "
+    "--set run.name=NAME / run.work_dir=DIR), or set $STREAMRL_REDIS_URL for a run on an "
+    "external Redis; `replay --source archive` reads the archive alone"
+)
+
+
+@contextmanager
+def open_run_redis(config: Config) -> Iterator[Config]:
+    """``config`` with the Redis URL of its run: as given where ``run.redis_url`` is set; for
+    a run of ``up``'s embedded server (no URL), that server while ``up`` runs, else one
+    started over the run's data (``<run dir>/redis``) for the block and stopped after it.
+    RedisUnreachable (saying what to give) when there is neither."""
+    from streamrl.cli.status import RedisUnreachable
+    from streamrl.queues.server import open_data_dir
+
+    if config.run.redis_url:
+        yield config
+        return
+    data = config.run.path / "redis"
+    with ExitStack() as stack:
+        try:
+            url = stack.enter_context(
+                open_data_dir(data, config.run.redis_server, config.run.redis_allocator)
+            )
+        except FileNotFoundError as exc:
+            raise RedisUnreachable(f"run.redis_url is empty and {exc}: {NO_RUN_HINT}") from None
+        except (RuntimeError, TimeoutError) as exc:
+            raise RedisUnreachable(f"the server over the run's data in {data}: {exc}") from None
+        yield msgspec.structs.replace(config, run=msgspec.structs.replace(config.run,
+                                                                          redis_url=url))
+
+
 def run_ops_command(args: argparse.Namespace, config: Config) -> int:
+    """The operator command ``args.command`` on the run of ``config``; its exit status."""
+    from streamrl.cli.status import RedisUnreachable
+
+    if args.command == "replay" and args.source == "archive" and not config.run.redis_url:
+        # the archive alone needs no Redis (e.g. an embedded run's server is gone)
+        from streamrl.cli.replay import run_replay
+        from streamrl.protocol.names import Names
+
+        names = Names(config.run.name, shards=config.queues.shards)
+        return trio.run(run_replay, None, names, config, args)
+    try:
+        with open_run_redis(config) as connected:
+            return _run_connected(args, connected)
+    except RedisUnreachable as exc:
+        print(f"streamrl {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_connected(args: argparse.Namespace, config: Config) -> int:
+    """``run_ops_command`` once ``config.run.redis_url`` names the run's server."""
     from streamrl.cli.status import RedisUnreachable, ops_client
     from streamrl.protocol.names import Names
     from streamrl.queues.client import RedisURL
     from streamrl.queues.operations import BrokerError
 
     names = Names(config.run.name, shards=config.queues.shards)
-    if args.command == "replay" and args.source == "archive" and not config.run.redis_url:
-        # the archive alone needs no Redis (e.g. an embedded run's server is gone)
-        from streamrl.cli.replay import run_replay
-
-        return trio.run(run_replay, None, names, config, args)
     try:
         client = ops_client(config)
     except (RedisUnreachable, ValueError) as exc:

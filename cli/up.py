@@ -29,7 +29,8 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from streamrl.protocol.names import Names
 from streamrl.queues.acl import Credentials
 from streamrl.queues.client import RedisClient, RedisURL
 from streamrl.queues.operations import clear_flag, increment, set_flag
-from streamrl.queues.server import ServerProcess, find_server_binary
+from streamrl.queues.server import LOAD_TIMEOUT_S, ServerProcess, find_server_binary
 from streamrl.queues.stats import group_state
 from streamrl.runtime.auth import (
     apply_role_users,
@@ -321,7 +322,9 @@ def _give_metrics_ports(config: Config, children: list[Child]) -> None:
           flush=True)
 
 
-async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summary:
+async def _prepare(config: Config, fresh: bool) -> None:
+    """Before anything is started: ``--fresh`` removes the run's directory; every declared
+    domain builds, the executors' isolation is known, the base model is ready."""
     from streamrl.learner.model import UnknownModelSpec, check_model_spec, resolve_model
 
     try:  # a mistyped model spec: one line, before anything is removed or started
@@ -329,10 +332,8 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
     except UnknownModelSpec as exc:
         raise SystemExit(f"streamrl: {exc}") from None
     run_dir = config.run.path
-    server = None
-    url = config.run.redis_url
     if fresh:
-        if url:
+        if config.run.redis_url:
             raise SystemExit(
                 "streamrl up --fresh deletes the run's directory with its embedded Redis data; "
                 "with an external Redis (run.redis_url) use a new run.name instead"
@@ -358,18 +359,62 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
         print(f"streamrl: work streams split into {config.queues.shards} shards", flush=True)
     print(f"streamrl: preparing model {config.model.spec!r} ...", flush=True)
     await trio.to_thread.run_sync(resolve_model, config.model.spec)
-    if not url:
-        binary = find_server_binary(config.run.redis_server)
-        server = ServerProcess(
-            data_dir=run_dir / "redis", binary=binary, allocator=config.run.redis_allocator
-        ).start()
-        url = server.url
+
+
+@asynccontextmanager
+async def _open_redis(config: Config) -> AsyncIterator[str]:
+    """The run's Redis URL for the block: ``run.redis_url`` as given, else the embedded
+    server's (loopback, random password, AOF in ``<run dir>/redis``), kept up for the block
+    (:func:`_serve_embedded`) and stopped after it."""
+    if config.run.redis_url:
+        yield config.run.redis_url
+        return
+    binary = find_server_binary(config.run.redis_server)
+    server = ServerProcess(data_dir=config.run.path / "redis", binary=binary,
+                           allocator=config.run.redis_allocator)
+    try:
+        server.start()
         allocator = f", {server.preloaded} preloaded" if server.preloaded else ""
         print(f"streamrl: embedded Redis ({binary}{allocator}) on 127.0.0.1:{server.port} "
               "(AOF, password)", flush=True)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_serve_embedded, server)
+            yield server.url
+            nursery.cancel_scope.cancel()
+    finally:
+        server.stop()
+
+
+async def _serve_embedded(server: ServerProcess) -> None:
+    """Whenever the embedded server exits (killed, crashed), start it again on its own data
+    with the same port and password: the actors ride it out on their reconnect policy, and
+    what the AOF holds (all but about the last second of writes) is kept."""
+    while True:
+        process = server.process
+        assert process is not None
+        code = await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
+        log.warning("embedded redis exited, restarting", code=code, data=str(server.data_dir))
+        print(f"streamrl: embedded Redis exited (code {code}); restarting it on its data in "
+              f"{server.data_dir}", flush=True)
+        await trio.to_thread.run_sync(partial(server.start, timeout_s=LOAD_TIMEOUT_S))
+        print(f"streamrl: embedded Redis is back on 127.0.0.1:{server.port}", flush=True)
+
+
+@dataclass
+class _Ending:
+    """How the supervision ended: interrupted by a signal, or children that cannot run."""
+
+    interrupted: bool = False
+    failed: list[str] = field(default_factory=list)
+
+
+async def _up(config: Config, max_minutes: float, fresh: bool = False,
+              summary_json: Path | None = None) -> Summary:
+    await _prepare(config, fresh)
     deadline = time.monotonic() + max_minutes * 60 if max_minutes else math.inf
-    admin_url = url
-    try:
+    external = bool(config.run.redis_url)
+    async with _open_redis(config) as admin_url:
+        url = admin_url
         credentials: dict[str, Credentials] = {}
         if config.auth.enabled:  # the actors get their role's user; the admin URL stays here
             credentials = credentials_for_up(config)
@@ -387,62 +432,94 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False) -> Summar
         _on_lifeline(children, lifeline)
         own = credentials.get("monitor")  # this process: progress, evaluation rounds
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
-            monitor = Monitor(ctx, run_dir, eval_round_size(config))
-            interrupted = False
-            failed: list[str] = []
-            async with trio.open_nursery() as nursery:
-                if credentials:  # created again if Redis loses them (no ACL file)
-                    await nursery.start(serve_role_users, config, admin_url, credentials)
-                await nursery.start(monitor.serve)
-                for child in children:
-                    await nursery.start(child.serve)
-                print(
-                    f"streamrl: started {len(children)} actors; logs in {run_dir / 'logs'}",
-                    flush=True,
-                )
-                if config.up.autoscale:
-                    await nursery.start(partial(
-                        _serve_autoscaler, config, ctx, children, config_file, credentials,
-                        lifeline, nursery))
-                    print("streamrl: autoscaling generators, executors and verifiers "
-                          f"(up to {config.up.autoscale_max_replicas} each)", flush=True)
-                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                    async with trio.open_nursery() as waiter:
-
-                        async def on_signal() -> None:
-                            nonlocal interrupted
-                            async for _ in signals:
-                                interrupted = True
-                                print("\nstreamrl: interrupted, shutting down", flush=True)
-                                waiter.cancel_scope.cancel()
-                                return
-
-                        waiter.start_soon(on_signal)
-                        await _progress_until(
-                            monitor,
-                            deadline,
-                            config.up.progress_interval_s,
-                            config.learner.max_steps,
-                            children,
-                        )
-                        failed = [c.gave_up for c in children if c.gave_up]
-                        if not failed:
-                            await _final_eval(ctx, children, monitor, config)
-                        waiter.cancel_scope.cancel()
-                    with trio.CancelScope(shield=True):
-                        await _stop_all(children, signals)
-                nursery.cancel_scope.cancel()
-            with trio.move_on_after(10):  # the figures as the run ended (not a second stale)
-                await monitor.refresh_domains()
-            summary = monitor.summary(config.run.name)
-            print(_summary_text(summary, interrupted), flush=True)
-            if failed:
+            monitor = Monitor(ctx, config.run.path, eval_round_size(config))
+            ending = _Ending()
+            try:
+                await _supervise(config, ctx, monitor, children, config_file, credentials,
+                                 lifeline, admin_url, deadline, ending)
+            finally:
+                summary = await _end(monitor, config, ending, summary_json, external=external)
+            if ending.failed:
                 raise SystemExit("streamrl up: stopped, an actor cannot run:\n  "
-                                 + "\n  ".join(failed))
+                                 + "\n  ".join(ending.failed))
             return summary
-    finally:
-        if server is not None:
-            server.stop()
+
+
+async def _supervise(config: Config, ctx: Any, monitor: Monitor, children: list[Child],
+                     config_file: Path, credentials: dict[str, Credentials],
+                     lifeline: Lifeline, admin_url: str, deadline: float,
+                     ending: _Ending) -> None:
+    """Run the monitor and every child until the deadline, ``learner.max_steps``, a crash
+    loop or a signal; then the final evaluation (not after a signal or a crash loop) and
+    every child stopped."""
+    async with trio.open_nursery() as nursery:
+        if credentials:  # created again if Redis loses them (no ACL file)
+            await nursery.start(serve_role_users, config, admin_url, credentials)
+        await nursery.start(monitor.serve)
+        for child in children:
+            await nursery.start(child.serve)
+        print(f"streamrl: started {len(children)} actors; logs in {config.run.path / 'logs'}",
+              flush=True)
+        if config.up.autoscale:
+            await nursery.start(partial(
+                _serve_autoscaler, config, ctx, children, config_file, credentials,
+                lifeline, nursery))
+            print("streamrl: autoscaling generators, executors and verifiers "
+                  f"(up to {config.up.autoscale_max_replicas} each)", flush=True)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as waiter:
+
+                async def on_signal() -> None:
+                    async for _ in signals:
+                        ending.interrupted = True
+                        print("\nstreamrl: interrupted, shutting down", flush=True)
+                        waiter.cancel_scope.cancel()
+                        return
+
+                waiter.start_soon(on_signal)
+                await _progress_until(monitor, deadline, config.up.progress_interval_s,
+                                      config.learner.max_steps, children)
+                ending.failed = [c.gave_up for c in children if c.gave_up]
+                if not ending.failed:
+                    await _final_eval(ctx, children, monitor, config)
+                waiter.cancel_scope.cancel()
+            with trio.CancelScope(shield=True):
+                await _stop_all(children, signals)
+        nursery.cancel_scope.cancel()
+
+
+async def _end(monitor: Monitor, config: Config, ending: _Ending, summary_json: Path | None,
+               *, external: bool) -> Summary:
+    """The run's summary however the run ended (an error too): its figures read once more
+    where Redis answers, printed, written to ``summary_json``; then how to look at the run."""
+    with trio.CancelScope(shield=True), trio.move_on_after(10):
+        try:  # the figures as the run ended (not a second stale)
+            await monitor.refresh_domains()
+        except Exception as exc:  # Redis gone with the run: the figures read last
+            log.warning("summary without the last figures", error=repr(exc))
+    summary = monitor.summary(config.run.name)
+    print(_summary_text(summary, ending.interrupted), flush=True)
+    if summary_json is not None:
+        summary_json.parent.mkdir(parents=True, exist_ok=True)
+        summary_json.write_text(json.dumps(msgspec.to_builtins(summary), indent=2) + "\n")
+        print(f"streamrl: summary in {summary_json}", flush=True)
+    print(_look_text(config.run.path, external=external), flush=True)
+    return summary
+
+
+def _look_text(run_dir: Path, *, external: bool) -> str:
+    """How to look at the run once ``up`` has ended (or while it runs): the operator
+    commands by the merged config (with the embedded server, they open its data)."""
+    merged = run_dir / "config.json"
+    where = ("with $STREAMRL_REDIS_URL set to the run's Redis" if external
+             else "(they start the run's embedded server over its data)")
+    return (
+        f"streamrl: look at the run {where}:\n"
+        f"  streamrl report --config {merged} --out {run_dir / 'report'}\n"
+        f"  streamrl replay show --config {merged} --limit 3\n"
+        f"  streamrl status --config {merged}\n"
+        f"  streamrl dlq list --config {merged}"
+    )
 
 
 async def _reopen_if_stopped(config: Config, admin_url: str) -> None:
@@ -536,6 +613,9 @@ def _summary_text(s: Summary, interrupted: bool) -> str:
     )
 
 
-def run_up(config: Config, *, max_minutes: float = 0.0, fresh: bool = False) -> Summary:
+def run_up(config: Config, *, max_minutes: float = 0.0, fresh: bool = False,
+           summary_json: Path | None = None) -> Summary:
+    """Run the pipeline until it ends; the summary is printed and written to
+    ``summary_json`` however it ends (an error, a crash loop, a signal too)."""
     configure_logging(actor="supervisor", level="warning")
-    return trio.run(_up, config, max_minutes, fresh)
+    return trio.run(_up, config, max_minutes, fresh, summary_json)

@@ -217,6 +217,55 @@ class ServerProcess:
         self.stop()
 
 
+LOAD_TIMEOUT_S = 300.0
+"""How long a server started over a run's data may take to load its AOF."""
+
+
+def running_url(data_dir: Path) -> str | None:
+    """The URL of the server running over ``data_dir`` now (the port and password of its
+    ``server.conf``), or None when no server answers there with that password."""
+    conf = data_dir / "server.conf"
+    try:
+        settings = dict(line.split(" ", 1) for line in conf.read_text().splitlines() if " " in line)
+    except OSError:
+        return None
+    port, password = settings.get("port", ""), settings.get("requirepass", "")
+    if not (port.isdigit() and password):
+        return None
+    client = redis.Redis(host="127.0.0.1", port=int(port), password=password,
+                         socket_connect_timeout=2, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+    return f"redis://:{password}@127.0.0.1:{port}/0"
+
+
+def has_data(data_dir: Path) -> bool:
+    """Whether ``data_dir`` holds a server's data (the AOF ``up``'s embedded server writes)."""
+    return (data_dir / "server.conf").exists() and (data_dir / "appendonlydir").is_dir()
+
+
+@contextmanager
+def open_data_dir(data_dir: Path, binary: str = "", allocator: str = "auto") -> Iterator[str]:
+    """The URL of a server over the data in ``data_dir``: the one running there now (left
+    running), else one started over it for the block (a new port and password, its AOF
+    loaded) and stopped after it. FileNotFoundError when ``data_dir`` holds no data."""
+    url = running_url(data_dir)
+    if url is not None:
+        yield url
+        return
+    if not has_data(data_dir):
+        raise FileNotFoundError(f"no Redis data in {data_dir}")
+    server = ServerProcess(data_dir, binary=find_server_binary(binary), allocator=allocator)
+    try:
+        yield server.start(timeout_s=LOAD_TIMEOUT_S).url
+    finally:
+        server.stop()
+
+
 @contextmanager
 def server_url(url: str | None = None, prefix: str = "streamrl-redis-") -> Iterator[str]:
     """``url`` when one is given (someone else's server); else the URL of a

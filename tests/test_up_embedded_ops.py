@@ -1,0 +1,65 @@
+"""The operator commands on a run of the embedded server (no ``run.redis_url``): after the run
+has ended they open its data (the server started over ``<run dir>/redis`` for the command),
+named by its config or by the merged config ``up`` wrote (``<run dir>/config.json``); and
+``up``'s last lines say how to look at the run. Embedded Redis, tiny model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _streamrl(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """The real CLI, with no ``STREAMRL_*`` of this environment (no Redis URL)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
+    return subprocess.run([sys.executable, "-m", "streamrl", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+@pytest.mark.slow
+def test_report_replay_status_and_dlq_open_a_finished_embedded_run(tmp_path: Path) -> None:
+    # Given a finished run of the embedded server (its server stopped with it)
+    work = tmp_path / "run"
+    run = ("--config", "configs/tiny.toml", "--set", "run.name=opsafter",
+           "--set", f"run.work_dir={work}")
+    up = _streamrl("up", *run, "--set", "run.redis_url=", "--set", "learner.max_steps=1",
+                   "--max-minutes", "3", timeout_s=300)
+    assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    merged = work / "config.json"  # the merged config `up` writes for its actors
+    # When the operator commands run on it, by the run's config and by its merged config
+    report = _streamrl("report", "--config", str(merged), "--out", str(tmp_path / "report"))
+    show = _streamrl("replay", "show", *run, "--source", "live", "--limit", "1")
+    status = _streamrl("status", *run, "--json", "--samples", "1")
+    dlq = _streamrl("dlq", "list", "--config", str(merged), "--json")
+    # Then each answers from the run's own data
+    assert report.returncode == 0, report.stderr
+    assert (tmp_path / "report" / "summary.md").exists()
+    assert show.returncode == 0, show.stderr
+    assert show.stdout.startswith("episode "), show.stdout[:500]
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["policy_version"] == 1
+    assert dlq.returncode == 0, dlq.stderr
+    assert isinstance(json.loads(dlq.stdout), list)
+    # and the server each started over the run's data is gone again: the next one starts
+    again = _streamrl("replay", "list", *run, "--source", "live", "--limit", "1")
+    assert again.returncode == 0, again.stderr
+    # and `up`'s last lines said how to look at the run
+    assert f"streamrl report --config {merged} --out {work / 'report'}" in up.stdout
+    assert f"streamrl replay show --config {merged}" in up.stdout
+
+
+def test_without_a_run_the_error_says_what_to_do(tmp_path: Path) -> None:
+    # Given no Redis URL and no run in the work directory
+    done = _streamrl("status", "--config", "configs/tiny.toml",
+                     "--set", f"run.work_dir={tmp_path / 'none'}")
+    # Then the command says where it looked and what to give it
+    assert done.returncode == 2
+    assert str(tmp_path / "none") in done.stderr
+    assert "STREAMRL_REDIS_URL" in done.stderr and "--config" in done.stderr
