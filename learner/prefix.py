@@ -16,6 +16,13 @@ It applies to right-padded micro-batches (every row's first token at position 0)
 share at least ``min_tokens`` leading tokens, all attended; packed micro-batches
 (:mod:`learner.packing`) and models whose cache is not plain per-layer keys and values take
 the plain forward.
+
+The prefix forward calls the model twice, the plain one once, and under FSDP each call is a
+sequence of collectives (every layer's all-gather, and in the backward its reduce-scatter):
+the ranks of a sharded model must agree on the path of each micro-batch, or they wait in
+different collectives for ever. :func:`takes_prefix` is the decision; the trainer takes it
+for every rank's micro-batch (all ranks hold the whole batch) and passes ``min_tokens = 0``
+to all of them unless all of them take the prefix (:meth:`learner.train.Trainer._passes`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,13 @@ def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor) -> int:
     return min(length, width - 1)
 
 
+def takes_prefix(input_ids: Tensor, attention_mask: Tensor, min_tokens: int) -> bool:
+    """Whether :func:`hidden_states` computes this right-padded micro-batch's shared prefix
+    once (two model calls: at least ``min_tokens`` > 0 shared tokens) rather than the plain
+    forward (one call). The same answer for the same tensors on any rank."""
+    return min_tokens > 0 and shared_prefix_length(input_ids, attention_mask) >= min_tokens
+
+
 def hidden_states(base: Any, input_ids: Tensor, attention_mask: Tensor, min_tokens: int
                   ) -> Tensor:
     """The last hidden states ``[B, L, H]`` of ``base`` (a decoder's base model, e.g.
@@ -53,9 +67,9 @@ def hidden_states(base: Any, input_ids: Tensor, attention_mask: Tensor, min_toke
         return base(input_ids=input_ids, attention_mask=attention_mask,
                     use_cache=False).last_hidden_state  # fmt: skip
 
-    prefix = shared_prefix_length(input_ids, attention_mask) if min_tokens > 0 else 0
-    if prefix < max(min_tokens, 1):
+    if not takes_prefix(input_ids, attention_mask, min_tokens):
         return plain()
+    prefix = shared_prefix_length(input_ids, attention_mask)
     head = base(input_ids=input_ids[:1, :prefix], use_cache=True)
     if head.past_key_values is None or not plain_layers(head.past_key_values):
         return plain()  # no cache (activation checkpointing), or sliding-window layers

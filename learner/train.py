@@ -15,6 +15,10 @@ Guarantees:
   loss even out the backward passes) and scales its loss by the world size, so DDP's
   averaged gradient is the whole batch's: N ranks take the same step as one process
   (up to float summation order);
+- every rank makes the same model calls in the same order, so under FSDP every rank takes
+  the same collectives: the same number of passes, and in each pass the shared-prefix
+  forward (two calls) on every rank or on none (one call), decided from every rank's
+  micro-batch of that pass (:meth:`Trainer._passes`);
 - the trainer's RNG states (torch, CUDA, python ``random``, numpy) travel with the
   optimiser state (:meth:`Trainer.state_dict`), so a resumed run draws the same random
   numbers (dropout) as one that never stopped.
@@ -68,7 +72,7 @@ from streamrl.learner.loss import (
 )
 from streamrl.learner.model import load_model
 from streamrl.learner.packing import is_packed, model_inputs, pack
-from streamrl.learner.prefix import MIN_SHARED_TOKENS, hidden_states
+from streamrl.learner.prefix import MIN_SHARED_TOKENS, hidden_states, takes_prefix
 from streamrl.learner.shaping import LRDecay, lr_factor, sequence_kl
 
 if TYPE_CHECKING:
@@ -443,15 +447,17 @@ class Trainer:
         """What a checkpoint saves: the ``PeftModel`` under LoRA, else :attr:`model`."""
         return self.model if self.peft is None else self.peft
 
-    def base_logprobs(self, batch: Batch) -> Tensor:
+    def base_logprobs(self, batch: Batch, shared_prefix: int | None = None) -> Tensor:
         """Under LoRA, the KL reference: :func:`token_logprobs` of :attr:`model` with its
-        adapters disabled (the base as loaded; no second copy of the model), no gradient."""
+        adapters disabled (the base as loaded; no second copy of the model), no gradient.
+        ``shared_prefix``: None is the trainer's."""
         if self.peft is None:
             raise ValueError("base_logprobs needs TrainConfig.lora")
         cfg = self.config
+        prefix = self.shared_prefix if shared_prefix is None else shared_prefix
         with torch.no_grad(), _autocast(cfg), self.peft.disable_adapter():
             return token_logprobs(self.model, batch, cfg.temperature, cfg.logprob_chunk_tokens,
-                                  self.shared_prefix)  # fmt: skip
+                                  prefix)  # fmt: skip
 
     def load_adapter(self, directory: Path | str) -> None:
         """Resume the adapters of a LoRA version directory (:func:`learner.lora.
@@ -530,16 +536,29 @@ class Trainer:
         ]  # fmt: skip
         return _merge(updates, time.perf_counter() - started)
 
-    def _passes(self, full: Batch) -> tuple[list[Batch], int]:
-        """``(micro-batches, real)``: this rank's ``real`` micro-batches of ``full``, then as
-        many padding ones (row 0, loss weight 0) as make every rank's count the same: DDP needs
-        the same backward passes on every rank, FSDP the same forwards. All ranks hold the
-        whole batch, so no communication is needed."""
+    def _passes(self, full: Batch) -> _Passes:
+        """This rank's passes of ``full``: its micro-batches, then as many padding ones (row 0,
+        loss weight 0) as make every rank's count the same (DDP needs the same backward passes
+        on every rank, FSDP the same forwards), and each pass's shared prefix, the same
+        decision on every rank (FSDP: the same model calls). All ranks hold the whole batch,
+        so no communication is needed."""
         ranks = [self._micro_batches(full, dist_util.shard_rows(full.size, r))
                  for r in range(dist_util.world_size())]  # fmt: skip
-        mine = ranks[dist_util.rank()]
         passes = max(len(batches) for batches in ranks)
-        return mine + [full.rows(slice(0, 1))] * (passes - len(mine)), len(mine)
+        padded = [batches + [full.rows(slice(0, 1))] * (passes - len(batches))
+                  for batches in ranks]  # fmt: skip
+        prefix = [self._agreed_prefix([batches[i] for batches in padded]) for i in range(passes)]
+        me = dist_util.rank()
+        return _Passes(padded[me], len(ranks[me]), prefix)
+
+    def _agreed_prefix(self, batches: list[Batch]) -> int:
+        """The ``shared_prefix`` of one pass whose micro-batch on rank ``r`` is ``batches[r]``:
+        the trainer's where every one of them takes the shared prefix, else 0 (the plain
+        forward on every rank)."""
+        n = self.shared_prefix
+        agreed = all(not is_packed(mb) and takes_prefix(mb.input_ids, mb.attention_mask, n)
+                     for mb in batches)  # fmt: skip
+        return n if agreed else 0
 
     def _anchor_logprobs(self, full: Batch) -> list[Tensor]:
         """The current policy's logprobs of each of :meth:`_passes`' micro-batches, no
@@ -547,35 +566,37 @@ class Trainer:
         cfg = self.config
         chunk = cfg.logprob_chunk_tokens
         out = []
+        plan = self._passes(full)
         with torch.no_grad(), _autocast(cfg):
-            for mb in self._passes(full)[0]:
+            for mb, prefix in zip(plan.batches, plan.prefix, strict=True):
                 mb = mb.to(cfg.device)
                 if self.fsdp is not None:
-                    out.append(self.fsdp(mb, cfg.temperature, chunk, False, self.shared_prefix)[0])
+                    out.append(self.fsdp(mb, cfg.temperature, chunk, False, prefix)[0])
                 else:
-                    out.append(token_logprobs(self.model, mb, cfg.temperature, chunk,
-                                              self.shared_prefix))  # fmt: skip
+                    out.append(token_logprobs(self.model, mb, cfg.temperature, chunk, prefix))
         return out
 
-    def _reference_logprobs(self, mb: Batch) -> Tensor:
+    def _reference_logprobs(self, mb: Batch, shared_prefix: int) -> Tensor:
         """The KL reference's logprobs of ``mb`` (a frozen model, or the base under LoRA)."""
         cfg = self.config
         with torch.no_grad(), _autocast(cfg):
             if self.ref_fsdp is not None:
                 return self.ref_fsdp(mb, cfg.temperature, cfg.logprob_chunk_tokens, False,
-                                     self.shared_prefix)[0]  # fmt: skip
+                                     shared_prefix)[0]  # fmt: skip
             if self.ref_model is not None:
                 return token_logprobs(self.ref_model, mb, cfg.temperature,
-                                      cfg.logprob_chunk_tokens, self.shared_prefix)  # fmt: skip
-        return self.base_logprobs(mb)
+                                      cfg.logprob_chunk_tokens, shared_prefix)  # fmt: skip
+        return self.base_logprobs(mb, shared_prefix)
 
     def _kl_in_reward(self, full: Batch, group_sizes: list[int]) -> tuple[Batch, float]:
         """KL-in-reward: each sample's reward minus ``kl_coef`` times its summed KL
         (behaviour logprobs against the reference), advantages again per group. Returns the
         batch and the summed KL (for the statistics)."""
         cfg = self.config
+        # every rank runs the reference on the same (whole) batch: the same model calls
         kl = torch.cat([
-            sequence_kl(mb.old_logprobs, self._reference_logprobs(mb.to(cfg.device)).cpu(),
+            sequence_kl(mb.old_logprobs,
+                        self._reference_logprobs(mb.to(cfg.device), self.shared_prefix).cpu(),
                         mb.loss_mask, cfg.kl_estimator)
             for mb in full.micro_batches(cfg.micro_batch_size)
         ])  # fmt: skip
@@ -616,7 +637,7 @@ class Trainer:
             normalizer = (per_sample > 0).sum().to(cfg.device)
         norm_tokens = cfg.aggregation_tokens or max(int(per_sample.max()), 1)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
-        batches, real = self._passes(full)
+        plan = self._passes(full)
         if cfg.recompute_old_logprobs and anchors is None:
             anchors = self._anchor_logprobs(full)
 
@@ -628,13 +649,13 @@ class Trainer:
         sums = torch.zeros(_SUMS, dtype=torch.float64)
         extremes = torch.full((2,), -math.inf, dtype=torch.float64)  # -min ratio, max ratio
         ddp = self.ddp
-        for i, mb in enumerate(batches):
-            last = i == len(batches) - 1
+        for i, mb in enumerate(plan.batches):
+            last = i == len(plan.batches) - 1
             with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
-                weight = 1.0 if i < real else 0.0
+                weight = 1.0 if i < plan.real else 0.0
                 mb_sums, mb_extremes = self._micro_step(
                     mb.to(cfg.device), normalizer, clip_high, weight, norm_tokens,
-                    None if anchors is None else anchors[i],
+                    None if anchors is None else anchors[i], plan.prefix[i],
                 )
                 sums += mb_sums
                 extremes = torch.maximum(extremes, mb_extremes)
@@ -699,12 +720,13 @@ class Trainer:
 
     def _micro_step(
         self, mb: Batch, normalizer: Tensor, clip_high: float, weight: float = 1.0,
-        norm_tokens: int | None = None, anchor: Tensor | None = None,
+        norm_tokens: int | None = None, anchor: Tensor | None = None, prefix: int = 0,
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Forward + backward of one micro-batch; returns its token-weighted statistic sums
         and ``[-min, max]`` of its train-vs-rollout ratio. ``normalizer``: the step's token
         (token-mean) or sequence count. ``weight`` 0 is a padding micro-batch: it takes part
-        in DDP's backward passes with a zero gradient and adds nothing to the statistics."""
+        in DDP's backward passes with a zero gradient and adds nothing to the statistics.
+        ``prefix``: the pass's ``shared_prefix`` (:meth:`_passes`)."""
         cfg = self.config
         chunk = cfg.logprob_chunk_tokens
         bonus = cfg.entropy_coef > 0  # the entropy needs a gradient only for the bonus
@@ -714,9 +736,8 @@ class Trainer:
             if anchor is not None:  # recompute_old_logprobs: taken before the update
                 old, behaviour = anchor, old
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:  # (KL-in-reward took it before)
-                ref = self._reference_logprobs(mb)
+                ref = self._reference_logprobs(mb, prefix)
         with _autocast(cfg):
-            prefix = self.shared_prefix
             if self.fsdp is not None:  # through the root's forward: it gathers its weights
                 new_logprobs, entropy = self.fsdp(mb, cfg.temperature, chunk, bonus, prefix)
             elif self.ddp is not None:  # through DDP's forward: it arms the gradient all-reduce
@@ -768,6 +789,18 @@ class Trainer:
 
 _SUMS = 10
 """Statistics summed over micro-batches and ranks (see :meth:`Trainer.step_batch`)."""
+
+
+@dataclass(frozen=True)
+class _Passes:
+    """A rank's forward/backward passes of one step (:meth:`Trainer._passes`)."""
+
+    batches: list[Batch]
+    """Its own micro-batches, then padding ones: the same count on every rank."""
+    real: int
+    """How many of ``batches`` are its own (the rest have loss weight 0)."""
+    prefix: list[int]
+    """Per pass, the ``shared_prefix`` its forwards take: the same on every rank."""
 
 
 def _split(groups: list[Trajectory], parts: int) -> list[list[Trajectory]]:

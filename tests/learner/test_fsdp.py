@@ -1,10 +1,13 @@
 """FSDP2 on two gloo ranks under torchrun takes the step of one process (loss, gradient norm,
-updated weights), holds half of the model per rank, resumes from its sharded checkpoint in one
-process, and exports Hugging Face weights that give the trained model's logits."""
+updated weights), also where the ranks' micro-batches would take different forwards (the
+shared prefix on one rank only), holds half of the model per rank, resumes from its sharded
+checkpoint in one process, and exports Hugging Face weights that give the trained model's
+logits."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,6 +44,63 @@ def run_case(
     return trainer, trainer.step_batch(batch)
 
 
+LONG_PROMPT = list(range(100, 120))
+"""20 tokens: above the default ``shared_prefix`` (16), so rows sharing it take the prefix."""
+
+PATTERN_CASES: dict[str, tuple[list[Trajectory], dict[str, Any]]] = {
+    # one group of 3 in micro-batches of 2: rank 0's two rows share the prompt (the prefix
+    # forward, two model calls), rank 1's one row does not (the plain forward, one call)
+    "one_group_of_three": (
+        [make_trajectory(LONG_PROMPT, [[5, 6, 7], [8, 9], [10, 11, 12, 13]],
+                         [[-3.0] * 3, [-2.0] * 2, [-1.0] * 4], [1.0, 0.0, 0.5], temperature=0.7)],
+        {"micro_batch_size": 2},
+    ),
+    # a prompt under 16 tokens on one rank only, with a KL reference model and recomputed old
+    # logprobs (their forwards take the same decision)
+    "short_prompt_on_one_rank": (
+        [make_trajectory(LONG_PROMPT, [[5, 6, 7], [8, 9]], [[-3.0] * 3, [-2.0] * 2], [1.0, 0.0],
+                         temperature=0.7),
+         make_trajectory([4, 5], [[20, 21, 22], [23, 24, 25, 26]], [[-2.5] * 3, [-3.5] * 4],
+                         [0.0, 1.0], temperature=0.7)],
+        {"micro_batch_size": 2, "kl_coef": 0.1, "recompute_old_logprobs": True},
+    ),
+}  # fmt: skip
+"""Case name -> (the step's groups, TrainConfig fields besides ``lr``): batches whose ranks'
+micro-batches would not all take the same forward."""
+
+
+def run_pattern_case(name: str, model: Any, parallelism: Parallelism) -> tuple[Trainer, StepStats]:
+    """One step of ``PATTERN_CASES[name]`` (in one process or on every rank), on one thread."""
+    groups, fields = PATTERN_CASES[name]
+    trainer = Trainer(model, TrainConfig(lr=1e-3, num_threads=1, parallelism=parallelism,
+                                         **fields))  # fmt: skip
+    return trainer, trainer.step(groups)
+
+
+def torchrun_two_ranks(worker: str, out: Path, deadline_s: float) -> None:
+    """``worker`` (under tests/learner) on two gloo ranks; fails the test when they do not
+    finish within ``deadline_s`` (ranks waiting in different collectives wait for ever),
+    after stopping torchrun and its workers."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         str(ROOT / "tests/learner" / worker), str(out)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)  # torchrun stops its workers (their own sessions)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        pytest.fail(f"{worker}: the ranks did not finish within {deadline_s:.0f} s "
+                    f"(a collective deadlock?); stderr: {err[-2000:]}")  # fmt: skip
+    assert proc.returncode == 0, err[-3000:]
+
+
 def test_fsdp_with_lora_is_refused() -> None:
     """The FSDP snapshot publishes whole models; LoRA's adapters and merge are not wired to it."""
     with pytest.raises(ValueError, match="lora with parallelism ddp"):
@@ -69,6 +129,15 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def pattern_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every case of ``PATTERN_CASES``, run once by two gloo processes under FSDP2
+    (fsdp_patterns_worker.py), within a deadline."""
+    out = tmp_path_factory.mktemp("fsdp-patterns")
+    torchrun_two_ranks("fsdp_patterns_worker.py", out, deadline_s=150)
     return out
 
 
@@ -105,6 +174,24 @@ def test_fsdp_step_on_two_ranks_equals_one_process_step(
     base = load_model(tiny_dir).state_dict()
     name = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(base[name], want[name])
+
+
+@pytest.mark.parametrize("case", list(PATTERN_CASES))
+@pytest.mark.usefixtures("restore_threads")
+def test_fsdp_step_whose_ranks_differ_in_prefix_finishes_and_equals_one_process(
+    case: str, pattern_ranks: Path, tiny_dir: Path
+) -> None:
+    # Given the step of one process on a batch whose rows share a long prompt on one rank's
+    # micro-batch only
+    single, stats = run_pattern_case(case, load_model(tiny_dir), "ddp")
+    # When two FSDP2 ranks take it (they finished within the fixture's deadline)
+    got = torch.load(pattern_ranks / f"patterns-{case}.pt", weights_only=True)
+    # Then loss, gradient norm, KL and the gathered updated weights agree with one process
+    assert got["tokens"] == stats.tokens
+    assert got["loss"] == pytest.approx(stats.loss, rel=1e-5, abs=1e-7)
+    assert got["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-5)
+    assert got["kl_ref"] == pytest.approx(stats.kl_ref, rel=1e-5, abs=1e-9)
+    assert_same_weights(got["state"], single.model.state_dict())
 
 
 def test_each_rank_holds_half_of_the_parameters(two_ranks: Path, tiny_dir: Path) -> None:
