@@ -6,7 +6,12 @@ Guarantees:
   policy), and deletes it from the dead-letter stream in the same Lua script
   (``queues/requeue.lua``, :func:`queues.streams.requeue_dead_letter`): a letter is
   requeued once even if two operators requeue it at once or a reply is lost and the call
-  is repeated (the script adds nothing for a letter that is no longer there);
+  is repeated (the script adds nothing for a letter that is no longer there); what it gives
+  back (a training group's admission slot, its domain's failed and resolved counts) comes
+  from the run's own records, never from the letter's fields, which any stage can write: the
+  group the payload carries, only if a dead letter released it from the admission record,
+  with what that letter's script recorded counting (each failed or resolved counter of the
+  shard by one at most, none below zero);
 - ``purge`` deletes only the letters it listed (letters dead-lettered meanwhile stay), and
   only after confirmation (``--yes`` for scripts);
 - nothing here decodes more than it shows: a payload that does not decode as its stream's
@@ -32,13 +37,13 @@ from typing import Any
 import msgspec
 
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import Executed, Rollout, Task, Trajectory
+from streamrl.protocol.messages import Executed, Rollout, Task, Trajectory, training_group
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, MessageError, decode
 from streamrl.queues.operations import delete_entries, get_blob, read_range
 from streamrl.queues.payloads import REF_PREFIX, PayloadLimits
 from streamrl.queues.shards import qualify, split_qualified
-from streamrl.queues.streams import counted_keys, requeue_dead_letter
+from streamrl.queues.streams import counted_keys, released_counters, requeue_dead_letter
 
 MESSAGE_OF_STREAM: dict[str, type[msgspec.Struct]] = {
     N.TASKS: Task,
@@ -56,8 +61,8 @@ class DeadEntry:
     """None: the dead entry itself could not be decoded (see ``error``)."""
     error: str
     counted: tuple[str, ...] = ()
-    """The counter keys the letter added with its released ticket (``deadletter.lua``'s
-    field ``counted``): a requeue takes them back."""
+    """The counter keys the letter says it added with its released ticket (its field
+    ``counted``): shown, never trusted (a requeue reads what the release recorded)."""
 
     @property
     def age_s(self) -> float:
@@ -175,28 +180,47 @@ async def requeue(
     limits: PayloadLimits | None = None,
 ) -> list[tuple[str, str | None]]:
     """Requeue each entry to its original stream; [(dead id, new entry id or None if it was
-    gone already)]. A training group's letter takes back, in the same script, its released
-    ticket and the counters it added (the domain's failed and resolved groups). A payload
-    over the claim-check size goes through the claim check."""
+    gone already)]. The training group its payload carries takes back, in the same script,
+    its admission slot and the domain counts its release added, if a dead letter released it
+    (:func:`queues.streams.requeue_dead_letter`: the run's records, not the letter's fields).
+    A payload over the claim-check size goes through the claim check."""
     limits = limits or PayloadLimits()
     done: list[tuple[str, str | None]] = []
     for entry in entries:
         if entry.letter is None or entry.letter.stream not in N.WORK_STREAMS:
             raise ValueError(f"dead letter {entry.dead_id} has no original work stream")
         layout, raw_id = _locate(names, entry.dead_id)
+        group = await _payload_group(client, names, entry)
+        counters = await _returnable(client, layout, group)
         new_id = await requeue_dead_letter(
-            client,
-            layout.stream(N.DEAD),
-            layout.stream(entry.letter.stream),
-            raw_id,
-            entry.letter.payload,
-            limits,
-            layout.dead_groups,
-            layout.admitted_groups,
-            [k for k in entry.counted if k.startswith(layout.counter(""))],  # its shard's
+            client, layout, entry.letter.stream, raw_id, entry.letter.payload, limits,
+            ticket=group, counters=counters, most=1,
         )
         done.append((entry.dead_id, new_id))
     return done
+
+
+async def _payload_group(client: RedisClient, names: N.Names, entry: DeadEntry) -> str | None:
+    """The training group the letter's payload carries (what goes back in flight), or None:
+    an evaluation item, or a payload that does not decode as its stream's message."""
+    assert entry.letter is not None
+    kind = MESSAGE_OF_STREAM.get(entry.letter.stream)
+    if kind is None or entry.letter.stream == N.EVALS:
+        return None
+    try:
+        return training_group(decode(await full_payload(client, names, entry), kind))
+    except (LookupError, MessageError):
+        return None
+
+
+async def _returnable(client: RedisClient, layout: N.Names, group: str | None) -> list[str]:
+    """The counters a requeue of ``group`` may take back: those the letter that released it
+    recorded adding to, that are its shard's failed or resolved counts (what the runtime's
+    letters count, runtime.serve.dead_letter, and all the admin role may write)."""
+    if group is None:
+        return []
+    mine = (layout.counter(N.failed_counter("")), layout.counter(N.resolved_counter("")))
+    return [k for k in await released_counters(client, layout, group) if k.startswith(mine)]
 
 
 async def purge(client: RedisClient, names: N.Names, entries: list[DeadEntry]) -> int:

@@ -24,7 +24,9 @@ slot, on one node.
 *Tickets*: an entry may carry a ticket (an id its producer opened in the shard's
 :attr:`Layout.open_tickets` set). A hand-off that settles the ticket takes it out of the set;
 a dead letter of an entry whose ticket is still open takes it out and counts it in
-:attr:`Layout.released_tickets`, once. The pipeline protocol uses them for admission slots
+:attr:`Layout.released_tickets`, once, recording the ticket in :attr:`Layout.released_ids` and
+what its letter counted in :attr:`Layout.released_counts` (what a requeue of the letter takes
+back, whatever the letter's own fields say). The pipeline protocol uses them for admission slots
 (:mod:`streamrl.protocol.names`); the broker only keeps the set and the count exact.
 
 :func:`shard_for` picks a shard from a routing key; :func:`one_slot` tells whether keys may
@@ -176,6 +178,19 @@ class Layout:
         """Counter of the open tickets whose entry was dead-lettered in this shard (once each;
         a requeue of the letter takes it back)."""
         return self.counter("tickets_released")
+
+    @property
+    def released_ids(self) -> str:
+        """Set of the tickets a dead letter released in this shard and no requeue took back:
+        ``deadletter.lua`` moves a ticket here from :attr:`open_tickets` (SMOVE, so only a
+        ticket that was open), ``requeue.lua`` moves it back; the record a requeue trusts."""
+        return f"{self.shard_prefix}tickets_released_ids"
+
+    @property
+    def released_counts(self) -> str:
+        """Hash: released ticket -> JSON ``[[counter key, increment], ...]``, what its letter
+        added with the release (``deadletter.lua``); a requeue takes back at most that."""
+        return f"{self.shard_prefix}tickets_released_counts"
 
     @property
     def reservations(self) -> str:

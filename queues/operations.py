@@ -98,6 +98,7 @@ class Consume(Op):
         stores = tuple(k.pattern(layout) for k in self.stores)
         dead = stream_pattern(layout, DEAD)
         released, tickets = glob(layout.released_tickets), glob(layout.open_tickets)
+        record = (glob(layout.released_ids), glob(layout.released_counts))
         outs, out_blobs = _streams(layout, self.outputs), _blobs(layout, self.outputs)
         dedup = (glob(layout.dedup(self.stage, "")) + "*",) if self.outputs else ()
         counters = tuple(k.pattern(layout) for k in self.counters)
@@ -106,12 +107,15 @@ class Consume(Op):
             Grant(("get", "del"), rw=(blobs,)),  # claim checks: fetched, deleted by the trim
             Grant(
                 SCRIPTS,
-                rw=(source, blobs, dead, released, tickets, *outs, *dedup, *out_blobs,
-                    *counters, *stores),
+                rw=(source, blobs, dead, released, tickets, *record, *outs, *dedup,
+                    *out_blobs, *counters, *stores),
             ),
             Grant(("xadd",), write=(dead, *outs)),
             Grant(("incr",), rw=(released,)),  # deadletter.lua: a ticket's slot freed ...
-            # ... if the ticket is still open (once); a hand-off that settles it takes it out
+            # ... if the ticket is still open (once), moved to the released ones with what
+            # its letter counted; a hand-off that settles it takes it out
+            Grant(("smove",), rw=(tickets, record[0])),
+            Grant(("hset",), write=(record[1],)),
             Grant(("srem",), rw=(tickets,)),
         ]
         if self.outputs:
@@ -332,8 +336,8 @@ class TrimEvents(Op):
 class RequeueDead(Op):
     """queues.streams.requeue_dead_letter into ``streams`` (requeue.lua: XRANGE and XDEL of
     the letter, XADD of its payload, claim-check blob first; a released ticket taken back,
-    and what the letter added to ``counters``) and :func:`delete_entries` of dead letters
-    (purge)."""
+    and what its letter recorded adding to ``counters``: queues.streams.released_counters)
+    and :func:`delete_entries` of dead letters (purge)."""
 
     streams: tuple[str, ...]
     counters: tuple[Key, ...] = ()
@@ -342,17 +346,19 @@ class RequeueDead(Op):
         work = _streams(layout, self.streams)
         dead = stream_pattern(layout, DEAD)
         released, tickets = glob(layout.released_tickets), glob(layout.open_tickets)
+        ids, counts = glob(layout.released_ids), glob(layout.released_counts)
         counters = tuple(k.pattern(layout) for k in self.counters)
         grants = [
-            Grant(SCRIPTS, rw=(dead, released, tickets, *work, *counters)),
-            Grant(("decr",), rw=(released,)),
-            Grant(("sadd",), write=(tickets,)),
+            Grant(SCRIPTS, rw=(dead, released, tickets, ids, counts, *work, *counters)),
+            Grant(("get", "decrby"), rw=(released,)),
+            Grant(("smove",), rw=(ids, tickets)),
+            Grant(("hget", "hdel"), rw=(counts,)),
             Grant(("xdel",), write=(dead,)),
             Grant(("xadd",), write=work),
             Grant(("set",), write=_blobs(layout, self.streams)),
         ]
-        if counters:  # requeue.lua takes back what the letter added (its field "counted")
-            grants.append(Grant(("decrby",), rw=counters))
+        if counters:  # requeue.lua takes back what the released ticket's letter recorded
+            grants.append(Grant(("get", "decrby"), rw=counters))
         return grants
 
 

@@ -558,7 +558,9 @@ class StreamConsumer:
         (:attr:`queues.keys.Layout.open_tickets`), the letter releases it, once: out of the
         open set and counted in :attr:`queues.keys.Layout.released_tickets` (what the pipeline
         does with a released ticket: :mod:`streamrl.protocol.names`), and ``counters``
-        [(key, increment)] (in the stream's slot) are added in the same step, so once."""
+        [(key, increment)] (in the stream's slot) are added in the same step, so once; the
+        ticket and the counters are recorded (:attr:`queues.keys.Layout.released_ids`,
+        :attr:`queues.keys.Layout.released_counts`) for :func:`requeue_dead_letter`."""
         letter = DeadLetter(
             stream=self.stream_name,
             group=self.group,
@@ -571,7 +573,8 @@ class StreamConsumer:
         written = await self.client.call(
             self._deadletter,
             keys=[self.stream, self.dead_stream, self.names.released_tickets,
-                  self.names.open_tickets, *(k for k, _ in counters or ())],
+                  self.names.open_tickets, self.names.released_ids, self.names.released_counts,
+                  *(k for k, _ in counters or ())],
             args=[self.group, delivery.entry_id, encode(letter), error[:4000], ticket or "",
                   *(n for _, n in counters or ())],
         )
@@ -836,39 +839,54 @@ class EventReader:
 
 async def requeue_dead_letter(
     client: RedisClient,
-    dead_stream: str,
+    layout: Layout,
     stream: str,
     dead_id: str,
     payload: bytes,
     limits: PayloadLimits,
-    released_tickets: str,
-    open_tickets: str,
+    *,
+    ticket: str | None = None,
     counters: Sequence[str] = (),
+    most: int = 1,
 ) -> str | None:
-    """Put a dead letter's payload back on ``stream`` as a new entry and delete the letter
-    from ``dead_stream``, atomically (``requeue.lua``; all keys in one slot). A letter that
-    released a ticket takes the release back: one less in ``released_tickets``, the ticket
-    open again in ``open_tickets`` (the shard's :attr:`queues.keys.Layout.released_tickets`,
-    :attr:`queues.keys.Layout.open_tickets`), and of each of ``counters`` (the keys in the
-    letter's field ``counted``, :func:`counted_keys`) what the letter added to it, in the
-    same script. A payload over the claim-check size is stored out of band first. Returns
-    the new entry id, or None when the letter was gone already (requeued or purged):
-    repeatable."""
+    """Put a dead letter's payload back on ``stream`` (a stream name of ``layout``, the
+    letter's shard) as a new entry and delete the letter from the layout's dead-letter
+    stream, atomically (``requeue.lua``; all keys in one slot). ``ticket``: the ticket the
+    payload carries. Only if a dead letter released that ticket
+    (:attr:`queues.keys.Layout.released_ids`, written by the letter's script) is the release
+    taken back, once: one less in :attr:`queues.keys.Layout.released_tickets`, the ticket
+    open again, and of each of ``counters`` what the releasing letter recorded adding to it
+    (:func:`released_counters`), at most ``most``; no counter below zero. The letter's own
+    fields are never trusted. A payload over the claim-check size is stored out of band
+    first. Returns the new entry id, or None when the letter was gone already (requeued or
+    purged): repeatable."""
     script = client.sync.register_script(_REQUEUE)
-    prepared, blobs = prepare_many([(stream, payload)], limits)
+    prepared, blobs = prepare_many([(layout.stream(stream), payload)], limits)
+    keys = [layout.stream(DEAD), layout.stream(stream), layout.released_tickets,
+            layout.open_tickets, layout.released_ids, layout.released_counts, *counters]
 
     def run() -> Any:
         if blobs:
             pipe = client.sync.pipeline(transaction=False)
             store_blobs(pipe, blobs, limits)
             pipe.execute()
-        keys = [dead_stream, stream, released_tickets, open_tickets, *counters]
-        return script(keys=keys, args=[dead_id, prepared[0][1]])
+        return script(keys=keys, args=[dead_id, prepared[0][1], ticket or "", most])
 
     new_id = await client.call(run)
     if not new_id:
         return None
     return new_id.decode() if isinstance(new_id, bytes) else str(new_id)
+
+
+async def released_counters(client: RedisClient, layout: Layout, ticket: str) -> list[str]:
+    """The counter keys the letter that released ``ticket`` in ``layout``'s shard added to
+    (:attr:`queues.keys.Layout.released_counts`); none if no letter released it. Op:
+    :class:`queues.operations.RequeueDead`."""
+    record = await client.call(client.sync.hget, layout.released_counts, ticket)
+    try:
+        return [str(key) for key, _ in json.loads(record or b"[]")]
+    except (ValueError, TypeError):
+        return []
 
 
 def counted_keys(fields: Mapping[bytes, bytes]) -> list[str]:

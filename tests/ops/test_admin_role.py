@@ -360,8 +360,7 @@ async def test_admin_cannot_touch_another_run(
     await _denied(lambda: a.execute("XADD", layout.stream(N.TASKS), "*", "d", b"x"))
     await _denied(lambda: a.execute("GET", blob))
     await _denied(lambda: requeue_dead_letter(
-        a, layout.stream(N.DEAD), layout.stream(N.TASKS), dead_id.decode(), b"x",
-        PayloadLimits(), layout.dead_groups, layout.admitted_groups))  # fmt: skip
+        a, layout, N.TASKS, dead_id.decode(), b"x", PayloadLimits()))  # fmt: skip
     # Then their letter is still there, and nothing was added to their tasks
     assert await client.call(client.sync.xlen, layout.stream(N.DEAD)) == 1
     assert await client.call(client.sync.exists, layout.stream(N.TASKS)) == 0
