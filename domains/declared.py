@@ -1,7 +1,9 @@
 """Domains declared as data: ``[domain.<name>]`` with a ``kind`` and its ``data``.
 
 A declared domain pairs a data set (a JSONL file, gzip-compressed or not, a Parquet file, a
-directory of them, or a Hugging Face ``datasets`` data set saved with ``save_to_disk``; read
+directory of them, a directory of Harbor task directories (Harbor's own layout, read by
+:func:`streamrl.domains.kinds.harbor.harbor_row`), or a Hugging Face ``datasets`` data set
+saved with ``save_to_disk``; read
 from local disk only, or from a file an installed package ships: ``package:<name>/<path>``)
 with a verifier kind (:mod:`streamrl.domains.kinds`), a field mapping, a prompt template and
 a split, so one kind serves many data sets in one run. ``kind`` may also name a plugin
@@ -134,8 +136,8 @@ def _file_rows(path: Path) -> Iterator[Row]:
 
 def read_rows(path: Path, split_name: str | None = None) -> list[Row]:
     """The rows of ``path`` (a file, a directory of ``.jsonl`` (``.gz``) / ``.parquet``
-    files, or a saved ``datasets`` data set; ``split_name`` picks one split of a saved
-    DatasetDict)."""
+    files, a saved ``datasets`` data set (``split_name`` picks one split of a saved
+    DatasetDict), or Harbor task directories: a directory of them, or one)."""
     if not path.exists():
         raise DeclarationError(f"{path}: no such file or directory")
     if _is_saved_dataset(path):
@@ -153,10 +155,27 @@ def read_rows(path: Path, split_name: str | None = None) -> list[Row]:
         return [(where, i, dict(row)) for i, row in enumerate(ds)]
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.name.endswith(DATA_SUFFIXES))
+        if not files and (any(path.glob("*/instruction.md")) or
+                          (path / "instruction.md").is_file()):
+            return _harbor_rows(path)
         if not files:
-            raise DeclarationError(f"{path}: no .jsonl(.gz) or .parquet files in it")
+            raise DeclarationError(f"{path}: no .jsonl(.gz) or .parquet files in it, and no "
+                                   "Harbor task directories (*/instruction.md)")
         return [r for p in files for r in _file_rows(p)]
     return list(_file_rows(path))
+
+
+def _harbor_rows(path: Path) -> list[Row]:
+    """Harbor's own layout as rows (:func:`streamrl.domains.kinds.harbor.harbor_row`): a
+    directory of task directories, or one task directory; each row's place is its task's."""
+    from streamrl.domains.kinds.harbor import harbor_row, harbor_rows
+
+    try:
+        if (path / "instruction.md").is_file():
+            return [(str(path), 0, harbor_row(path))]
+        return [(str(path / row["id"]), 0, row) for row in harbor_rows(path)]
+    except (OSError, ValueError) as exc:  # no test.sh, a bad task.toml, too big: named
+        raise DeclarationError(str(exc)) from None
 
 
 def hash_fraction(item_id: str) -> float:

@@ -364,3 +364,26 @@ def test_split_none_is_refused_at_config_load_unless_evaluation_only(tmp_path: P
             load(trained)
     with pytest.raises(ConfigError, match=r"not in scheduler.domains or eval_domains"):
         load('domains = ["arith"]')
+
+
+def test_a_directory_of_harbor_task_dirs_is_data_as_it_is(tmp_path: Path) -> None:
+    from streamrl.domains.kinds.examples import HARBOR_TASKS, write_harbor_example
+
+    # Given Harbor's own layout (task dirs under one directory) and the rows made from it
+    rows = write_harbor_example(tmp_path)
+    tasks = tmp_path / "harbor"
+    # When a harbor domain's data is the directory itself, or the rows' file
+    by_dir = build_domain("tb", msgspec.convert({"kind": "harbor", "data": str(tasks),
+                                                 "split": {"by": "none"}}, DomainConfig))
+    by_rows = build_domain("tb", msgspec.convert({"kind": "harbor", "data": str(rows),
+                                                  "split": {"by": "none"}}, DomainConfig))
+    # Then they are the same items, one per task dir
+    items = by_dir.load_items("eval")
+    assert sorted(it.id for it in items) == sorted(HARBOR_TASKS)
+    assert items == by_rows.load_items("eval")
+    # and a task dir that is not one is named
+    (tasks / "broken").mkdir()
+    (tasks / "broken" / "instruction.md").write_text("do it\n")
+    with pytest.raises(DeclarationError, match=r"broken: no tests/test\.sh"):
+        build_domain("tb2", msgspec.convert({"kind": "harbor", "data": str(tasks)},
+                                            DomainConfig)).load_items("train")

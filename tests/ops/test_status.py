@@ -30,7 +30,7 @@ TOP_SCHEMA = {
     "run": str, "at": float, "policy_version": int, "steps_per_min": (float, type(None)),
     "dead_letters": int, "groups": list, "bottleneck": (str, type(None)), "growth": dict,
     "shards": int, "stall": (dict, type(None)), "quarantined": dict, "domains": list,
-    "domains_total": int, "forgetting": list, "fleet": dict,
+    "domains_total": int, "forgetting": list, "fleet": dict, "held_back": dict,
 }
 
 
