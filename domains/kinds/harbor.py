@@ -9,7 +9,9 @@ never run), ``tests/`` (``test.sh`` and what it needs; it writes the reward to
 ``[verifier].timeout_sec`` lower the kind's own limits for that task).
 :func:`load_harbor` reads a directory of them into :class:`Record` items, and
 :func:`write_harbor_jsonl` writes them as rows (a ``[domain.<name>]`` ``data`` file: files
-as ``{path: base64}`` in ``tests`` and ``extra["environment"]``).
+as ``{path: base64}`` in ``tests`` and ``extra["environment"]``); a ``data`` that names the
+directory of task directories itself (or one of them) is read the same way, by
+:func:`harbor_row` (domains/declared.py).
 
 The model's completion is a shell script (its first fenced block, else the whole text). The
 sandbox runs ``python3 -I .harbor_harness.py`` (:mod:`domains.kinds.harbor_harness`, where
