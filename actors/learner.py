@@ -34,12 +34,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+import outcome
 import structlog
 import torch
 import trio
@@ -80,11 +82,13 @@ from streamrl.runtime.metrics import (
     record_dropped_stale,
     record_learner_step,
     record_policy_version,
+    record_step_overdue,
 )
 from streamrl.runtime.policies import Policies
 from streamrl.runtime.serve import Count, Output
 
 log = structlog.get_logger()
+T = TypeVar("T")
 
 STAGE = "learner"
 STEP_METRICS_FILE = "step_metrics.msgpack"
@@ -308,9 +312,7 @@ class Learner:
 
     async def _step(self, trajectories: list[Trajectory]) -> StepStats:
         step = distributed_step if self.distributed else Trainer.step
-        return await trio.to_thread.run_sync(
-            step, self.trainer, trajectories, abandon_on_cancel=False
-        )
+        return await self._watched(partial(step, self.trainer, trajectories), len(trajectories))
 
     async def _probe(self, trajectory: Trajectory) -> None:
         """The step's forward and backward passes on one group, the weights untouched."""
@@ -318,7 +320,35 @@ class Learner:
         def probe() -> None:
             self.trainer.step([trajectory], apply=False)
 
-        await trio.to_thread.run_sync(probe, abandon_on_cancel=False)
+        await self._watched(probe, 1)
+
+    async def _watched(self, work: Callable[[], T], groups: int) -> T:
+        """``work`` (a step, or a probe of one group) run to its end in a worker thread (it
+        cannot be cancelled), reported if it still runs ``learner.step_deadline_s`` after it
+        began: an error log line and ``streamrl_learner_steps_overdue``, then its duration
+        when it ends. Under torchrun a rank waiting in a collective that another rank skipped
+        waits for ever; nothing else would say so."""
+        deadline = self.cfg.step_deadline_s
+        started = trio.current_time()
+        overdue = False
+
+        async def watch() -> None:
+            nonlocal overdue
+            await trio.sleep(deadline)
+            overdue = True
+            record_step_overdue(self.ctx.names.run)
+            log.error("learner step past its deadline", deadline_s=deadline, groups=groups,
+                      policy_version=self.version, distributed=self.distributed)  # fmt: skip
+
+        async with trio.open_nursery() as nursery:
+            if deadline > 0:
+                nursery.start_soon(watch)
+            result = await outcome.acapture(trio.to_thread.run_sync, work, abandon_on_cancel=False)
+            nursery.cancel_scope.cancel()
+        if overdue:
+            log.warning("overdue learner step finished", groups=groups,
+                        seconds=round(trio.current_time() - started, 3))  # fmt: skip
+        return result.unwrap()
 
     async def _prefetch(self, batches: trio.MemorySendChannel[Batch]) -> None:
         """Collect each step's groups while the step before it trains, so a learner whose

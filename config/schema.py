@@ -800,6 +800,12 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     broadcast_timeout_s: PosFloat = 120.0
     """weight_sync = "broadcast": forming the group, and each broadcast, fail after this long
     (then the servers load that version from disk and the rest of the run syncs by disk)."""
+    step_deadline_s: Annotated[float, Meta(ge=0)] = 900.0
+    """Report a training step (or a probe of one group) still running this long after it
+    began: an error log line "learner step past its deadline" and the counter
+    ``streamrl_learner_steps_overdue``; when it ends, its duration is logged. The step is not
+    cancelled (its thread cannot be): under torchrun a rank waiting in a collective that
+    another rank skipped waits for ever, and this is how it shows. 0: off."""
 
     def __post_init__(self) -> None:
         steps = self.lr_decay_steps or self.max_steps * self.updates_per_step

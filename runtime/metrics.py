@@ -10,10 +10,10 @@ What is recorded, by whom:
 - from the learner's step metrics (:func:`record_step`): staleness histogram, step and wait
   seconds, busy fraction; recorded by the archiver (following the ``metrics`` stream) and
   by the learner's own process;
-- the learner's own process (:func:`record_learner_step`, :func:`record_dropped_stale`):
-  steps, step latency (histogram), the staleness of every trained group (histogram),
-  groups dropped as stale, loss, grad norm, KL, policy version, trained groups, samples
-  and rewards per domain;
+- the learner's own process (:func:`record_learner_step`, :func:`record_dropped_stale`,
+  :func:`record_step_overdue`): steps, step latency (histogram), the staleness of every
+  trained group (histogram), groups dropped as stale, steps past their deadline, loss, grad
+  norm, KL, policy version, trained groups, samples and rewards per domain;
 - the scheduler (:func:`record_admission`, :func:`record_admitted`,
   :func:`record_eval_round`): training groups admitted per domain, evaluation rounds
   started, the admission headroom and which bound holds admission at zero;
@@ -113,6 +113,10 @@ class _Metrics:
         )
         self.dropped_stale = prom.Counter(
             "streamrl_learner_dropped_stale", "Groups dropped as too stale to train", ["run"]
+        )
+        self.steps_overdue = prom.Counter(
+            "streamrl_learner_steps_overdue",
+            "Learner steps still running learner.step_deadline_s after they began", ["run"],
         )
         self.loss = prom.Gauge("streamrl_learner_loss", "Loss of the last step", ["run"])
         self.grad_norm = prom.Gauge(
@@ -282,6 +286,11 @@ def record_policy_version(run: str, version: int) -> None:
 def record_dropped_stale(run: str) -> None:
     if (m := metrics()) is not None:
         m.dropped_stale.labels(run).inc()
+
+
+def record_step_overdue(run: str) -> None:
+    if (m := metrics()) is not None:
+        m.steps_overdue.labels(run).inc()
 
 
 def record_admission(run: str, headroom: int, blocked: str | None) -> None:
