@@ -11,7 +11,10 @@ Admission guarantees:
   ``max_staleness = 0`` this is the synchronous mode's batch barrier: the next batch is
   admitted only once the learner published the version trained on the previous one;
 - backpressure: nothing is added while the generator group's backlog (lag + pending)
-  exceeds ``max_backlog``;
+  exceeds ``max_backlog``, the tasks of the held-out round this scheduler published last
+  not counted (:meth:`Scheduler.held_out_queued`): training is admitted beside a round, so
+  the learner's first step does not wait for the whole first round (a scheduler restarted
+  during a round counts that round's tasks as backlog);
 - limit: at most ``max_train_groups`` training groups per run (0: no limit);
 - the staleness and limit bounds are exact: tasks and the counter move together in one
   compare-and-set script, which adds nothing when replayed or when the counter has moved;
@@ -81,7 +84,7 @@ from streamrl.protocol.messages import Sampling, Task, WeightsPublished, new_id,
 from streamrl.queues.codec import encode
 from streamrl.queues.operations import increment, read_counter
 from streamrl.queues.shards import finish_counted, publish_counted_routed
-from streamrl.queues.stats import group_state
+from streamrl.queues.stats import group_state, still_queued
 from streamrl.queues.streams import EventReader
 from streamrl.runtime import metrics
 from streamrl.runtime.context import ActorContext
@@ -216,6 +219,13 @@ async def publish_eval_round(
 ) -> int:
     """Publish one held-out evaluation round (none of the ``skip`` domains: quarantined);
     returns the number of tasks."""
+    return len(await publish_eval_entries(ctx, round_no, version, skip=skip))
+
+
+async def publish_eval_entries(
+    ctx: ActorContext, round_no: int, version: int, *, skip: frozenset[str] = frozenset()
+) -> list[str]:
+    """:func:`publish_eval_round`, returning the entry ids of its tasks."""
     tasks = []
     for name in (d for d in eval_domains(ctx.config) if d not in skip):
         sampling = domain_sampling(ctx.config, name, 0.0)
@@ -232,9 +242,9 @@ async def publish_eval_round(
             )
             for it in items
         ]
-    await ctx.publish_work(N.TASKS, [(t.episode_id, encode(t)) for t in tasks])
+    ids = await ctx.publish_work(N.TASKS, [(t.episode_id, encode(t)) for t in tasks])
     log.info("eval round published", round=round_no, policy_version=version, tasks=len(tasks))
-    return len(tasks)
+    return ids
 
 
 async def latest_version(reader: EventReader) -> int:
@@ -262,6 +272,9 @@ class Scheduler:
         self.health = Quarantine(self.cfg.quarantine_after, self.cfg.quarantine_window)
         self.quarantined: frozenset[str] = frozenset()
         self.next_health_check = 0.0
+        self.held_out: list[str] = []
+        """Entry ids of the held-out round this scheduler published last, while some are
+        still queued for the generators: they do not count against ``max_backlog``."""
 
     def sample(self, version: int) -> Task | None:
         """The next training task (its domain by fair share); None if every domain is at
@@ -367,12 +380,25 @@ class Scheduler:
         limit = self.cfg.max_train_groups
         by_limit = limit - admitted if limit else by_staleness
         backlog = await group_state(c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS])
-        by_backlog = self.cfg.max_backlog - backlog.backlog
+        by_backlog = self.cfg.max_backlog - max(0, backlog.backlog - await self.held_out_queued())
         bounds = {"limit": by_limit} if limit else {}
         bounds |= {"staleness": by_staleness, "backlog": by_backlog}
         count = max(0, min(bounds.values()))
         self.blocked = None if count else min(bounds, key=bounds.__getitem__)
         return count, admitted
+
+    async def held_out_queued(self) -> int:
+        """How many tasks of the last held-out round are still queued for the generators
+        (undelivered or pending: :func:`queues.stats.still_queued`); 0 once none is."""
+        c = self.ctx
+        if not self.held_out:
+            return 0
+        queued = await still_queued(
+            c.client, c.names, N.TASKS, N.GROUP_OF_STREAM[N.TASKS], self.held_out
+        )
+        if not queued:
+            self.held_out = []
+        return queued
 
     async def counted(self, name: str) -> int:
         """Counter ``name`` of the run, summed over the shards."""
@@ -471,7 +497,7 @@ class Scheduler:
         # every eval domain, quarantined ones too: the monitor ends a round when each of its
         # items was scored or dead-lettered (actors/monitor.py EvalRound.lost), and expects
         # the whole round (a round without the quarantined domains would never end there)
-        await publish_eval_round(c, round_no, version)
+        self.held_out = await publish_eval_entries(c, round_no, version)
         metrics.record_eval_round(c.names.run)
 
 

@@ -163,7 +163,8 @@ class SchedulerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     temperature: PosFloat = 1.0
     """Sampling temperature of training tasks (evaluation is greedy)."""
     max_backlog: PosInt = 16
-    """Do not add tasks while the generator group's backlog (lag + pending) exceeds this."""
+    """Do not add training tasks while the generator group's backlog (lag + pending) exceeds
+    this; the held-out round in progress is not counted (training is admitted beside it)."""
     eval_every: NonNegInt = 5
     """Run the held-out evaluation every N policy versions (0: only at start and end)."""
     eval_items: PosInt = 64

@@ -110,7 +110,8 @@ CONTEXTS = (Key(lambda n: n.context(""), prefix=True),)
 ROLE_OPS: dict[str, tuple[Op, ...]] = {
     "scheduler": (
         Follow((N.WEIGHTS,)),  # the policy version
-        Observe((N.TASKS,)),  # the generator group's backlog
+        # the generator group's backlog, less the held-out round's tasks still queued
+        Observe((N.TASKS,), detail=True),
         # admission (protocol/admission.py), counted per domain with it
         PublishCounted(N.TASKS, ADMITTED, tally=ADMITTED_BY_DOMAIN),
         Produce((N.TASKS,)),  # evaluation rounds

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-_WITH_IDS = {"trim.lua", "repair_lag.lua"}
+_WITH_IDS = {"trim.lua", "repair_lag.lua", "queued.lua"}
 
 
 def _read(name: str) -> str:

@@ -32,6 +32,8 @@ from streamrl.queues.scripts import lua
 _BACKLOG = lua("backlog.lua")
 _REPAIR_LAG = lua("repair_lag.lua")
 _BACKLOG_SHA = hashlib.sha1(_BACKLOG.encode()).hexdigest()
+_QUEUED = lua("queued.lua")
+_QUEUED_SHA = hashlib.sha1(_QUEUED.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -80,12 +82,35 @@ async def group_state(client: RedisClient, names: Layout, stream: str, group: st
     return await _group_state(client, names, stream, group)
 
 
-def _run_read_only(client: RedisClient, key: str, *args: Any) -> Any:
-    """backlog.lua as a read-only script (EVALSHA_RO; its text once where the server lacks it)."""
+def _run_read_only(
+    client: RedisClient, key: str, *args: Any, script: tuple[str, str] = (_BACKLOG, _BACKLOG_SHA)
+) -> Any:
+    """A read-only script, backlog.lua unless ``script`` (text, SHA) says otherwise
+    (EVALSHA_RO; its text once where the server lacks it)."""
+    text, sha = script
     try:
-        return client.sync.evalsha_ro(_BACKLOG_SHA, 1, key, *args)
+        return client.sync.evalsha_ro(sha, 1, key, *args)
     except redis.exceptions.NoScriptError:
-        return client.sync.eval_ro(_BACKLOG, 1, key, *args)
+        return client.sync.eval_ro(text, 1, key, *args)
+
+
+async def still_queued(
+    client: RedisClient, names: Layout, stream: str, group: str, entry_ids: list[str]
+) -> int:
+    """How many of ``entry_ids`` (as publishing returned them: shard-qualified ``"<k>:<id>"``
+    on a sharded run) are still in ``group``'s backlog on ``stream``: not delivered to it yet,
+    or delivered and not acknowledged (``queued.lua``, read-only, one call per shard)."""
+    by_shard: dict[int | None, list[str]] = {}
+    for qualified in entry_ids:
+        shard, _, eid = qualified.rpartition(":")
+        by_shard.setdefault(int(shard) if shard else None, []).append(eid)
+    total = 0
+    for shard, ids in by_shard.items():
+        key = names.in_shard(shard).stream(stream)
+        total += await client.call(
+            _run_read_only, client, key, group, *ids, script=(_QUEUED, _QUEUED_SHA)
+        )
+    return total
 
 
 async def _group_state(client: RedisClient, names: Layout, stream: str, group: str) -> GroupState:
