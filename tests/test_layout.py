@@ -38,6 +38,25 @@ def test_only_streamrl_is_importable_outside_the_checkout(tmp_path: Path) -> Non
     assert top is None or top.split() == ["streamrl"]
 
 
+def test_the_editable_install_prints_no_layout_notice(tmp_path: Path) -> None:
+    # Given the build backend pyproject.toml names, run as pip runs it (backend-path first)
+    system = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]
+    paths = [str(REPO / p) for p in system.get("backend-path", [])]
+    probe = (
+        "import importlib, sys\n"
+        f"sys.path[:0] = {paths!r}\n"
+        f"backend = importlib.import_module({system['build-backend']!r})\n"
+        f"print('built', backend.build_editable({str(tmp_path)!r}))\n"
+    )
+    # When it builds the editable wheel of `pip install -e .`
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    # Then it builds, without setuptools' notice about folders named like the package
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "built streamrl-0.1.0-0.editable" in done.stdout
+    assert "Please be careful with folders" not in done.stdout + done.stderr
+
+
 def test_pyproject_lists_every_package_folder() -> None:
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     listed = set(config["packages"])
