@@ -19,13 +19,23 @@ Guarantees:
   completion of every call, counting a completion's room while it runs, so concurrent calls
   cannot overshoot), and a wall clock from the session's creation that also bounds a running
   generation (cancelled, nothing recorded). A refused call raises :class:`InvalidRequest`
-  and records nothing; a closed session takes no call but keeps its record until dropped.
+  and records nothing; a closed session takes no call but keeps its record until dropped;
+- a prompt that does not fit the model's context is ``context_length_exceeded`` naming the
+  context's size (an ``invalid_request_error``, not a budget); what the engine refuses is
+  an :class:`InvalidRequest` too (400, or 503 when the engine is gone);
+- a call is recorded only after its ``accept`` hook (the endpoint builds its answer there)
+  returns: a call the client could not be answered is not trained on;
+- prompts are rendered and tokenized in a worker thread, one at a time (the event loop
+  serves other sessions meanwhile);
+- a session id is 1 to 128 URL-safe characters (letters, digits, ``. _ ~ -``): it is a
+  path segment of the session's base URL.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -48,6 +58,7 @@ from streamrl.protocol.messages import Sample, Sampling, floats_to_bytes, ids_to
 
 Generate = Callable[[list[list[int]], Sampling, str], Awaitable[list[Completion]]]
 _MARK = "\x00streamrl-reply\x00"
+SESSION_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 
 
 def engine_generate(engine: Engine) -> Generate:
@@ -209,6 +220,7 @@ class Sessions:
         self.max_sessions = max_sessions
         self.native = native_tools(tokenizer)  # the template renders tools= itself
         self._sessions: dict[str, Session] = {}
+        self._tokenizing = trio.CapacityLimiter(1)  # one thread renders and tokenizes
 
     @classmethod
     def for_engine(cls, engine: Any, tokenizer: Any = None, **kwargs: Any) -> Sessions:
@@ -223,6 +235,9 @@ class Sessions:
         return cls(engine_generate(engine), tokenizer, {int(s) for s in stops}, **kwargs)
 
     def create(self, session_id: str, budget: Budget | None = None) -> Session:
+        if not SESSION_ID.fullmatch(session_id):
+            raise InvalidRequest(f"session id {session_id[:140]!r}: 1 to 128 of letters, "
+                                 "digits and . _ ~ - (it is part of the base URL)", param="id")
         if session_id in self._sessions:
             raise InvalidRequest(f"session {session_id!r} exists", code="session_exists",
                                  status=409)
@@ -290,26 +305,15 @@ class Sessions:
 
     async def complete(self, session: Session, messages: list[Message],
                        tools: list[dict[str, Any]], sampling: Sampling, stop: list[str],
-                       parse: Callable[[str], tuple[str, tuple[ToolCall, ...]]]) -> Call:
-        """Generate and record one call (budgets first, see the module docstring)."""
-        if session.closed:
-            raise InvalidRequest(f"session {session.id!r} is closed", code="session_closed")
-        b = session.budget
-        if trio.current_time() >= session.deadline:
-            raise _budget("wall_clock_exceeded", f"the session's {b.wall_clock_s} s are spent")
-        if b.max_calls and session.started_calls >= b.max_calls:
-            raise _budget("max_calls_exceeded", f"the session's {b.max_calls} calls are spent")
-        prompt, parent, new_from = self.prompt(session, messages, tools)
-        room = min(sampling.max_new_tokens, b.max_new_tokens, self.max_context - len(prompt))
-        if b.max_total_tokens:
-            room = min(room, b.max_total_tokens - session.used_tokens() - session.reserved_tokens
-                       - (len(prompt) - new_from))
-        if room < 1:
-            code = "context_length_exceeded" if len(prompt) >= self.max_context else (
-                "max_total_tokens_exceeded")
-            raise _budget(code, f"no room for a completion: prompt of {len(prompt)} tokens, "
-                          f"{session.used_tokens()} of the session's "
-                          f"{b.max_total_tokens or 'unlimited'} tokens used")
+                       parse: Callable[[str], tuple[str, tuple[ToolCall, ...]]],
+                       accept: Callable[[Call], object] = lambda call: None) -> Call:
+        """Generate and record one call (budgets first, see the module docstring); ``accept``
+        sees the call before it is recorded, and nothing is recorded if it raises."""
+        _admit(session)  # refuse early, before rendering
+        prompt, parent, new_from = await trio.to_thread.run_sync(
+            self.prompt, session, messages, tools, limiter=self._tokenizing)
+        _admit(session)  # and again: the session may have moved on meanwhile
+        room = self._room(session, prompt, new_from, sampling.max_new_tokens)
         if session.pin is not None:  # the learner recomputes logprobs at these
             sampling = msgspec.structs.replace(sampling, temperature=session.pin.temperature,
                                                top_p=session.pin.top_p)
@@ -318,17 +322,50 @@ class Sessions:
         try:
             with trio.move_on_at(session.deadline):
                 sampling = msgspec.structs.replace(sampling, max_new_tokens=room)
-                [completion] = await self.generate([prompt], sampling, session.id)
+                completion = await self._generate(prompt, sampling, session.id)
                 return self._record(session, messages, tools, prompt, parent, new_from,
-                                    completion, stop, parse)
-            raise _budget("wall_clock_exceeded", f"the session's {b.wall_clock_s} s ran out "
-                          "during the call")
+                                    completion, stop, parse, accept)
+            raise _budget("wall_clock_exceeded", f"the session's {session.budget.wall_clock_s} "
+                          "s ran out during the call")
         finally:
             session.reserved_tokens -= room
 
+    def _room(self, session: Session, prompt: list[int], new_from: int, asked: int) -> int:
+        """The completion's room: ``asked``, cut to the session's ``max_new_tokens``, the
+        model's context and the session's tokens left; refused when there is none."""
+        if len(prompt) >= self.max_context:
+            raise InvalidRequest(f"the prompt is {len(prompt)} tokens: the model's context is "
+                                 f"{self.max_context} tokens, prompt and completion together",
+                                 code="context_length_exceeded", param="messages")
+        b = session.budget
+        room = min(asked, b.max_new_tokens, self.max_context - len(prompt))
+        if b.max_total_tokens:
+            added, used = len(prompt) - new_from, session.used_tokens()
+            left = b.max_total_tokens - used - session.reserved_tokens
+            if left - added < 1:
+                raise _budget("max_total_tokens_exceeded", f"no room for a completion: this "
+                              f"call adds {added} prompt tokens, {used} of the session's "
+                              f"{b.max_total_tokens} tokens are used and "
+                              f"{session.reserved_tokens} held by running calls")
+            room = min(room, left - added)
+        return room
+
+    async def _generate(self, prompt: list[int], sampling: Sampling, sid: str) -> Completion:
+        """The engine's completion; what it refuses or fails at as :class:`InvalidRequest`."""
+        try:
+            [completion] = await self.generate([prompt], sampling, sid)
+        except ValueError as exc:  # the engine refused the prompt (e.g. its context length)
+            raise InvalidRequest(f"the engine refused the prompt: {exc}",
+                                 code="context_length_exceeded", param="messages") from None
+        except RuntimeError as exc:  # EngineClosed, ServerUnavailable, ProtocolError
+            raise InvalidRequest(f"engine unavailable: {exc}", code="engine_unavailable",
+                                 status=503, kind="server_error") from None
+        return completion
+
     def _record(self, session: Session, messages: list[Message], tools: list[dict[str, Any]],
                 prompt: list[int], parent: int, new_from: int, c: Completion, stop: list[str],
-                parse: Callable[[str], tuple[str, tuple[ToolCall, ...]]]) -> Call:
+                parse: Callable[[str], tuple[str, tuple[ToolCall, ...]]],
+                accept: Callable[[Call], object]) -> Call:
         tokens, logprobs = c.tokens.tolist(), c.logprobs.tolist()
         versions, text, reason = c.token_versions().tolist(), c.text, c.finish_reason
         if reason == "abort":
@@ -345,12 +382,24 @@ class Sessions:
         call = Call(len(session.calls), parent, prompt, new_from, tokens, logprobs, versions,
                     reason, text, tuple(messages), Message("assistant", content, calls),
                     _tools_key(tools))
+        accept(call)
         session.calls.append(call)
         return call
 
 
 def _tools_key(tools: list[dict[str, Any]]) -> str:
     return msgspec.json.encode(tools, order="sorted").decode()
+
+
+def _admit(session: Session) -> None:
+    """Refuse a call to a closed session or past its wall clock or its ``max_calls``."""
+    b = session.budget
+    if session.closed:
+        raise InvalidRequest(f"session {session.id!r} is closed", code="session_closed")
+    if trio.current_time() >= session.deadline:
+        raise _budget("wall_clock_exceeded", f"the session's {b.wall_clock_s} s are spent")
+    if b.max_calls and session.started_calls >= b.max_calls:
+        raise _budget("max_calls_exceeded", f"the session's {b.max_calls} calls are spent")
 
 
 def _budget(code: str, message: str) -> InvalidRequest:

@@ -14,12 +14,21 @@ Guarantees:
   ``function.arguments`` as a JSON string), ``finish_reason`` ``tool_calls`` / ``stop`` /
   ``length``, ``usage``; ``system_fingerprint`` names the weight version of the first token;
   ``GET /v1/models`` (also under a session) lists the one served model;
-- every refusal is an OpenAI error body ``{"error": {message, type, param, code}}``: 404 for
-  an unknown session or model, 400 for a malformed or unsupported request and for a spent
-  budget (``type`` ``budget_exceeded``; 400 because the official client retries 429s), 503
-  when the engine is gone; nothing an agent sends raises out of a handler;
+- every refusal is an OpenAI error body ``{"error": {message, type, param, code}}`` and one
+  log line (``request refused``): 404 for an unknown session or model, 400 for a malformed
+  or unsupported request (a body that is not a JSON object, nested deeper than
+  :data:`MAX_DEPTH`, or holding a string that is not UTF-8 text: a lone surrogate; a
+  parameter of the wrong type; no ``model``) and for a spent budget (``type``
+  ``budget_exceeded``; 400 because the official client retries 429s), 503 only when the
+  engine is gone. Nothing a client sends raises out of a handler: an error of ours is a 500
+  with the same body and a logged traceback;
+- a request is checked whole before it reaches the engine, and a call is recorded only once
+  its answer is built (:meth:`Sessions.complete`'s ``accept``): a call that fails is not in
+  the episode. Bodies are parsed and prompts tokenized in a worker thread, so one large
+  prompt does not hold up ``/health`` or the other sessions;
 - the session API for the executor: ``POST /sessions`` ``{"id", "budget": {max_total_tokens,
-  max_calls, wall_clock_s, max_new_tokens}}`` (201, answers the ``base_url``), ``GET
+  max_calls, wall_clock_s, max_new_tokens}}`` (201, answers the ``base_url``; an ``id`` is
+  1 to 128 URL-safe characters: letters, digits, ``. _ ~ -``), ``GET
   /sessions/<id>`` and ``POST /sessions/<id>/close`` (the record: ``calls`` and ``chains``,
   see :meth:`Session.chains`), ``DELETE /sessions/<id>``;
 - a session with a tool set (the episode's sandbox, set by the executor that runs the
@@ -40,7 +49,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from functools import partial
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial, wraps
 from typing import Any
 
 import msgspec
@@ -55,32 +66,108 @@ from streamrl.inference.agent_sessions import Budget, Call, Session, Sessions
 from streamrl.inference.chat import tool_format
 from streamrl.inference.http import guard_connections
 from streamrl.inference.openai_chat import InvalidRequest, parse_messages, parse_reply, parse_tools
-from streamrl.protocol.messages import Sampling
+from streamrl.protocol.messages import MAX_NEW_TOKENS, Sampling
 
 log = structlog.get_logger()
 MAX_BODY = 32 << 20
+MAX_DEPTH = 64  # nesting of a body's arrays and objects (a tool schema's included)
 UNSUPPORTED_ZERO = ("presence_penalty", "frequency_penalty", "top_logprobs")
+Handler = Callable[["Endpoint", Request], Awaitable[Response]]
 
 
-def _error(exc: InvalidRequest) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+def answering(handler: Handler) -> Handler:
+    """``handler`` answering every refusal (:class:`InvalidRequest`) as its OpenAI error and
+    any other exception as a 500 with the same body, each with a log line."""
+
+    @wraps(handler)
+    async def answer(self: Endpoint, request: Request) -> Response:
+        try:
+            return await handler(self, request)
+        except InvalidRequest as exc:
+            level = log.warning if exc.status >= 500 else log.info
+            level("request refused", path=request.url.path, status=exc.status, code=exc.code,
+                  message=str(exc)[:300])
+            return JSONResponse(exc.body(), status_code=exc.status)
+        except Exception:
+            log.exception("request failed", path=request.url.path, status=500)
+            error = InvalidRequest("internal error (logged by the server)",
+                                   code="internal_error", status=500, kind="server_error")
+            return JSONResponse(error.body(), status_code=500)
+
+    return answer
 
 
 async def _json(request: Request) -> dict[str, Any]:
     raw = await request.body()
     if len(raw) > MAX_BODY:
         raise InvalidRequest(f"body over {MAX_BODY} bytes", code="body_too_large", status=413)
+    return await trio.to_thread.run_sync(parse_body, raw)
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object (empty: ``{}``) whose values nest at most
+    :data:`MAX_DEPTH` deep and whose strings are UTF-8 text; else :class:`InvalidRequest`."""
     try:
         data = json.loads(raw) if raw else {}
+    except RecursionError:
+        raise InvalidRequest(f"body nested deeper than {MAX_DEPTH} levels",
+                             code="invalid_json") from None
     except ValueError as exc:
         raise InvalidRequest(f"body is not JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object", code="invalid_json")
+    problem = _value_problem(data)
+    if problem:
+        raise InvalidRequest(problem, code="invalid_json")
     return data
+
+
+def _value_problem(data: Any) -> str:
+    """What makes a parsed body unusable (too deep, a string that is not text), or ``""``."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode()
+            except UnicodeEncodeError as exc:
+                return f"a string holds a lone surrogate ({value[exc.start]!r}): send UTF-8 text"
+        elif isinstance(value, dict | list) and depth > MAX_DEPTH:
+            return f"body nested deeper than {MAX_DEPTH} levels"
+        elif isinstance(value, dict):
+            stack += [(k, depth) for k in value] + [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, list):
+            stack += [(v, depth + 1) for v in value]
+    return ""
 
 
 def _unsupported(param: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"{param}: {why}", code="unsupported_parameter", param=param)
+
+
+def _flag(body: dict[str, Any], name: str, where: Any = None) -> bool:
+    value = (body if where is None else where).get(name)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidRequest(f"{name} must be a boolean", param=name)
+    return bool(value)
+
+
+@dataclass(frozen=True)
+class Answering:
+    """How a chat call is answered: as SSE chunks (``stream``, with a usage chunk), with
+    logprobs."""
+
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> Answering:
+        options = body.get("stream_options")
+        if options is not None and not isinstance(options, dict):
+            raise InvalidRequest("stream_options must be an object", param="stream_options")
+        return cls(_flag(body, "stream"), _flag(body, "include_usage", options or {}),
+                   _flag(body, "logprobs"))
 
 
 def _sampling(body: dict[str, Any]) -> tuple[Sampling, list[str]]:
@@ -99,7 +186,7 @@ def _sampling(body: dict[str, Any]) -> tuple[Sampling, list[str]]:
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise InvalidRequest("stop must be a string or a list of strings", param="stop")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = {"max_new_tokens": 1 << 17 if limit is None else limit,
+    params = {"max_new_tokens": MAX_NEW_TOKENS if limit is None else limit,
               "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
               "seed": body.get("seed")}
     try:
@@ -120,52 +207,52 @@ class Endpoint:
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "streamrl"}
 
+    @answering
     async def models(self, request: Request) -> Response:
         sid = request.path_params.get("sid")
-        try:
-            if sid is not None:
-                self.sessions.get(sid)
-        except InvalidRequest as exc:
-            return _error(exc)
+        if sid is not None:
+            self.sessions.get(sid)
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
+    @answering
     async def model(self, request: Request) -> Response:
         if request.path_params["model"] != self.model_name:
-            return _error(InvalidRequest(f"no model {request.path_params['model']!r}",
-                                         code="model_not_found", status=404))
+            raise InvalidRequest(f"no model {request.path_params['model']!r}",
+                                 code="model_not_found", status=404)
         return JSONResponse(self._model_card())
 
+    @answering
     async def no_session(self, request: Request) -> Response:
-        return _error(InvalidRequest("use the episode's base URL: /sessions/<episode>/v1",
-                                     code="session_required", status=404))
+        raise InvalidRequest("use the episode's base URL: /sessions/<episode>/v1",
+                             code="session_required", status=404)
 
+    @answering
     async def chat(self, request: Request) -> Response:
-        try:
-            session = self.sessions.get(request.path_params["sid"])
-            body = await _json(request)
-            if body.get("model") != self.model_name:
-                raise InvalidRequest(f"no model {body.get('model')!r}; this endpoint serves "
-                                     f"{self.model_name!r}", code="model_not_found", param="model",
-                                     status=404)
-            messages = parse_messages(body.get("messages"))
-            tools = parse_tools(body.get("tools"))
-            choice = body.get("tool_choice", "auto") or "auto"
-            if choice not in ("auto", "none"):
-                raise _unsupported("tool_choice", "only 'auto' and 'none'")
-            sampling, stop = _sampling(body)
-            parse = partial(parse_reply, tools=tools if choice == "auto" else [], fmt=self.fmt)
-            call = await self.sessions.complete(session, messages, tools, sampling, stop, parse)
-        except InvalidRequest as exc:
-            return _error(exc)
-        except ValueError as exc:  # the engine refused the prompt (e.g. its context length)
-            return _error(InvalidRequest(str(exc), code="context_length_exceeded"))
-        except RuntimeError as exc:  # EngineClosed, ServerUnavailable
-            log.warning("chat completion failed", session=session.id, error=repr(exc))
-            return _error(InvalidRequest(f"engine unavailable: {exc}", code="engine_unavailable",
-                                         status=503, kind="server_error"))
-        answer = self._answer(call, bool(body.get("logprobs")))
-        if body.get("stream"):
-            return Response(_sse(answer, body), media_type="text/event-stream")
+        session = self.sessions.get(request.path_params["sid"])
+        body = await _json(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidRequest("model is required (a string)", param="model")
+        if model != self.model_name:
+            raise InvalidRequest(f"no model {model!r}; this endpoint serves {self.model_name!r}",
+                                 code="model_not_found", param="model", status=404)
+        messages = parse_messages(body.get("messages"))
+        tools = parse_tools(body.get("tools"))
+        choice = body.get("tool_choice", "auto") or "auto"
+        if choice not in ("auto", "none"):
+            raise _unsupported("tool_choice", "only 'auto' and 'none'")
+        sampling, stop = _sampling(body)
+        how = Answering.of(body)
+        parse = partial(parse_reply, tools=tools if choice == "auto" else [], fmt=self.fmt)
+        answers: list[Response] = []
+        await self.sessions.complete(session, messages, tools, sampling, stop, parse,
+                                     accept=lambda call: answers.append(self._response(call, how)))
+        return answers[0]
+
+    def _response(self, call: Call, how: Answering) -> Response:
+        answer = self._answer(call, how.logprobs)
+        if how.stream:
+            return Response(_sse(answer, how.include_usage), media_type="text/event-stream")
         return JSONResponse(answer)
 
     def _answer(self, call: Call, logprobs: bool) -> dict[str, Any]:
@@ -197,65 +284,52 @@ class Endpoint:
         return {**session.summary(), "calls": [c.to_builtins() for c in session.calls],
                 "chains": [c.to_builtins() for c in session.chains()]}
 
+    @answering
     async def create(self, request: Request) -> Response:
+        body = await _json(request)
+        sid = body.get("id") or uuid.uuid4().hex
+        if not isinstance(sid, str):
+            raise InvalidRequest("id must be a string", param="id")
         try:
-            body = await _json(request)
-            sid = body.get("id") or uuid.uuid4().hex
-            if not isinstance(sid, str) or "/" in sid:
-                raise InvalidRequest("id must be a string without '/'", param="id")
-            try:
-                budget = msgspec.convert(body.get("budget") or {}, Budget)
-            except msgspec.ValidationError as exc:
-                raise InvalidRequest(f"bad budget: {exc}", param="budget") from None
-            session = self.sessions.create(sid, budget)
-        except InvalidRequest as exc:
-            return _error(exc)
+            budget = msgspec.convert(body.get("budget") or {}, Budget)
+        except msgspec.ValidationError as exc:
+            raise InvalidRequest(f"bad budget: {exc}", param="budget") from None
+        session = self.sessions.create(sid, budget)
         base = str(request.base_url).rstrip("/")
         return JSONResponse({**session.summary(), "base_url": f"{base}/sessions/{sid}/v1"},
                             status_code=201)
 
+    @answering
     async def show(self, request: Request) -> Response:
-        try:
-            return JSONResponse(self._record(self.sessions.get(request.path_params["sid"])))
-        except InvalidRequest as exc:
-            return _error(exc)
+        return JSONResponse(self._record(self.sessions.get(request.path_params["sid"])))
 
+    @answering
     async def close(self, request: Request) -> Response:
-        try:
-            return JSONResponse(self._record(self.sessions.close(request.path_params["sid"])))
-        except InvalidRequest as exc:
-            return _error(exc)
+        return JSONResponse(self._record(self.sessions.close(request.path_params["sid"])))
 
+    @answering
     async def drop(self, request: Request) -> Response:
-        try:
-            return JSONResponse(self.sessions.drop(request.path_params["sid"]).summary())
-        except InvalidRequest as exc:
-            return _error(exc)
+        return JSONResponse(self.sessions.drop(request.path_params["sid"]).summary())
 
+    @answering
     async def tool_specs(self, request: Request) -> Response:
-        try:
-            session = self.sessions.get(request.path_params["sid"])
-            if session.tools is None:
-                raise InvalidRequest(f"session {session.id!r} has no tools", code="no_tools",
-                                     status=404)
-        except InvalidRequest as exc:
-            return _error(exc)
+        session = self.sessions.get(request.path_params["sid"])
+        if session.tools is None:
+            raise InvalidRequest(f"session {session.id!r} has no tools", code="no_tools",
+                                 status=404)
         return JSONResponse({"object": "list", "data": session.tools.specs()})
 
+    @answering
     async def tool_call(self, request: Request) -> Response:
-        try:
-            session = self.sessions.get(request.path_params["sid"])
-            arguments = await _json(request)
-            answer = await session.call_tool(request.path_params["name"], arguments)
-        except InvalidRequest as exc:
-            return _error(exc)
-        return JSONResponse(answer)
+        session = self.sessions.get(request.path_params["sid"])
+        arguments = await _json(request)
+        return JSONResponse(await session.call_tool(request.path_params["name"], arguments))
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
 
 
-def _sse(answer: dict[str, Any], body: dict[str, Any]) -> str:
+def _sse(answer: dict[str, Any], include_usage: bool) -> str:
     """The answer as chat.completion.chunk events (one content delta, one per tool call)."""
     head = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint")}
     choice, message = answer["choices"][0], answer["choices"][0]["message"]
@@ -266,7 +340,7 @@ def _sse(answer: dict[str, Any], body: dict[str, Any]) -> str:
                "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
     last = {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}
     chunks.append({**head, "object": "chat.completion.chunk", "choices": [last]})
-    if (body.get("stream_options") or {}).get("include_usage"):
+    if include_usage:
         chunks.append({**head, "object": "chat.completion.chunk", "choices": [],
                        "usage": answer["usage"]})
     return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"

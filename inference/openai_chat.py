@@ -162,7 +162,7 @@ def parse_tools(raw: Any) -> list[dict[str, Any]]:
                                  code="invalid_tools", param="tools")
         try:
             tool = Tool.from_spec({"function": {**fn, "parameters": params}})
-        except (ValueError, TypeError, KeyError) as exc:
+        except (ValueError, TypeError, KeyError, RecursionError) as exc:
             raise InvalidRequest(f"tools[{i}]: {exc}", code="invalid_tools", param="tools"
                                  ) from None
         tools.append(tool.spec())
