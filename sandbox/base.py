@@ -6,6 +6,11 @@ Guarantees every backend keeps:
 - a failure of the infrastructure itself (cannot create the sandbox, engine down) raises
   :class:`SandboxUnavailable`, which is retryable: the caller's message is retried later
   with a fresh sandbox;
+- a file the code's own doing keeps from being written (a directory it made read-only, a
+  disk it filled) raises :class:`WriteRefused`, never ``SandboxUnavailable``; a request
+  that cannot be expressed (a path that is absolute, has ``..``, a NUL or a character that
+  is not UTF-8; an argument with a NUL or such a character: :func:`check_request`) raises
+  ``ValueError`` before anything runs;
 - a backend may give sessions a wall-clock budget: past it, every call on the session raises
   :class:`SessionExpired` (not retryable: what the session served ends);
 - nothing the backend started for the code outlives the call (single runs) or the session
@@ -18,6 +23,7 @@ Guarantees every backend keeps:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
@@ -46,6 +52,13 @@ class SandboxUnavailable(RuntimeError):
     """The sandbox could not be provided (infrastructure failure, retryable)."""
 
 
+class WriteRefused(Exception):
+    """``put_files`` (or a run's ``request.files``) could not write a file because of what
+    the code left in the work dir: a directory it made read-only, a full disk. What the code
+    did, as data for the caller: not retryable, the sandbox is fine. The message names the
+    path and the reason; the files before it in the same call are written, none after it."""
+
+
 class SessionExpired(RuntimeError):
     """A session is past its backend's wall-clock budget (the Docker backend's
     ``session_max_s``) and is refused from now on. Not retryable: whatever the session served
@@ -67,6 +80,29 @@ def require_isolation(isolation: str, minimum: str, what: str = "the sandbox") -
             f"{what} isolates only as {isolation!r}, below the required {minimum!r} "
             f"({NOT_ISOLATED.get(isolation, 'unknown isolation')})"
         )
+
+
+def check_text(what: str, text: str) -> None:
+    """``ValueError`` when ``text`` (an argument, a path) cannot reach the kernel: a NUL,
+    or a character UTF-8 cannot encode (a lone surrogate)."""
+    if "\x00" in text:
+        raise ValueError(f"{what}: a NUL character at {text.index(chr(0))}")
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what}: not valid Unicode (a lone surrogate "
+                         f"U+{ord(text[exc.start]):04X} at {exc.start})") from None
+
+
+def check_request(argv: list[str], files: Iterable[str] = ()) -> None:
+    """``ValueError`` for an argument or a file name :func:`check_text` refuses (every
+    backend checks before it runs anything)."""
+    if not argv:
+        raise ValueError("ExecRequest.argv is empty")
+    for i, arg in enumerate(argv):
+        check_text(f"argument {i}", arg)
+    for name in files:
+        check_text(f"file {name[:80]!r}", name)
 
 
 @dataclass(frozen=True)
@@ -130,7 +166,9 @@ class SandboxSession(Protocol):
 
     async def put_files(self, files: dict[str, bytes]) -> None:
         """Write files into the work dir, replacing whatever the code left at those paths
-        (links included: a planted link never redirects the write)."""
+        (links included: a planted link never redirects the write). :class:`WriteRefused`
+        when what the code did keeps a file from being written (a read-only directory, a
+        full disk)."""
         ...
 
     async def get_files(self, paths: list[str]) -> dict[str, bytes | None]:

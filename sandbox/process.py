@@ -87,8 +87,11 @@ Result conventions:
   near the end of stderr, or a child killed by SIGKILL/SIGSEGV whose stderr says
   "Cannot allocate memory"/"out of memory". A C program that ignores a NULL from malloc and
   segfaults is NOT reported as OOM.
-- request paths that are absolute or contain ``..`` raise ``ValueError`` (a bad request, not
-  something the untrusted code did); failures to start the sandbox raise ``SandboxUnavailable``.
+- request paths that are absolute or contain ``..``, and paths or arguments with a NUL or a
+  character UTF-8 cannot encode, raise ``ValueError`` (a bad request, not something the
+  untrusted code did); a file that what the code left keeps from being written (a directory
+  it made read-only, a full disk) raises ``WriteRefused``; failures to start the sandbox
+  raise ``SandboxUnavailable``.
 """
 
 from __future__ import annotations
@@ -120,6 +123,8 @@ from streamrl.sandbox.base import (
     IsolationLevel,
     Limits,
     SandboxUnavailable,
+    WriteRefused,
+    check_request,
 )
 from streamrl.sandbox.resident import PoolStatistics, ResidentSession, Runner, RunnerPool, looks_oom
 from streamrl.sandbox.runner_channel import RunnerGone, checked_path
@@ -385,8 +390,7 @@ class ProcessSandbox:
     async def _spawn(
         self, argv: Sequence[str], workdir: str, uid: int | None, limits: Limits
     ) -> trio.Process:
-        if not argv:
-            raise ValueError("ExecRequest.argv is empty")
+        check_request(list(argv))
         wrapped, cwd, home = self._wrap(self.isolation, list(argv), workdir)
         try:
             return await trio.lowlevel.open_process(
@@ -775,6 +779,15 @@ def _remove_at(dir_fd: int, name: str) -> None:
 
 
 def _write_under(root: str, rel: PurePosixPath, data: bytes, uid: int | None) -> None:
+    """Write ``rel`` under ``root`` (see :meth:`ProcessSession.put_files`); ``WriteRefused``
+    when what the code left there keeps it from being written."""
+    try:
+        _write_at(root, rel, data, uid)
+    except OSError as exc:
+        raise WriteRefused(f"{rel}: cannot write it: {exc.strerror or exc}") from None
+
+
+def _write_at(root: str, rel: PurePosixPath, data: bytes, uid: int | None) -> None:
     parent = _open_parent(root, rel, create=True)
     try:
         _remove_at(parent, rel.name)  # whatever the code left there (a link, a fifo, a dir)
@@ -803,10 +816,15 @@ def _read_under(root: str, rel: PurePosixPath, cap: int) -> bytes | None:
         return None
     finally:
         os.close(parent)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+    try:  # (a directory opens too: check before reading, close whatever it is)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return f.read(cap)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(cap)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def _empty_dir(path: str) -> None:

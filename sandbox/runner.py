@@ -26,7 +26,9 @@ Protocol, both directions: a frame is a 4-byte big-endian header length, a JSON 
 ``header["n"]`` payload bytes. Each request carries a random ``id`` that the reply echoes: the
 untrusted code runs as the same uid and could write into the container's stdout (through
 /proc/1/fd/1), but it never sees the id, so a forged reply is detected by the host. The runner
-makes itself non-dumpable so the code cannot read its memory or fds. Ops: ``run``, ``put``
+makes itself non-dumpable so the code cannot read its memory or fds. A file the code's doing
+keeps from being written (a read-only directory, a full disk) is answered ``{"refused":
+reason}``, any other failure ``{"error": reason}``. Ops: ``run``, ``put``
 (files), ``get`` (files), ``reset`` (kill everything, remove System V IPC, empty the writable
 mounts, POSIX message queues included where /dev/mqueue is mounted, and the user's kernel
 keyrings).
@@ -126,21 +128,31 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
+class Refused(Exception):
+    """A file the code's own doing keeps from being written (a directory it made read-only,
+    a full disk): answered as ``{"refused": ...}``, not as a runner error."""
+
+
 def put_files(entries: list, payload: bytes) -> None:
-    """Write files under /work, replacing links, fifos or directories the code left there."""
+    """Write files under /work, replacing links, fifos or directories the code left there;
+    :class:`Refused` at the first file the code's doing keeps from being written."""
     offset = 0
     for rel, size in entries:
         path = checked(rel)
-        _parents_ok(path, create=True)
-        remove(path)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload[offset : offset + size])
+        try:
+            _parents_ok(path, create=True)
+            remove(path)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "wb") as f:
+                f.write(payload[offset : offset + size])
+        except OSError as exc:
+            raise Refused(f"{rel}: cannot write it: {exc.strerror or exc}") from None
         offset += size
 
 
 def read_regular(rel: str, cap: int) -> bytes | None:
-    """A regular file's first ``cap`` bytes; None for a link, fifo, directory or nothing."""
+    """A regular file's first ``cap`` bytes; None for a link, fifo, directory or nothing
+    (every descriptor it opens is closed, whatever it found)."""
     try:
         path = checked(rel)
         if not _parents_ok(path, create=False):
@@ -148,10 +160,15 @@ def read_regular(rel: str, cap: int) -> bytes | None:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except (OSError, ValueError):
         return None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             return None
-        return f.read(cap)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(cap)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
 
 
 def get_files(paths: list, cap: int) -> tuple[list, bytes]:
@@ -479,6 +496,8 @@ def serve() -> None:
                 reset(baseline)
             else:
                 raise ValueError(f"unknown op {op!r}")
+        except Refused as exc:
+            reply, out = {"refused": str(exc)}, b""
         except Exception as exc:
             reply, out = {"error": f"{type(exc).__name__}: {exc}"}, b""
         reply["id"] = req.get("id")

@@ -16,7 +16,10 @@ Guarantees:
 - :meth:`RunnerChannel.control` (put/get/reset) discards a lost runner and raises
   ``SandboxUnavailable``; :meth:`RunnerChannel.run` returns what the code did as an
   :class:`ExecResult` and leaves a lost runner to the backend (which knows how to report it);
-- an error the runner answers (``{"error": ...}``) raises ``SandboxUnavailable``.
+- an error the runner answers (``{"error": ...}``) raises ``SandboxUnavailable``; a file the
+  code's doing kept from being written (``{"refused": ...}``) raises ``WriteRefused``; a
+  request that cannot be expressed (a NUL or a lone surrogate in an argument or a path)
+  raises ``ValueError`` before it is sent.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ from typing import Any, Protocol
 
 import trio
 
-from streamrl.sandbox.base import ExecRequest, ExecResult, Limits, SandboxUnavailable
+from streamrl.sandbox.base import (
+    ExecRequest,
+    ExecResult,
+    Limits,
+    SandboxUnavailable,
+    WriteRefused,
+    check_request,
+    check_text,
+)
 
 MAX_HEADER = 1 << 20
 CONTROL_TIMEOUT_S = 10.0
@@ -94,8 +105,7 @@ class RunnerChannel:
         """Run ``request`` (files, argv, stdin) under ``limits`` (``extra``: more header fields,
         e.g. rlimits only the process backend sets). What the code did is data; a lost runner
         raises :class:`RunnerGone` (see :func:`lost_result`)."""
-        if not request.argv:
-            raise ValueError("ExecRequest.argv is empty")
+        check_request(request.argv)
         files = [(str(checked_path(name)), data) for name, data in request.files.items()]
         header = {
             "op": "run",
@@ -214,12 +224,17 @@ def lost_result(exc: RunnerGone, what_happened: str, oom_killed: bool, start: fl
 
 
 def checked_path(name: str) -> PurePosixPath:
+    """``name`` as a relative path without ``..``, or ``ValueError`` (a request that cannot
+    be expressed: also a NUL or a character UTF-8 cannot encode)."""
     rel = PurePosixPath(name)
     if not name or rel.is_absolute() or ".." in rel.parts or rel == PurePosixPath("."):
         raise ValueError(f"sandbox file {name!r} must be a relative path without '..'")
+    check_text(f"sandbox file {name[:80]!r}", name)
     return rel
 
 
 def _raise_error(reply: dict) -> None:
+    if "refused" in reply:
+        raise WriteRefused(str(reply["refused"]))
     if "error" in reply:
         raise SandboxUnavailable(f"sandbox runner: {reply['error']}")

@@ -6,12 +6,16 @@ each case names its file), and the ``-rA`` short test summary in its output
 (``PASSED path::test``, ``FAILED path::test - message``). The report is written by code the
 model controls (its tests, its conftest.py), so what it says is feedback to the model, never
 a reward: the domain's hidden check decides that. Parsing never raises for what the report
-holds (garbage, huge, not XML: no results); Python's expat refuses entity expansion bombs.
+holds (garbage, huge, not XML: no results); Python's expat refuses entity expansion bombs. A
+report is parsed piece by piece against a deadline: the tools parse it in a worker thread,
+never on the event loop.
 """
 
 from __future__ import annotations
 
+import math
 import re
+import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Sequence
@@ -23,21 +27,24 @@ JUNIT_ARGS = ("-rA", "-o", "junit_family=xunit1", "-p", "no:cacheprovider",
 """Added to the test command in front of ``--junitxml=<path>`` and the selection (a file that
 cannot be imported is one error; the other files' tests still run)."""
 
+_PIECE = 1 << 16
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)(?: - (.*))?$")
 _STATUS = {"PASSED": "pass", "XPASS": "pass", "FAILED": "fail", "ERROR": "error",
            "SKIPPED": "skip", "XFAIL": "skip"}
 
 
-def parse_junit(report: bytes, message_chars: int = 600) -> list[TestResult] | None:
-    """Each ``<testcase>`` of a JUnit XML report; None when it is not one."""
-    try:
-        root = ET.fromstring(report)
-    except (ET.ParseError, ValueError):
-        return None
-    if root.tag not in ("testsuites", "testsuite"):
+def parse_junit(report: bytes, message_chars: int = 600,
+                deadline: float = math.inf) -> list[TestResult] | None:
+    """Each ``<testcase>`` of a JUnit XML report; None when it is not one, or when parsing
+    it runs past ``deadline`` (``time.monotonic()``). The report is fed to the parser in
+    64 KiB pieces, so a thread that parses a huge one lets other threads run in between."""
+    root = _parsed(report, deadline)
+    if root is None or root.tag not in ("testsuites", "testsuite"):
         return None
     out = []
-    for case in root.iter("testcase"):
+    for i, case in enumerate(root.iter("testcase")):
+        if i % 1024 == 0 and time.monotonic() > deadline:
+            return None
         name = _node_id(case.get("file") or "", case.get("classname") or "", case.get("name", ""))
         status, message = "pass", ""
         for child, kind in (("failure", "fail"), ("error", "error"), ("skipped", "skip")):
@@ -48,6 +55,18 @@ def parse_junit(report: bytes, message_chars: int = 600) -> list[TestResult] | N
                 break
         out.append(TestResult(name=name, status=status, message=message))
     return out
+
+
+def _parsed(report: bytes, deadline: float) -> ET.Element | None:
+    parser = ET.XMLParser()
+    try:
+        for at in range(0, len(report), _PIECE):
+            if time.monotonic() > deadline:
+                return None
+            parser.feed(report[at:at + _PIECE])
+        return parser.close()
+    except (ET.ParseError, ValueError):
+        return None
 
 
 def parse_summary(output: str, message_chars: int = 600) -> list[TestResult]:

@@ -9,8 +9,17 @@ Tools (:data:`TOOLS`, declared for ``inference.chat``): ``read_file``, ``write_f
 Guarantees:
 - nothing the model asks for raises: a refused call (malformed, unknown tool, bad
   arguments), a bad path, a patch that does not apply, a command that fails, hangs or floods
-  its output: each is a result, ``error=True`` where the tool refused. Only the
-  infrastructure raises (``SandboxUnavailable``, retryable);
+  its output, a directory where a file is expected, text no file or command can hold (a
+  lone surrogate, valid JSON; a NUL in a command), a write that what the model did keeps
+  from happening (a directory it made read-only, a disk it filled: the sandbox's
+  ``WriteRefused``): each is a result, ``error=True`` where the tool refused, saying what
+  was wrong. Only the infrastructure raises (``SandboxUnavailable``, retryable);
+- no model input holds the event loop: a patch is parsed and placed (:mod:`.diff`, linear
+  in the file and the patch) and a test report parsed in a worker thread, each against
+  ``ToolLimits.host_timeout_s`` (past it the call is refused, or the report ignored);
+- a command is reported "timed out" when its limit ended it, SIGKILLed because it ignored
+  SIGTERM included; exit codes 124 and 137 that the command reached on its own before
+  its limit are reported as they are;
 - paths stay inside the work dir: absolute paths, ``..``, NUL bytes and over-long paths are
   refused before the sandbox is asked; files are read and written through the session's
   ``get_files`` / ``put_files``, which never follow a link (a link the model planted with
@@ -22,7 +31,9 @@ Guarantees:
 - ``apply_patch`` is all or nothing: every hunk must match the file exactly (context and
   removed lines; only its position may differ from the header's line numbers, to the nearest
   exact match after the previous hunk), a file's old and new names must be the same (no
-  renames), no file twice; otherwise nothing is written;
+  renames), no file twice, a file it creates must not exist (not even as a directory);
+  otherwise nothing is written (a write the sandbox refuses part way, e.g. a full disk,
+  leaves the files before it written);
 - ``run_tests`` writes pytest's JUnit report to a fresh random name in the work dir, reads
   it without following links and removes it. What it reports is feedback to the model only.
 
@@ -34,14 +45,22 @@ promise not to follow it themselves).
 
 from __future__ import annotations
 
-import re
 import secrets
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import PurePosixPath
-from typing import Any
+from typing import Any, TypeVar
+
+import trio
 
 from streamrl.domains.kinds import TestResult
+from streamrl.domains.tools.diff import (
+    FilePatch,
+    ToolRefused,
+    apply_hunks,
+    checked_path,
+    parse_patch,
+)
 from streamrl.domains.tools.pytest_report import (
     JUNIT_ARGS,
     clip,
@@ -57,7 +76,17 @@ from streamrl.inference.chat import (
     error_result,
     validate_arguments,
 )
-from streamrl.sandbox.base import ExecRequest, ExecResult, SandboxSession
+from streamrl.sandbox.base import (
+    ExecRequest,
+    ExecResult,
+    SandboxSession,
+    WriteRefused,
+    check_text,
+)
+
+__all__ = ["TOOLS", "StandardTools", "ToolLimits", "ToolRefused", "apply_hunks", "checked_path",
+           "parse_patch"]
+T = TypeVar("T")
 
 DEFAULT_TEST_COMMAND = ("python3", "-m", "pytest", "-q")
 _PATH = {"type": "string", "minLength": 1, "maxLength": 4096,
@@ -103,10 +132,7 @@ class ToolLimits:
     run_timeout_s: float = 10.0  # run's default and largest timeout
     test_timeout_s: float = 60.0  # run_tests
     list_entries: int = 400
-
-
-class ToolRefused(Exception):
-    """The tool cannot do what the call asks (a bad path, a patch that does not apply)."""
+    host_timeout_s: float = 10.0  # placing one patch's hunks, parsing one test report
 
 
 class StandardTools:
@@ -163,32 +189,24 @@ class StandardTools:
 
     async def _tool_write_file(self, path: str, content: str) -> str:
         rel = checked_path(path)
-        data = content.encode()
-        await self.session.put_files({rel: data})
+        data = _encoded("content", content)
+        await self._put({rel: data})
         return f"wrote {rel} ({len(data)} bytes)"
 
     async def _tool_apply_patch(self, patch: str) -> str:
-        files = parse_patch(patch)
-        current = await self.session.get_files([f.path for f in files if f.old])
-        writes: dict[str, bytes] = {}
-        deletes: list[str] = []
+        _encoded("patch", patch)
+        files = await _off_loop(parse_patch, patch)
+        current = await self._get([f.path for f in files])
         for f in files:
-            data = current.get(f.path) if f.old else None
-            if f.old and data is None:
+            if f.old and current[f.path] is None:
                 raise ToolRefused(f"{f.path}: not a regular file in the work dir (links are not "
                                   "followed)")
-            if not f.old and (await self.session.get_files([f.path]))[f.path] is not None:
+            if not f.old and (current[f.path] is not None or await self._exists(f.path)):
                 raise ToolRefused(f"{f.path}: already exists (--- /dev/null creates a file)")
-            text = _decode(f.path, data) if data is not None else ""
-            new = apply_hunks(f.path, text, f.hunks)
-            if f.new:
-                writes[f.path] = new.encode()
-            elif new:
-                raise ToolRefused(f"{f.path}: a deletion must remove every line")
-            else:
-                deletes.append(f.path)
+        deadline = time.monotonic() + self.limits.host_timeout_s
+        writes, deletes = await _off_loop(_patched, files, current, deadline)
         if writes:
-            await self.session.put_files(writes)
+            await self._put(writes)
         for path in deletes:
             await self._exec(["rm", "-f", "--", path])
         done = [f"patched {p}" for p in writes] + [f"deleted {p}" for p in deletes]
@@ -215,6 +233,7 @@ class StandardTools:
         return "\n".join(out) or "(empty)"
 
     async def _tool_run(self, command: str, timeout_s: float | None = None) -> str:
+        _checked_text("command", command)
         limit = min(timeout_s or self.limits.run_timeout_s, self.limits.run_timeout_s)
         r = await self._exec([*_timeout(limit), "sh", "-c", command])
         return self._render_exec(r, limit)
@@ -222,19 +241,19 @@ class StandardTools:
     async def _tool_run_tests(self, tests: Sequence[str] = ()) -> str:
         for t in tests:
             checked_path(t.split("::", 1)[0])
+            _checked_text(f"test {t[:80]!r}", t)
         report = f".streamrl-junit-{secrets.token_hex(16)}.xml"
         argv = [*self.test_command, *JUNIT_ARGS, f"--junitxml={report}", *tests]
-        r = await self._exec(_timeout(self.limits.test_timeout_s) + argv)
-        xml = (await self.session.get_files([report]))[report]
+        limit = self.limits.test_timeout_s
+        r = await self._exec(_timeout(limit) + argv)
+        xml = (await self._get([report]))[report]
         await self._exec(["rm", "-f", "--", report])
-        budget = self.limits.message_chars
-        results = parse_junit(xml, budget) if xml is not None else None
         output = _text(r.stdout) + _text(r.stderr)
-        if not results:
-            results = parse_summary(output, budget)
+        deadline = time.monotonic() + self.limits.host_timeout_s
+        results = await _off_loop(_test_results, xml, output, self.limits.message_chars,
+                                  deadline)
         self.last_tests = list(results)
-        timed_out = r.timed_out or r.exit_code == 124
-        return render(results, r.exit_code, timed_out, clip(output, 2000, tail=True),
+        return render(results, r.exit_code, _timed_out(r, limit), clip(output, 2000, tail=True),
                       self.limits.output_chars)
 
     async def _tool_finish(self, summary: str = "") -> str:
@@ -244,17 +263,39 @@ class StandardTools:
     # -- helpers --------------------------------------------------------------------------
 
     async def _exec(self, argv: list[str]) -> ExecResult:
-        return await self.session.run(ExecRequest(argv=argv))
+        try:
+            return await self.session.run(ExecRequest(argv=argv))
+        except ValueError as exc:  # a request the sandbox cannot express
+            raise ToolRefused(str(exc)) from None
+
+    async def _put(self, files: dict[str, bytes]) -> None:
+        """Write ``files``; what the model left in the way (a read-only directory, a full
+        disk) is the call's answer."""
+        try:
+            await self.session.put_files(files)
+        except (WriteRefused, ValueError) as exc:
+            raise ToolRefused(str(exc)) from None
+
+    async def _get(self, paths: list[str]) -> dict[str, bytes | None]:
+        try:
+            return await self.session.get_files(paths)
+        except ValueError as exc:
+            raise ToolRefused(str(exc)) from None
+
+    async def _exists(self, rel: str) -> bool:
+        """Whether anything (a directory, a link, a fifo) is at ``rel``."""
+        r = await self._exec(["sh", "-c", '[ -e "$1" ] || [ -L "$1" ]', "sh", rel])
+        return r.exit_code == 0
 
     async def _read_text(self, rel: str) -> str:
-        data = (await self.session.get_files([rel]))[rel]
+        data = (await self._get([rel]))[rel]
         if data is None:
             raise ToolRefused(f"{rel}: not a regular file in the work dir (missing, a directory,"
                               " or a link: links are not followed)")
         return _decode(rel, data)
 
     def _render_exec(self, r: ExecResult, limit: float) -> str:
-        if r.timed_out or r.exit_code == 124:
+        if _timed_out(r, limit):
             status = f"timed out after {limit:g} s"
         else:
             status = f"exit code {r.exit_code}" + (" (out of memory)" if r.oom_killed else "")
@@ -267,143 +308,6 @@ class StandardTools:
                 cut = f" ({dropped} more bytes dropped)" if dropped else ""
                 parts.append(f"{name}{cut}:\n{_head_tail(text, half)}")
         return "\n".join(parts)
-
-
-def checked_path(path: str) -> str:
-    """``path`` as a clean relative path inside the work dir, or :class:`ToolRefused`."""
-    if "\x00" in path or not path.strip():
-        raise ToolRefused(f"bad path {path[:80]!r}")
-    rel = PurePosixPath(path)
-    if rel.is_absolute():
-        raise ToolRefused(f"{path[:200]}: absolute paths are refused (paths are relative to the"
-                          " work dir)")
-    if ".." in rel.parts:
-        raise ToolRefused(f"{path[:200]}: '..' is refused (paths stay inside the work dir)")
-    if len(path) > 4096 or any(len(p) > 255 for p in rel.parts):
-        raise ToolRefused("path too long")
-    if str(rel) == ".":
-        raise ToolRefused("a file path is needed")
-    return str(rel)
-
-
-# --------------------------------------------------------------------------- unified diffs
-
-
-@dataclass
-class Hunk:
-    old_start: int
-    lines: list[tuple[str, str]]  # (' ' | '-' | '+', text with its newline, if any)
-
-
-@dataclass
-class FilePatch:
-    path: str
-    old: bool  # False: --- /dev/null (a new file)
-    new: bool  # False: +++ /dev/null (a deletion)
-    hunks: list[Hunk]
-
-
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
-
-
-def parse_patch(text: str) -> list[FilePatch]:
-    """The files of a unified diff; :class:`ToolRefused` for anything else."""
-    lines = text.splitlines(keepends=True)
-    files: list[FilePatch] = []
-    i = 0
-    while i < len(lines):
-        if not lines[i].startswith("--- "):
-            if lines[i].startswith(("+++ ", "@@")):
-                raise ToolRefused(f"patch line {i + 1}: {lines[i][:4]!r} outside a file header")
-            i += 1  # diff --git, index, prose: skipped
-            continue
-        if i + 1 >= len(lines) or not lines[i + 1].startswith("+++ "):
-            raise ToolRefused(f"patch line {i + 1}: '---' must be followed by '+++'")
-        old, new = _header_path(lines[i]), _header_path(lines[i + 1])
-        if old is not None and new is not None and old != new:
-            raise ToolRefused(f"renames are refused ({old} -> {new})")
-        path = old or new
-        if path is None:
-            raise ToolRefused("a patch of /dev/null")
-        if any(f.path == path for f in files):
-            raise ToolRefused(f"{path}: twice in one patch")
-        i, hunks = _parse_hunks(lines, i + 2)
-        if not hunks:
-            raise ToolRefused(f"{path}: no hunks")
-        files.append(FilePatch(path, old is not None, new is not None, hunks))
-    if not files:
-        raise ToolRefused("no file headers (--- a/path, +++ b/path) in the patch")
-    return files
-
-
-def _header_path(line: str) -> str | None:
-    name = line[4:].rstrip("\n").split("\t", 1)[0].strip()
-    if name == "/dev/null":
-        return None
-    if name.startswith(("a/", "b/")):
-        name = name[2:]
-    return checked_path(name)
-
-
-def _parse_hunks(lines: list[str], i: int) -> tuple[int, list[Hunk]]:
-    hunks = []
-    while i < len(lines) and lines[i].startswith("@@"):
-        m = _HUNK.match(lines[i])
-        if not m:
-            raise ToolRefused(f"patch line {i + 1}: bad hunk header {lines[i][:60]!r}")
-        old_left = int(m.group(2) or 1)
-        new_left = int(m.group(4) or 1)
-        hunk = Hunk(int(m.group(1)), [])
-        i += 1
-        while old_left > 0 or new_left > 0:
-            if i >= len(lines):
-                raise ToolRefused("patch ends inside a hunk (its line counts are wrong)")
-            line = lines[i]
-            tag, body = (line[0], line[1:]) if line not in ("\n", "") else (" ", line)
-            if tag not in " -+":
-                raise ToolRefused(f"patch line {i + 1}: {line[:60]!r} inside a hunk")
-            if tag != "+":
-                old_left -= 1
-            if tag != "-":
-                new_left -= 1
-            if old_left < 0 or new_left < 0:
-                raise ToolRefused(f"patch line {i + 1}: more lines than the hunk header says")
-            hunk.lines.append((tag, body))
-            i += 1
-            if i < len(lines) and lines[i].startswith("\\"):  # \ No newline at end of file
-                hunk.lines[-1] = (tag, body.removesuffix("\n"))
-                i += 1
-        hunks.append(hunk)
-    return i, hunks
-
-
-def apply_hunks(path: str, text: str, hunks: list[Hunk]) -> str:
-    """``text`` with ``hunks`` applied exactly (see the module docstring)."""
-    lines = text.splitlines(keepends=True)
-    out: list[str] = []
-    pos = 0  # lines[:pos] are done
-    for n, hunk in enumerate(hunks, 1):
-        old = [body for tag, body in hunk.lines if tag != "+"]
-        new = [body for tag, body in hunk.lines if tag != "-"]
-        want = max(hunk.old_start - 1 if old else hunk.old_start, pos)
-        at = _find(lines, old, want, pos)
-        if at is None:
-            shown = "".join(old[:3])[:200]
-            raise ToolRefused(f"{path}: hunk {n} does not apply (no exact match of its "
-                              f"context and removed lines, starting {shown!r})")
-        out += lines[pos:at] + new
-        pos = at + len(old)
-    return "".join(out + lines[pos:])
-
-
-def _find(lines: list[str], block: list[str], want: int, start: int) -> int | None:
-    """The position >= ``start`` nearest ``want`` where ``block`` matches exactly."""
-    span = len(lines) - len(block)
-    for d in range(0, max(span - start, 0) + abs(want - start) + 1):
-        for at in {want - d, want + d}:
-            if start <= at <= span and lines[at:at + len(block)] == block:
-                return at
-    return None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -427,6 +331,62 @@ exec find "$cur" -mindepth 1 -maxdepth 3 \( -name .git -o -name __pycache__ \
 
 def _timeout(seconds: float) -> list[str]:
     return ["timeout", "-k", "1", f"{seconds:g}"]
+
+
+def _timed_out(r: ExecResult, limit: float) -> bool:
+    """Whether a command run under :func:`_timeout` ran out of time: the sandbox's deadline,
+    or ``timeout``'s, which exits 124 after SIGTERM and 137 after the SIGKILL a second later
+    (a command that ignores SIGTERM; a shell that does not pass it on). Those exit codes
+    before ``limit`` seconds are the command's own."""
+    return r.timed_out or (r.exit_code in (124, 137) and r.duration_s >= limit)
+
+
+async def _off_loop(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` in a worker thread: CPU work on the model's input (a patch, a test
+    report) never holds the event loop; ``work`` bounds itself with a deadline."""
+    return await trio.to_thread.run_sync(work, *args)
+
+
+def _patched(files: list[FilePatch], current: dict[str, bytes | None],
+             deadline: float) -> tuple[dict[str, bytes], list[str]]:
+    """What applying ``files`` to ``current`` writes and deletes (:class:`ToolRefused`)."""
+    writes: dict[str, bytes] = {}
+    deletes: list[str] = []
+    for f in files:
+        data = current[f.path] if f.old else None
+        text = _decode(f.path, data) if data is not None else ""
+        new = apply_hunks(f.path, text, f.hunks, deadline)
+        if f.new:
+            writes[f.path] = new.encode()
+        elif new:
+            raise ToolRefused(f"{f.path}: a deletion must remove every line")
+        else:
+            deletes.append(f.path)
+    return writes, deletes
+
+
+def _test_results(xml: bytes | None, output: str, budget: int,
+                  deadline: float) -> list[TestResult]:
+    """Each test's result: from the JUnit report where it has any, else pytest's summary."""
+    results = parse_junit(xml, budget, deadline) if xml is not None else None
+    return results or parse_summary(output, budget)
+
+
+def _checked_text(what: str, text: str) -> None:
+    """:class:`ToolRefused` for text no command can receive (a NUL, a lone surrogate)."""
+    try:
+        check_text(what, text)
+    except ValueError as exc:
+        raise ToolRefused(str(exc)) from None
+
+
+def _encoded(what: str, text: str) -> bytes:
+    """``text`` as UTF-8; :class:`ToolRefused` for a lone surrogate (valid JSON, no text)."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError as exc:
+        raise ToolRefused(f"{what}: not valid Unicode (a lone surrogate "
+                          f"U+{ord(text[exc.start]):04X} at character {exc.start})") from None
 
 
 def _decode(path: str, data: bytes) -> str:
