@@ -340,10 +340,13 @@ class Learner:
             log.error("learner step past its deadline", deadline_s=deadline, groups=groups,
                       policy_version=self.version, distributed=self.distributed)  # fmt: skip
 
+        async def run() -> T:
+            return await trio.to_thread.run_sync(work, abandon_on_cancel=False)
+
         async with trio.open_nursery() as nursery:
             if deadline > 0:
                 nursery.start_soon(watch)
-            result = await outcome.acapture(trio.to_thread.run_sync, work, abandon_on_cancel=False)
+            result = await outcome.acapture(run)  # its exception re-raised outside the nursery
             nursery.cancel_scope.cancel()
         if overdue:
             log.warning("overdue learner step finished", groups=groups,
