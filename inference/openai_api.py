@@ -65,7 +65,13 @@ from starlette.routing import Route
 from streamrl.inference.agent_sessions import Budget, Call, Session, Sessions
 from streamrl.inference.chat import tool_format
 from streamrl.inference.http import guard_connections
-from streamrl.inference.openai_chat import InvalidRequest, parse_messages, parse_reply, parse_tools
+from streamrl.inference.openai_chat import (
+    InvalidRequest,
+    Message,
+    parse_messages,
+    parse_reply,
+    parse_tools,
+)
 from streamrl.protocol.messages import MAX_NEW_TOKENS, Sampling
 
 log = structlog.get_logger()
@@ -139,6 +145,11 @@ def _value_problem(data: Any) -> str:
         elif isinstance(value, list):
             stack += [(v, depth + 1) for v in value]
     return ""
+
+
+def _messages_and_tools(body: dict[str, Any]) -> tuple[list[Message], list[dict[str, Any]]]:
+    """The request's messages and its tools, their schemas checked (in a worker thread)."""
+    return parse_messages(body.get("messages")), parse_tools(body.get("tools"))
 
 
 def _unsupported(param: str, why: str) -> InvalidRequest:
@@ -236,8 +247,7 @@ class Endpoint:
         if model != self.model_name:
             raise InvalidRequest(f"no model {model!r}; this endpoint serves {self.model_name!r}",
                                  code="model_not_found", param="model", status=404)
-        messages = parse_messages(body.get("messages"))
-        tools = parse_tools(body.get("tools"))
+        messages, tools = await trio.to_thread.run_sync(_messages_and_tools, body)
         choice = body.get("tool_choice", "auto") or "auto"
         if choice not in ("auto", "none"):
             raise _unsupported("tool_choice", "only 'auto' and 'none'")

@@ -160,6 +160,12 @@ def parse_tools(raw: Any) -> list[dict[str, Any]]:
         if not isinstance(params, dict):
             raise InvalidRequest(f"tools[{i}]: parameters must be a JSON schema object",
                                  code="invalid_tools", param="tools")
+        if not isinstance(fn.get("description", ""), str):
+            raise InvalidRequest(f"tools[{i}]: description must be a string",
+                                 code="invalid_tools", param="tools")
+        if _remote_ref(params):
+            raise InvalidRequest(f"tools[{i}]: only local $ref ('#...') in parameters",
+                                 code="invalid_tools", param="tools")
         try:
             tool = Tool.from_spec({"function": {**fn, "parameters": params}})
         except (ValueError, TypeError, KeyError, RecursionError) as exc:
@@ -167,6 +173,23 @@ def parse_tools(raw: Any) -> list[dict[str, Any]]:
                                  ) from None
         tools.append(tool.spec())
     return tools
+
+
+def _remote_ref(schema: Any) -> bool:
+    """Whether a ``$ref`` / ``$dynamicRef`` in ``schema`` points outside it (never fetched:
+    a validator would try to retrieve it when the model calls the tool)."""
+    stack = [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            refs = (value.get("$ref"), value.get("$dynamicRef"))
+            if any(r is not None and not (isinstance(r, str) and r.startswith("#"))
+                   for r in refs):
+                return True
+            stack += value.values()
+        elif isinstance(value, list):
+            stack += value
+    return False
 
 
 # ---------------------------------------------------------------------------- rendering

@@ -98,6 +98,12 @@ BAD: dict[str, tuple[str, bytes]] = {
                                                  _nested(5000).encode()),
     "a tool schema nested 400 levels": (CHAT, _chat(tools=[{"type": "function", "function": {
         "name": "f", "parameters": _deep_schema(400)}}])),
+    "a tool schema with a remote $ref": (CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            "a": {"$ref": "http://127.0.0.1:9/schema.json"}}}}}])),
+    "a tool description that is not a string": (CHAT, _chat(tools=[{"type": "function",
+                                                                     "function": {
+        "name": "f", "description": 5}}])),
     "stream_options not an object": (CHAT, _chat(stream=True, stream_options="yes")),
     "stream not a boolean": (CHAT, _chat(stream="yes")),
     "a lone surrogate in a message": (CHAT, _chat(messages=[{"role": "user",
