@@ -29,6 +29,7 @@ from streamrl.queues.acl import glob as _glob
 from streamrl.queues.client import RedisClient
 from streamrl.queues.operations import (
     Consume,
+    CountPending,
     CountReservations,
     DeleteFields,
     Follow,
@@ -55,17 +56,19 @@ from streamrl.queues.operations import (
 )
 
 ROLES = (
-    "scheduler", "generator", "executor", "verifier", "learner", "monitor", "archiver", "admin"
+    "scheduler", "generator", "executor", "verifier", "learner", "monitor", "archiver", "admin",
+    "autoscaler",
 )
 """The roles that get a user. ``monitor`` is what ``streamrl up`` does itself (progress,
 evaluation rounds, the final evaluation); ``archiver`` keeps every trajectory on disk
 (actors/archiver.py) through its own consumer groups; ``admin`` is the operator's, for
 ``streamrl status``, ``dlq``, ``replay`` and ``report`` on this run (runtime/auth.py
-``ops_url``)."""
+``ops_url``); ``autoscaler`` is KEDA's (deploy/kubernetes/keda.yaml): the pending counts of
+the scaled stages' groups, nothing else."""
 
-OPERATOR_ROLES = ("admin",)
-"""Roles of a person, not of a process of the run: no actor runs as one, and ``streamrl acl
-apply`` creates their user only where their password is set."""
+OPERATOR_ROLES = ("admin", "autoscaler")
+"""Roles of a person or of a service outside the run, not of a process of it: no actor runs
+as one, and ``streamrl acl apply`` creates their user only where their password is set."""
 
 
 FAILED = counter("failed:", prefix=True)
@@ -193,6 +196,9 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         ReadHash(FLEET),  # status: the executors' sandbox fleets
         ReadHash(HELD_BACK),  # status: curriculum domains held below a level, and why
     ),
+    # KEDA's ScaledObjects (deploy/kubernetes/keda.yaml): how many entries the generator,
+    # executor and verifier groups hold pending, to size each stage; nothing else
+    "autoscaler": (CountPending((N.TASKS, N.ROLLOUTS, N.EXECUTED)),),
 }
 """What each role does in Redis: the one table its ACL grants are derived from."""
 

@@ -197,6 +197,18 @@ class Observe(Op):
 
 
 @dataclass(frozen=True)
+class CountPending(Op):
+    """The pending-entry count of a consumer group on ``streams`` (XPENDING), for an
+    autoscaler outside the run (KEDA's redis-streams scaler, ``pendingEntriesCount``): no
+    entry, length, lag or other state of the streams, no other key."""
+
+    streams: tuple[str, ...]
+
+    def grants(self, layout: Layout) -> list[Grant]:
+        return [Grant(("xpending",), read=_streams(layout, self.streams))]
+
+
+@dataclass(frozen=True)
 class ReadRange(Op):
     """:func:`read_range` and :func:`latest_entries` of ``streams`` (no consumer group)."""
 

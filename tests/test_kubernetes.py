@@ -224,7 +224,11 @@ BREAKAGES: list[tuple[str, Callable[[Path], None], str]] = [
      "streamrl:{k8s}:s:executed"),
     ("lag mode: INFO is no role's",
      _yaml("keda.yaml", _lag_mode),
-     "user streamrl-k8s-admin (admin) may not send INFO"),
+     "user streamrl-k8s-autoscaler (autoscaler) may not send INFO"),
+    ("KEDA as the operator's admin",
+     _yaml("keda.yaml", lambda d: trigger(d, "generator").update(username="streamrl-k8s-admin")),
+     "user streamrl-k8s-admin (admin) may do more than KEDA needs: connect as "
+     "streamrl-k8s-autoscaler"),
     ("threshold at the stage's concurrency",
      _yaml("keda.yaml", lambda d: trigger(d, "executor").update(pendingEntriesCount="8")),
      "pendingEntriesCount 8 >= executor.concurrency 8: a replica never holds more than 8"),
@@ -250,9 +254,9 @@ BREAKAGES: list[tuple[str, Callable[[Path], None], str]] = [
      "'STREAMRL_PASSWORD_LEARNER']: an actor holds its own role's password"),
     ("a secret key the template lacks",
      _yaml("secrets.example.yaml", lambda d: doc(d, "Secret", "streamrl-passwords")[
-         "stringData"].pop("STREAMRL_PASSWORD_ADMIN")),
-     "TriggerAuthentication/streamrl-redis-admin: Secret 'streamrl-passwords' has no key "
-     "'STREAMRL_PASSWORD_ADMIN'"),
+         "stringData"].pop("STREAMRL_PASSWORD_AUTOSCALER")),
+     "TriggerAuthentication/streamrl-redis-autoscaler: Secret 'streamrl-passwords' has no key "
+     "'STREAMRL_PASSWORD_AUTOSCALER'"),
     ("a ConfigMap nobody generates",
      _yaml("scheduler.yaml", lambda d: container(d, "Deployment", "scheduler")["env"][0][
          "valueFrom"]["configMapKeyRef"].update(name="redis-url")),

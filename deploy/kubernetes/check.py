@@ -643,6 +643,11 @@ def _trigger_problems(cluster: Cluster, config: Config, stage: tuple[str, str],
             if not may(config, user_role, command, str(stream)):
                 problems.append(f"user {meta['username']} ({user_role}) may not send "
                                 f"{command.upper()} on {stream} (protocol/roles.py)")
+        if user_role != "autoscaler":
+            own = config.auth.user_of(config.run.name, "autoscaler")
+            problems.append(f"user {meta['username']} ({user_role}) may do more than KEDA "
+                            f"needs: connect as {own} (autoscaler: XPENDING of the scaled "
+                            f"groups only)")
         problems += _auth_problems(cluster, config, user_role, trigger)
     return problems + _address_problems(cluster, trigger)
 
