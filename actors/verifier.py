@@ -4,6 +4,15 @@ The domain's verifier scores every completion in [0, 1]; it never raises for wha
 wrote (a verifier bug is a handler failure: retried, then dead-lettered). Training groups go
 to the learner, held-out evaluation groups to the ``evals`` stream.
 
+A reward of 0 means the answer was judged wrong; a sample the domain could not judge (its
+``score`` raised :class:`~streamrl.domains.base.VerifierFailed`: a test script that wrote no
+reward, a crashed harness, a third-party scorer that raised) is no reward at all. Its group
+(training or held-out) is dead-lettered at once, without retries (:class:`Unjudged`, cause
+``unjudged``, the error naming each unjudged sample and why): never trained, its admission
+slot freed, counted against its domain (``count:failed:<d>:verifier:unjudged``: what
+``streamrl status``, the summary's ``domains`` and the quarantine read); a held-out group
+counts as lost in its round, not as a zero. ``streamrl replay show`` shows these groups.
+
 Every training group is counted per domain as resolved, and as trained if forwarded
 (``count:resolved:<domain>``, ``count:trained:<domain>``; the scheduler's adaptive share and
 in-flight caps read them, with or without dynamic sampling). Dynamic sampling
@@ -36,8 +45,16 @@ import trio
 
 from streamrl.actors.executor import from_outcome
 from streamrl.actors.scheduling import reward_counters
+from streamrl.domains.base import VerifierFailed
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import Executed, Trajectory, new_id, now
+from streamrl.protocol.messages import (
+    ExecOutcome,
+    Executed,
+    Sample,
+    Trajectory,
+    new_id,
+    now,
+)
 from streamrl.runtime.context import ActorContext, domain_item
 from streamrl.runtime.policies import Reject
 from streamrl.runtime.serve import Count, Output, Result
@@ -49,16 +66,39 @@ log = structlog.get_logger()
 SCORER_PRELOAD = (__name__,)  # what every scorer job needs imported (score_group's module)
 
 
-def score_group(executed_msgpack: bytes) -> list[float]:
-    """Every sample's reward (runs in a scorer worker process: :mod:`runtime.workers`)."""
+class Unjudged(Reject):
+    """A group with a sample its domain could not judge: dead-lettered at once, as
+    ``unjudged``."""
+
+    cause = "unjudged"
+
+
+def score_group(executed_msgpack: bytes) -> list[float | str]:
+    """Every sample's reward, or (a str) why its domain could not judge it
+    (:class:`VerifierFailed`). Runs in a scorer worker process (:mod:`runtime.workers`)."""
     executed = msgspec.msgpack.decode(executed_msgpack, type=Executed)
     domain, item = domain_item(executed.rollout.task)
     by_turns = getattr(domain, "score_episode", None)  # a reward that depends on the turns
-    return [
-        float(by_turns(item, sample.turns, from_outcome(outcome)) if by_turns and sample.turns
-              else domain.score(item, sample.text, from_outcome(outcome)))
-        for sample, outcome in zip(executed.rollout.samples, executed.outcomes, strict=True)
-    ]
+
+    def judge(sample: Sample, outcome: ExecOutcome) -> float | str:
+        try:
+            if by_turns and sample.turns:
+                return float(by_turns(item, sample.turns, from_outcome(outcome)))
+            return float(domain.score(item, sample.text, from_outcome(outcome)))
+        except VerifierFailed as exc:
+            return str(exc) or type(exc).__name__
+
+    samples, outcomes = executed.rollout.samples, executed.outcomes
+    return [judge(s, o) for s, o in zip(samples, outcomes, strict=True)]
+
+
+def judged(scores: list[float | str]) -> list[float]:
+    """The rewards of a group every sample of which was judged; else :class:`Unjudged`
+    naming each sample that was not, and why."""
+    unjudged = [f"sample {i}: {why}" for i, why in enumerate(scores) if isinstance(why, str)]
+    if unjudged:
+        raise Unjudged("; ".join(unjudged))
+    return [float(r) for r in scores]
 
 
 class Verifier:
@@ -85,11 +125,10 @@ class Verifier:
         domain_item(task)  # Reject here, not as a worker's failure, what can never be scored
         payload = msgspec.msgpack.encode(executed)
         if self.scorers is None:
-            rewards = await trio.to_thread.run_sync(score_group, payload)
+            scores = await trio.to_thread.run_sync(score_group, payload)
         else:
-            rewards = await self.scorers.run(
-                score_group, payload, deadline_s=self.score_timeout_s
-            )
+            scores = await self.scorers.run(score_group, payload, deadline_s=self.score_timeout_s)
+        rewards = judged(scores)
         log.info("verified", split=task.split, domain=task.domain, rewards=rewards)
         counts: list[Result] = []
         if task.split != "eval":

@@ -4,8 +4,13 @@ rescore, retrain or export them.
 - selection (:class:`Query`): stream entry id range (live), creation time range, domain,
   group mean reward range, policy version, episode ids; live entries and archived rows are
   merged and deduplicated by trajectory id (the archive is at-least-once);
-- ``show``: an episode turn by turn: the prompt, then per sample the model output, the
-  sandbox's exit code and stdout/stderr, the reward, the versions;
+- ``show``: an episode turn by turn: the prompt as the model saw it (the recorded prompt ids
+  decoded by the run's tokenizer: chat template, system prompt, worked examples, response
+  prefix; the item's own prompt, said so, where the tokenizer cannot be loaded), then per
+  sample the turn the domain ran and scored (a declared domain's ``response_prefix`` and
+  the model output), the sandbox's exit code and stdout/stderr, the reward, the versions; ``show`` and ``list``
+  (live) also give the groups the verifier could not judge (its ``unjudged`` dead letters:
+  never trained), marked with why and with no reward (:func:`select_unjudged`);
 - ``rescore``: the domain's verifier (as the code is now) run again on the recorded outputs
   and sandbox outcomes; prints every reward that changed (old -> new);
 - ``retrain``: one learner step reproduced: the weights of version N-1 (the base model for
@@ -36,7 +41,13 @@ import msgspec
 from streamrl.actors.archiver import COLUMNS, archive_dir, row, write_parquet
 from streamrl.config.schema import Config
 from streamrl.protocol import names as N
-from streamrl.protocol.messages import StepMetrics, Trajectory, bytes_to_floats, bytes_to_ids
+from streamrl.protocol.messages import (
+    Executed,
+    StepMetrics,
+    Trajectory,
+    bytes_to_floats,
+    bytes_to_ids,
+)
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import MessageError, decode
 from streamrl.queues.operations import read_range, resolve_payloads
@@ -91,9 +102,12 @@ class Query:
 class Found:
     stream: str
     entry_id: str
-    source: str  # "live" or "archive"
+    source: str  # "live", "archive", or "dead" (a group the verifier could not judge)
     trajectory: Trajectory
     payload: bytes
+    unjudged: str = ""
+    """Why the verifier could not judge the group (its dead letter's reason: each sample
+    and why); "": judged. An unjudged group's ``rewards`` are placeholders (0.0)."""
 
 
 async def select_live(client: RedisClient, names: N.Names, query: Query) -> list[Found]:
@@ -115,6 +129,29 @@ async def select_live(client: RedisClient, names: N.Names, query: Query) -> list
                 continue
             if query.matches(t):
                 out.append(Found(stream, entry_id, "live", t, r.payload))
+    return out
+
+
+async def select_unjudged(client: RedisClient, names: N.Names, query: Query) -> list[Found]:
+    """The groups the verifier could not judge (its dead letters of cause ``unjudged``,
+    :mod:`streamrl.actors.verifier`; never trained), oldest first, as trajectories with
+    placeholder rewards and the letter's reason in :attr:`Found.unjudged`."""
+    from streamrl.cli.dlq import Selection, full_payload, list_dead
+
+    out = []
+    for entry in await list_dead(client, names, Selection(stream=N.EXECUTED, error="^unjudged: ")):
+        try:
+            payload = await full_payload(client, names, entry)
+            executed = decode(payload, Executed)
+        except (LookupError, MessageError):
+            continue
+        t = Trajectory(id=executed.id, created_at=executed.created_at,
+                       policy_version=executed.policy_version, attempt=executed.attempt,
+                       rollout=executed.rollout, outcomes=executed.outcomes,
+                       rewards=[0.0] * len(executed.outcomes))
+        reason = entry.error.removeprefix("unjudged: ")
+        if query.matches(t) and query.in_id_range(entry.dead_id):
+            out.append(Found(N.EXECUTED, entry.dead_id, "dead", t, payload, reason))
     return out
 
 
@@ -160,15 +197,53 @@ async def select(
 # --------------------------------------------------------------------------- show
 
 
-def render_episode(f: Found) -> str:
+@dataclass(frozen=True)
+class Seen:
+    """What ``show`` needs to print what the model saw: the run's tokenizer (None: it could
+    not be loaded) and each declared domain's ``response_prefix``."""
+
+    tokenizer: Any = None
+    prefixes: dict[str, str] = field(default_factory=dict)
+
+
+def seen_in(config: Config) -> Seen:
+    """The tokenizer of ``model.spec`` (without the weights) and the domains' prefixes."""
+    from streamrl.learner.model import load_tokenizer, model_limits
+
+    try:
+        tokenizer = load_tokenizer(model_limits(config.model.spec)[0])
+    except (OSError, ValueError):  # the model is gone or the spec is wrong: said in show
+        tokenizer = None
+    prefixes = {name: d.prompt.response_prefix for name, d in config.domain.items()
+                if d.prompt.response_prefix}
+    return Seen(tokenizer, prefixes)
+
+
+def _prompt(t: Trajectory, seen: Seen | None) -> list[str]:
+    """The prompt's lines: the recorded prompt ids decoded (what the model saw), or the
+    item's own prompt without ``seen`` or a tokenizer."""
+    ids = bytes_to_ids(t.rollout.prompt_ids)
+    if seen is None:
+        return ["--- prompt", t.rollout.task.prompt]
+    if seen.tokenizer is None or not len(ids):
+        return ["--- prompt: the item's own (the model's tokenizer could not be loaded to "
+                "show the template it saw)", t.rollout.task.prompt]
+    return [f"--- prompt as the model saw it ({len(ids)} tokens)",
+            seen.tokenizer.decode(ids.tolist())]
+
+
+def render_episode(f: Found, seen: Seen | None = None) -> str:
+    """One episode as text; with ``seen`` (:func:`seen_in`) the prompt the model saw and each
+    turn as its domain ran it (the response prefix before the output)."""
     t = f.trajectory
     task = t.rollout.task
+    prefix = seen.prefixes.get(task.domain, "") if seen else ""
     lines = [
         f"episode {t.episode_id}  trajectory {t.id}  ({f.source} {f.stream} {f.entry_id})",
         f"domain {task.domain}  item {task.item_id}  split {task.split}  "
         f"policy v{t.policy_version}  task v{task.policy_version}  attempt {t.attempt}",
-        "--- prompt",
-        task.prompt,
+        *([f"unjudged (not trained): {f.unjudged}"] if f.unjudged else []),
+        *_prompt(t, seen),
     ]
     for i, (sample, outcome, reward) in enumerate(
         zip(t.rollout.samples, t.outcomes, t.rewards, strict=True)
@@ -178,21 +253,23 @@ def render_episode(f: Found) -> str:
         lines += [
             f"--- turn {i + 1}/{len(t.rollout.samples)}: sample {i}, weights "
             f"v{sample.weight_version}, {len(bytes_to_ids(sample.tokens))} tokens, "
-            f"finish {sample.finish_reason}",
-            *_turns(sample, task.episode.ended[i] if task.episode else ""),
+            f"finish {sample.finish_reason}"
+            + (f", after the response prefix {prefix!r}" if prefix else ""),
+            *_turns(sample, task.episode.ended[i] if task.episode else "", prefix),
             f"--- sandbox: exit {outcome.exit_code} in {outcome.duration_s:.2f}s"
             + (f" ({', '.join(flags)})" if flags else ""),
             "stdout: " + (outcome.stdout.rstrip() or "(empty)"),
             "stderr: " + (outcome.stderr.rstrip() or "(empty)"),
-            f"--- reward {reward:g}",
+            "--- unjudged" if f.unjudged else f"--- reward {reward:g}",
         ]
     return "\n".join(lines)
 
 
-def _turns(sample: Any, ended: str) -> list[str]:
-    """A single-turn sample's text, or every model turn and observation of a multi-turn one."""
+def _turns(sample: Any, ended: str, prefix: str = "") -> list[str]:
+    """A single-turn sample's text after the domain's response ``prefix`` (the turn it ran
+    and scored), or every model turn and observation of a multi-turn one."""
     if not sample.turns:
-        return [sample.text]
+        return [prefix + sample.text]
     lines = []
     for k, turn in enumerate(sample.turns, 1):
         lines += [f"--- model turn {k}/{len(sample.turns)}", turn.text]
@@ -216,6 +293,7 @@ class RewardChange:
 def rescore(found: Iterable[Found]) -> tuple[int, list[RewardChange]]:
     """(samples scored, rewards that differ) with the domains' verifiers as they are now."""
     from streamrl.actors.executor import from_outcome
+    from streamrl.domains.base import VerifierFailed
     from streamrl.runtime.context import domain_item
 
     scored, changes = 0, []
@@ -223,7 +301,10 @@ def rescore(found: Iterable[Found]) -> tuple[int, list[RewardChange]]:
         t = f.trajectory
         domain, item = domain_item(t.rollout.task)
         for i, (sample, outcome) in enumerate(zip(t.rollout.samples, t.outcomes, strict=True)):
-            new = float(domain.score(item, sample.text, from_outcome(outcome)))
+            try:
+                new = float(domain.score(item, sample.text, from_outcome(outcome)))
+            except VerifierFailed:  # the verifier as it is now cannot judge it: no reward
+                new = math.nan
             scored += 1
             if not math.isclose(new, t.rewards[i], abs_tol=1e-9):
                 changes.append(RewardChange(t.id, t.episode_id, i, t.rewards[i], new))
@@ -370,18 +451,23 @@ async def run_replay(
         ids = ledger_groups(config, args.step)
         query = replace(query, streams=(N.TRAJECTORIES,), trajectory_ids=frozenset(ids), limit=0)
     found = await select(live, names, query, use_archive)
+    if args.action in ("list", "show") and live is not None:
+        found += await select_unjudged(live, names, query)
     if args.action == "list":
         rows = [
             {"trajectory_id": f.trajectory.id, "episode_id": f.trajectory.episode_id,
              "source": f.source, "stream": f.stream, "entry_id": f.entry_id,
              "domain": f.trajectory.rollout.task.domain,
-             "policy_version": f.trajectory.policy_version, "rewards": f.trajectory.rewards}
+             "policy_version": f.trajectory.policy_version,
+             "rewards": None if f.unjudged else f.trajectory.rewards,
+             **({"unjudged": f.unjudged} if f.unjudged else {})}
             for f in found
         ]  # fmt: skip
         print(json.dumps(rows, indent=2))
         return 0
     if args.action == "show":
-        print("\n\n".join(render_episode(f) for f in found) or "no trajectory matches")
+        seen = seen_in(config) if found else None
+        print("\n\n".join(render_episode(f, seen) for f in found) or "no trajectory matches")
         return 0 if found else 1
     if args.action == "rescore":
         scored, changes = rescore(found)

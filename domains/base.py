@@ -16,7 +16,11 @@ Guarantees every domain keeps:
 - ``render_prompt`` uses the model's own chat template;
 - ``exec_request`` and ``score`` never raise for anything the model wrote: code that is
   missing, malformed, crashing or hanging, or an answer that is garbage, huge or hostile,
-  just scores low. ``score`` is in [0, 1].
+  just scores low. ``score`` is in [0, 1];
+- a reward of 0 means the answer was judged wrong. When the check itself fails (a test
+  script that writes no reward, a harness that crashed, a third-party scorer that raised),
+  ``score`` raises :class:`VerifierFailed` with the reason: the group is never trained on
+  it, and the failure counts against the domain (``actors/verifier.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,12 @@ import msgspec
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 T = TypeVar("T")
+
+
+class VerifierFailed(Exception):
+    """The verifier could not judge a completion (not: judged it wrong). Raised by a
+    domain's ``score`` (or ``score_episode``) with the reason; never for what the model
+    wrote. The verifier actor dead-letters the group at once under cause ``unjudged``."""
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 
 from streamrl.config.schema import DomainConfig, FewShot, PromptConfig
-from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN
+from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN, VerifierFailed
 from streamrl.domains.kinds import Record
 from streamrl.domains.template import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -320,8 +320,9 @@ class ReasoningGymDomain:
         try:
             answer = extract_answer(with_prefix(self.cfg.prompt, completion_text)[-100_000:])
             reward = float(scorer.score_answer(answer=answer, entry=entry))
-        except Exception:  # the verifier boundary: a scorer failure is a zero, not a crash
-            return 0.0
+        except Exception as exc:  # the verifier boundary: a scorer failure is typed, not a 0
+            raise VerifierFailed(f"{self.dataset}: score_answer raised "
+                                 f"{type(exc).__name__}: {exc}"[:300]) from exc
         return min(1.0, max(0.0, reward)) if reward == reward else 0.0
 
 

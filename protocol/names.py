@@ -79,10 +79,12 @@ def trained_counter(domain: str) -> str:
     return f"trained:{domain}"
 
 
-FAILURE_CAUSES = ("timeout", "crash", "error", "rejected", "output", "delivery_limit", "payload")
+FAILURE_CAUSES = ("timeout", "crash", "error", "rejected", "output", "delivery_limit", "payload",
+                  "unjudged")
 """Why a stage dead-lettered a group: its time limit or a scorer's deadline, a scorer process
 that died, any other handler failure (after the retries), refused by the handler (Reject),
-an output over the size limit, past the delivery limit, no usable payload."""
+an output over the size limit, past the delivery limit, no usable payload, the verifier
+could not judge a sample (``actors/verifier.py``: not a reward of 0)."""
 
 
 def failed_counter(domain: str, stage: str = "", cause: str = "") -> str:

@@ -38,7 +38,11 @@ class Unavailable(Retry):
 
 
 class Reject(Exception):
-    """Raised by a handler when the message can never succeed: it is dead-lettered at once."""
+    """Raised by a handler when the message can never succeed: it is dead-lettered at once,
+    its error ``<cause>: <reason>`` and its group counted under ``cause``
+    (:data:`streamrl.protocol.names.FAILURE_CAUSES`)."""
+
+    cause = "rejected"
 
 
 @dataclass(frozen=True)

@@ -252,7 +252,7 @@ class ActorRuntime:
                 with trio.fail_after(self.policies.time_limit_s):
                     return await self.actor.handle(message)
             except Reject as exc:
-                await self._dead_letter(delivery, f"rejected: {exc}", message, cause="rejected")
+                await self._dead_letter(delivery, f"{exc.cause}: {exc}", message, cause=exc.cause)
                 return None
             except Exception as exc:  # the retry policy turns failures into data
                 retry += 1

@@ -18,8 +18,11 @@ sandbox runs ``python3 -I .harbor_harness.py`` (:mod:`domains.kinds.harbor_harne
 the order of the steps and what they do and do not prevent is spelled out): the script in
 the staged environment; everything it left running killed; ``tests/`` staged fresh (never
 visible before) with a fresh reward location; ``test.sh``. Reward = the number in the
-reward file, clamped to [0, 1]; missing or garbage: 0; counted only from the harness's one
-line ``<nonce> <json>`` with exit code 0 and no timeout.
+reward file, clamped to [0, 1], counted only from the harness's one line ``<nonce> <json>``
+with exit code 0 and no timeout. A test.sh that ends without a readable reward (missing or
+garbage) is a failure of the verifier, not a 0 (``VerifierFailed``: the group is not
+trained); no report at all (the script killed the harness, the deadline) or a test.sh past
+its timeout scores 0.
 
 The process backend's root is read-only, so Harbor's absolute paths (``/tests``, ``/logs``,
 the agent's work dir ``workdir``, default ``/app``) are rewritten to the staged directories
@@ -39,11 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamrl.domains.base import SandboxSpec
+from streamrl.domains.base import SandboxSpec, VerifierFailed
 from streamrl.domains.fences import SHELL, block_or_text, fence
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
 from streamrl.domains.kinds.harness_host import (
+    check_harness,
     decode_report,
     harness_files,
     harness_request,
@@ -209,11 +213,22 @@ class Harbor:
         return [TestResult(name="test.sh", status=status, message=message[-500:])]
 
     def score(self, item: Record, completion: str, result: ExecResult | None) -> float:
+        """The reward test.sh wrote; 0 when the script left no trustworthy report (it killed
+        or stopped the harness, ran out of time or memory) or test.sh timed out (it runs the
+        model's programs). :class:`VerifierFailed` when test.sh ended and wrote no readable
+        reward, or the harness failed by itself: the check failed, not the answer."""
         report = self.report(item, completion, result)
-        reward = None if report is None else report.get("reward")
-        if not isinstance(reward, int | float) or isinstance(reward, bool):
+        if report is None:
+            check_harness(result)
             return 0.0
-        return min(1.0, max(0.0, float(reward))) if reward == reward else 0.0
+        reward, tests = report.get("reward"), report.get("tests")
+        if isinstance(reward, int | float) and not isinstance(reward, bool) and reward == reward:
+            return min(1.0, max(0.0, float(reward)))
+        if isinstance(tests, dict) and not tests.get("timed_out"):
+            tail = str(tests.get("stderr") or "").strip().splitlines()[-1:]
+            raise VerifierFailed(f"test.sh exited {tests.get('exit')} and wrote no readable "
+                                 "reward" + (f" (stderr: {tail[0][:200]})" if tail else ""))
+        return 0.0
 
 
 @kind("harbor")

@@ -17,7 +17,8 @@ The steps, in order (Harbor's trial: the agent, then the verifier):
 3. ``bash test.sh`` runs (cwd the work dir, a fresh HOME, ``PYTHONNOUSERSITE``) until it
    exits or ``test_timeout_s``; everything it left is killed;
 4. the reward is the number in ``logs/verifier/reward.txt`` (else ``reward.json``'s
-   ``reward``), read without following links, clamped to [0, 1]; missing or garbage: 0.
+   ``reward``), read without following links, clamped to [0, 1]; missing or garbage: null
+   (the host: the verifier failed, not a 0).
 
 Why the script cannot forge the reward: the tests and the nonce exist only in this
 process's memory until step 2, and this process is non-dumpable (no /proc access to its

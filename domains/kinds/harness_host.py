@@ -8,6 +8,11 @@ timeout, nothing dropped, and the nonce it expects. The nonce (:func:`report_non
 HMAC of the item id and the completion under ``$STREAMRL_VERIFY_KEY`` (one per deployment),
 or else under a digest of the item's hidden material; executor and verifier compute it
 alike, the model's code never sees it.
+
+:func:`harness_failure` tells a harness that failed by itself (a Python traceback, or it
+could not start) from a run that left no report for what the model's code did (the harness
+killed or stopped by it, the deadline, out of memory: those score 0). The model's code runs
+in the harness's children, on pipes of their own, so it cannot write the harness's stderr.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from streamrl.domains.base import VerifierFailed
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 KEY_ENV = "STREAMRL_VERIFY_KEY"
@@ -80,3 +86,29 @@ def decode_report(result: ExecResult | None, nonce: str, as_type: type[T]) -> T 
         return msgspec.json.decode(body, type=as_type)
     except msgspec.DecodeError:
         return None
+
+
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def harness_failure(result: ExecResult | None) -> str | None:
+    """Why the harness failed by itself (it raised: exit 1 and a traceback on its stderr; or
+    it could not be started: exit 126 or 127), else None."""
+    if result is None or result.timed_out or result.oom_killed:
+        return None
+    stderr = result.stderr.decode("utf-8", "replace")
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    if result.exit_code == 1 and _TRACEBACK in stderr and lines:
+        return f"the harness crashed: {lines[-1][:300]}"
+    if result.exit_code in (126, 127):
+        return f"the harness could not start (exit {result.exit_code}): " + (
+            lines[-1][:300] if lines else "no output")
+    return None
+
+
+def check_harness(result: ExecResult | None) -> None:
+    """:class:`~streamrl.domains.base.VerifierFailed` if the harness failed by itself
+    (:func:`harness_failure`): what a kind's ``score`` calls when it found no report."""
+    why = harness_failure(result)
+    if why is not None:
+        raise VerifierFailed(why)

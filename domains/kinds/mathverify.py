@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from streamrl.domains.base import NO_SANDBOX, SandboxSpec
+from streamrl.domains.base import NO_SANDBOX, SandboxSpec, VerifierFailed
 from streamrl.domains.kinds import Record, Verifier, kind
 from streamrl.domains.kinds.answers import check_options, final_answer
 from streamrl.sandbox.base import ExecRequest, ExecResult
@@ -45,6 +45,9 @@ class MathVerify:
         return None
 
     def score(self, item: Record, completion: str, result: ExecResult | None) -> float:
+        """1 if the final answer equals the reference, 0 if not (or none, or it does not
+        parse). :class:`VerifierFailed` if the reference itself does not parse or math-verify
+        raised: the check failed, not the answer."""
         from math_verify import parse, verify  # imported once per scorer process
 
         answer = final_answer(completion)
@@ -52,12 +55,16 @@ class MathVerify:
             return 0.0
         try:
             gold = parse(_as_latex(str(item.answer)), parsing_timeout=None)  # type: ignore[arg-type]
+            if not gold:
+                raise VerifierFailed(f"math-verify cannot parse the reference {item.answer!r}")
             got = parse(_as_latex(answer), parsing_timeout=None)  # type: ignore[arg-type]
-            if not gold or not got:
+            if not got:
                 return 0.0
             same = verify(gold, got, float_rounding=self.float_rounding, timeout_seconds=None)
-        except Exception:  # the verifier boundary: what math-verify chokes on scores 0
-            return 0.0
+        except VerifierFailed:
+            raise
+        except Exception as exc:  # the verifier boundary: math-verify's failure is typed
+            raise VerifierFailed(f"math-verify raised {type(exc).__name__}: {exc}"[:300]) from exc
         return 1.0 if same else 0.0
 
 

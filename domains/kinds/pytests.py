@@ -36,6 +36,7 @@ from streamrl.domains.fences import PYTHON_BLOCK
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
 from streamrl.domains.kinds.harness_host import (
+    check_harness,
     decode_report,
     harness_files,
     harness_request,
@@ -136,8 +137,11 @@ class PythonTests:
         return decode_report(result, self.nonce(item, completion), list[TestResult]) or []
 
     def score(self, item: Record, completion: str, result: ExecResult | None) -> float:
+        """The fraction of tests passed; 0 without a trustworthy report, unless the harness
+        failed by itself (``harness_host.check_harness``)."""
         results = self.test_results(item, completion, result)
         if not results:
+            check_harness(result)
             return 0.0
         return sum(r.status == "pass" for r in results) / len(results)
 

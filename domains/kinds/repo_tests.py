@@ -50,6 +50,7 @@ from streamrl.domains.fences import DIFF, fence
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
 from streamrl.domains.kinds.harness_host import (
+    check_harness,
     decode_report,
     harness_files,
     harness_request,
@@ -249,6 +250,11 @@ class RepoTests:
         return tests
 
     def score(self, item: Record, completion: str, result: ExecResult | None) -> float:
+        """The listed tests passed (all, or the fraction with ``partial``); 0 without a
+        trustworthy report, unless the harness failed by itself
+        (``harness_host.check_harness``)."""
+        if self.report(item, completion, result) is None:
+            check_harness(result)
         results = {r.name: r.status for r in self.test_results(item, completion, result)}
         f2p, p2p = self.ids(item)
         passed = sum(results.get(t) == "pass" for t in f2p + p2p)

@@ -34,6 +34,7 @@ from streamrl.domains.base import SandboxSpec
 from streamrl.domains.kinds import Record, TestResult, Verifier, kind
 from streamrl.domains.kinds.answers import check_options
 from streamrl.domains.kinds.harness_host import (
+    check_harness,
     decode_report,
     harness_files,
     harness_request,
@@ -137,8 +138,11 @@ class Stdio:
         return results if results is not None and len(results) == len(self.cases(item)) else []
 
     def score(self, item: Record, completion: str, result: ExecResult | None) -> float:
+        """The fraction (or all-or-nothing) of cases passed; 0 without a trustworthy report,
+        unless the harness failed by itself (``harness_host.check_harness``)."""
         results = self.test_results(item, completion, result)
         if not results:
+            check_harness(result)
             return 0.0
         passed = sum(r.status == "pass" for r in results)
         if self.all_or_nothing:

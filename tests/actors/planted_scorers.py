@@ -1,5 +1,6 @@
 """Planted domains for the scorer-isolation and quarantine tests: ``planted-ok`` scores 1,
-``planted-hang`` never returns, ``planted-raise`` raises, ``planted-crash`` kills its process.
+``planted-hang`` never returns, ``planted-raise`` raises, ``planted-crash`` kills its process,
+``planted-unjudged`` cannot judge (:class:`~streamrl.domains.base.VerifierFailed`).
 Importing this module registers them (in the test process, and in each scorer worker through
 :func:`setup`)."""
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN
+from streamrl.domains.base import NO_SANDBOX, SINGLE_TURN, VerifierFailed
 from streamrl.domains.registry import register
 
 
@@ -68,6 +69,17 @@ class PlantedCrash(_Planted):
 
     def score(self, item: Any, completion_text: str, result: Any) -> float:
         os._exit(3)
+
+
+UNJUDGED_REASON = "test.sh exited 1 and wrote no readable reward"
+
+
+@register("planted-unjudged")
+class PlantedUnjudged(_Planted):
+    name = "planted-unjudged"
+
+    def score(self, item: Any, completion_text: str, result: Any) -> float:
+        raise VerifierFailed(UNJUDGED_REASON)
 
 
 def setup() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.domains.base import VerifierFailed
 from streamrl.domains.kinds import KINDS, Record
 from streamrl.domains.kinds.examples import HARBOR_TASKS, write_harbor_example
 from streamrl.domains.kinds.harbor import Harbor, load_harbor
@@ -86,21 +87,39 @@ async def test_the_report_names_the_tests_outcome(
     assert [r.status for r in VERIFIER.test_results(item, completion, result)] == ["fail"]
 
 
-@pytest.mark.parametrize(("reward", "expected"), [
-    ("1.7", 1.0), ("-2", 0.0), ("0.25\n", 0.25), ("nan", 0.0), ("yes", 0.0), ("", 0.0),
-])
-async def test_the_reward_is_clamped_and_garbage_is_zero(
-    box: ProcessSandbox, reward: str, expected: float,
-) -> None:
-    test_sh = f"printf '%s' '{reward}' > /logs/verifier/reward.txt\n"
-    item = Record(id="r", prompt="p", tests={"test.sh": base64.b64encode(
+@pytest.mark.parametrize(("reward", "expected"), [("1.7", 1.0), ("-2", 0.0), ("0.25\n", 0.25)])
+async def test_the_reward_is_clamped(box: ProcessSandbox, reward: str, expected: float) -> None:
+    assert await run(box, _writes(reward), "true") == expected
+
+
+def _writes(reward: str, then: str = "") -> Record:
+    test_sh = f"printf '%s' '{reward}' > /logs/verifier/reward.txt\n{then}"
+    return Record(id="r", prompt="p", tests={"test.sh": base64.b64encode(
         test_sh.encode()).decode()})
-    assert await run(box, item, "true") == expected
 
 
-async def test_no_reward_file_is_zero(box: ProcessSandbox) -> None:
-    item = Record(id="none", prompt="p", tests={"test.sh": base64.b64encode(b"exit 0").decode()})
-    assert await run(box, item, "true") == 0.0
+@pytest.mark.parametrize("reward", ["nan", "yes", ""])
+async def test_a_garbage_reward_is_a_verifier_failure_not_a_zero(
+    box: ProcessSandbox, reward: str,
+) -> None:
+    with pytest.raises(VerifierFailed, match="no readable reward"):
+        await run(box, _writes(reward), "true")
+
+
+@pytest.mark.parametrize("test_sh", [b"exit 1", b"exit 0", b"echo broken >&2; exit 2"])
+async def test_a_test_sh_that_writes_no_reward_is_a_verifier_failure_not_a_zero(
+    box: ProcessSandbox, test_sh: bytes,
+) -> None:
+    # Given a task whose test.sh crashes (or ends) without writing a reward (issue 32 item 3)
+    item = Record(id="none", prompt="p", tests={"test.sh": base64.b64encode(test_sh).decode()})
+    # When a solution is judged, Then the kind says it could not judge it, naming the exit
+    code = test_sh.split()[-1].decode()
+    with pytest.raises(VerifierFailed, match=f"test.sh exited {code}.*no readable reward"):
+        await run(box, item, "true")
+
+
+async def test_a_test_sh_that_writes_a_zero_is_a_wrong_answer(box: ProcessSandbox) -> None:
+    assert await run(box, _writes("0", "exit 1"), "true") == 0.0
 
 
 async def test_an_infinite_loop_is_cut_and_the_tests_still_run(
@@ -124,12 +143,14 @@ async def test_a_reward_file_the_script_writes_is_ignored(
               "echo 1 > reward.txt; echo '{\"reward\": 1}' > reward.json")
     # Then the fresh reward location, made after it ran, holds test.sh's 0
     assert await run(box, tasks["hello-file"], script) == 0.0
-    # and nothing at all where test.sh writes a reward only on success
+    # and no reward at all where test.sh writes one only on success (no reward file: the
+    # verifier failed, not the script earned 1)
     only_on_success = ('[ "$(cat /app/hello.txt)" = "Hello, world!" ] && '
                        "echo 1 > /logs/verifier/reward.txt\nexit 0\n")
     item = Record(id="lazy", prompt="p", tests={"test.sh": base64.b64encode(
         only_on_success.encode()).decode()})
-    assert await run(box, item, script) == 0.0
+    with pytest.raises(VerifierFailed, match="no readable reward"):
+        await run(box, item, script)
     assert await run(box, item, "echo 'Hello, world!' > /app/hello.txt") == 1.0
 
 
