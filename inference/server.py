@@ -35,10 +35,12 @@ past them; the output is cut at the first match, its logprobs with it).
 
 from __future__ import annotations
 
+import signal
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -578,14 +580,24 @@ async def serve_model(
 
 def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: int,
                      weight_version: str, openai_port: int = 0, dtype: str = "float32") -> int:
-    """The ``streamrl serve-model`` command (blocks until interrupted)."""
+    """The ``streamrl serve-model`` command: serves until SIGINT (Ctrl-C, how ``streamrl up``
+    stops it) or SIGTERM, then shuts down cleanly and exits 0."""
     from streamrl.learner.model import resolve_model
 
     model_dir = resolve_model("smollm2-135m" if model == "smollm2" else model)
-    try:
-        trio.run(partial(serve_model, model_dir, host=host, port=port, max_batch=max_batch,
-                         threads=threads, weight_version=weight_version,
-                         openai_port=openai_port, dtype=dtype))
-    except KeyboardInterrupt:
-        return 130
+    trio.run(until_signalled, partial(
+        serve_model, model_dir, host=host, port=port, max_batch=max_batch, threads=threads,
+        weight_version=weight_version, openai_port=openai_port, dtype=dtype))
     return 0
+
+
+async def until_signalled(serve: Callable[..., Awaitable[None]]) -> None:
+    """Run ``serve`` (a ``task_status`` server) until SIGINT or SIGTERM, then cancel it."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(serve)
+            async for signum in signals:
+                log.info("stopping", signal=signal.Signals(signum).name)
+                nursery.cancel_scope.cancel()
+                break
+    log.info("stopped")
