@@ -103,11 +103,24 @@ def open_run_redis(config: Config) -> Iterator[Config]:
                 open_data_dir(data, config.run.redis_server, config.run.redis_allocator)
             )
         except FileNotFoundError as exc:
-            raise RedisUnreachable(f"run.redis_url is empty and {exc}: {NO_RUN_HINT}") from None
+            raise RedisUnreachable(
+                f"run.redis_url is empty and {exc}: {NO_RUN_HINT}{_runs_beside(config)}"
+            ) from None
         except (RuntimeError, TimeoutError) as exc:
             raise RedisUnreachable(f"the server over the run's data in {data}: {exc}") from None
         yield msgspec.structs.replace(config, run=msgspec.structs.replace(config.run,
                                                                           redis_url=url))
+
+
+def _runs_beside(config: Config) -> str:
+    """The runs of the embedded server beside this run's directory, as a hint (or "")."""
+    from streamrl.queues.server import has_data
+
+    found = sorted(p for p in config.run.path.parent.glob("*") if has_data(p / "redis"))
+    if not found:
+        return ""
+    listed = ", ".join(f"--config {p / 'config.json'}" for p in found[:5])
+    return f"; runs found in {config.run.path.parent}: {listed}"
 
 
 def run_ops_command(args: argparse.Namespace, config: Config) -> int:
