@@ -192,5 +192,13 @@ def tools_domain(domain: Any, cfg: DomainConfig) -> ToolDomain:
     from streamrl.domains.kinds.repo_tests import RepoTests
 
     if not isinstance(getattr(domain, "verifier", None), RepoTests):
+        if cfg.agent.command:
+            raise ValueError(f"only a declared domain of kind 'repo_tests' can be agent-driven "
+                             f"(agent.command: the agent works the item's repository through "
+                             f"the standard tools), not {_kind(cfg)}")
         raise ValueError("tools.enabled needs a declared domain of kind 'repo_tests'")
     return AgentDomain(domain, cfg) if cfg.agent.command else ToolDomain(domain, cfg)
+
+
+def _kind(cfg: DomainConfig) -> str:
+    return f"one of kind {cfg.kind!r}" if cfg.kind else "an installed domain"
