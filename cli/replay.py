@@ -8,9 +8,10 @@ rescore, retrain or export them.
   decoded by the run's tokenizer: chat template, system prompt, worked examples, response
   prefix; the item's own prompt, said so, where the tokenizer cannot be loaded), then per
   sample the turn the domain ran and scored (a declared domain's ``response_prefix`` and
-  the model output), the sandbox's exit code and stdout/stderr, the reward, the versions; ``show`` and ``list``
-  (live) also give the groups the verifier could not judge (its ``unjudged`` dead letters:
-  never trained), marked with why and with no reward (:func:`select_unjudged`);
+  the model output), the sandbox's exit code and stdout/stderr, the reward, the versions;
+  ``show`` and ``list`` (live) also give the groups the verifier could not judge (its
+  ``unjudged`` dead letters: never trained), marked with why and with no reward
+  (:func:`select_unjudged`);
 - ``rescore``: the domain's verifier (as the code is now) run again on the recorded outputs
   and sandbox outcomes; prints every reward that changed (old -> new);
 - ``retrain``: one learner step reproduced: the weights of version N-1 (the base model for

@@ -27,6 +27,7 @@ from streamrl.cli.replay import (
     render_episode,
     rescore,
     retrain,
+    seen_in,
     select,
 )
 from streamrl.domains import registry
@@ -133,7 +134,7 @@ async def test_archive_outlives_the_stream_and_replay_selects_shows_rescores_exp
             "--set", f"run.work_dir={tmp_path}"]
     shown = _cli("replay", "show", "--episode", a.episode_id, *base)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.strip() == text
+    assert shown.stdout.strip() == render_episode(one[0], seen_in(ctx.config))  # its tokenizer
     second = sorted(f.entry_id for f in everything if f.stream == N.TRAJECTORIES)[1]
     listed = _cli("replay", "list", "--stream", "trajectories", "--from-id", second, *base)
     assert [r["trajectory_id"] for r in json.loads(listed.stdout)] == [trajectories[1].id]
@@ -259,3 +260,51 @@ async def test_replay_selects_by_time_range_and_domain_live_and_from_the_archive
         assert await chosen(Query(until=t - 3600), *sources) == ["old"]
         assert await chosen(Query(domain="arith", since=t - 3600), *sources) == ["minute"]
         assert await chosen(Query(domain="code"), *sources) == []
+
+
+async def test_show_prints_the_prompt_the_model_saw_and_the_turn_the_domain_ran(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    from streamrl.domains.declared import declare_domains
+    from streamrl.learner.model import load_tokenizer, resolve_model
+    from streamrl.protocol.messages import Rollout, Sample, floats_to_bytes, ids_to_bytes
+    from tests.ops.helpers import outcome
+
+    # Given a declared code domain whose template has a system prompt and a response prefix
+    rows = tmp_path / "sq.jsonl"
+    rows.write_text(json.dumps({"id": "sq-1", "prompt": "Print the square of 7.",
+                                "tests": [{"input": "", "output": "49"}]}) + "\n")
+    declared = ["scheduler.eval_domains=['sq']", "domain.sq.kind='stdio'",
+                f"domain.sq.data='{rows}'", "domain.sq.split.by='none'",
+                "domain.sq.prompt.system='You write Python.'",
+                'domain.sq.prompt.response_prefix="```python\\n"']
+    cfg = config(tmp_path, redis_url, names.run, *declared)
+    declare_domains(cfg.domain)
+    domain = registry.get_domain("sq")
+    [item] = domain.load_items("eval")
+    prompt_ids = domain.render_prompt(item, load_tokenizer(resolve_model("tiny")))
+    # ... and a group of it, as the model wrote it: what follows the prefix
+    [group] = await _verified(executed("49", ["49"]))
+    task = msgspec.structs.replace(group.rollout.task, domain="sq", item_id="sq-1",
+                                   prompt=item.prompt)
+    sample = Sample(tokens=ids_to_bytes([5, 6]), logprobs=floats_to_bytes([-1.0, -1.0]),
+                    text="print(7 * 7)\n```", finish_reason="stop", weight_version=0)
+    rollout = msgspec.structs.replace(group.rollout, task=task, samples=[sample],
+                                      prompt_ids=ids_to_bytes(prompt_ids))
+    assert isinstance(rollout, Rollout)
+    shown = msgspec.structs.replace(group, rollout=rollout, outcomes=[outcome("49\n")],
+                                    rewards=[1.0])
+    await Producer(client, names).publish(N.TRAJECTORIES, [encode(shown)])
+    # When the operator shows it
+    sets = [a for s in [f"run.name={names.run}", f"run.redis_url={redis_url}",
+                        f"run.work_dir={tmp_path}", "model.spec=tiny", *declared]
+            for a in ("--set", s)]
+    done = _cli("replay", "show", "--source", "live", *sets)
+    assert done.returncode == 0, done.stderr[-2000:]
+    # Then the prompt is the template the model saw (system prompt, chat template, the
+    # prefix that opens its turn), and the turn is the script the sandbox ran
+    prompt = done.stdout.split("--- prompt", 1)[1].split("--- turn", 1)[0]
+    assert "You write Python." in prompt and "Print the square of 7." in prompt, prompt
+    assert prompt.rstrip().endswith("```python"), prompt
+    turn = done.stdout.split("--- turn 1/1", 1)[1].split("--- sandbox", 1)[0]
+    assert "```python\nprint(7 * 7)\n```" in turn, turn
