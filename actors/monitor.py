@@ -2,7 +2,9 @@
 
 The monitor consumes the ``evals`` stream with its own consumer group, as a handle-style
 actor of the runtime (each result is recorded, appended to ``evals.jsonl`` in the run
-directory, then acknowledged; what is not an evaluation result is dead-lettered) and follows
+directory, then acknowledged; what is not an evaluation result, or is one of a round the run
+never opened (its ``eval_round`` counter), is dead-lettered; a round whose every item was
+dead-lettered ends empty and is reported so) and follows
 the ``metrics`` event stream. It only reads; it never changes the pipeline. On a sharded
 run (``queues.shards``) it consumes the ``evals`` of every shard and its queue depths and
 dead-letter count are sums over the shards (:mod:`queues.stats`).
@@ -26,6 +28,7 @@ from streamrl.protocol.health import DomainHealth, domain_health
 from streamrl.protocol.messages import Executed, Rollout, StepMetrics, Task, Trajectory
 from streamrl.protocol.pipeline import Stall, assess_stall, lag_flag, pipeline_state
 from streamrl.queues.codec import DeadLetter, MessageError, decode
+from streamrl.queues.operations import read_counter
 from streamrl.queues.stats import GroupState, stream_length
 from streamrl.queues.streams import EventReader
 from streamrl.runtime.context import ActorContext
@@ -77,6 +80,34 @@ def _domain_means_text(means: dict[str, float]) -> str:
     return f"{len(means)} domains, lowest {low}; highest {high}"
 
 
+def _round_text(r: EvalRound) -> str:
+    """A completed round on the progress line: its mean at its first policy version, or,
+    with no result (every item dead-lettered), how many were lost."""
+    if r.rewards and r.versions:
+        return f"{r.mean:.2f}@v{min(r.versions)}"
+    return f"- (round {r.round}: all {r.lost} lost)"
+
+
+def lost_eval_task(raw: bytes) -> Task | None:
+    """The evaluation task a dead letter carries (of a round: ``eval_round >= 0``), or None
+    (undecodable, or anything else)."""
+    try:
+        letter = decode(raw, DeadLetter)
+        kind = _KIND_OF_STREAM.get(letter.stream)
+        message = decode(letter.payload, kind) if kind else None
+    except MessageError:
+        return None
+    if isinstance(message, Task):
+        task = message
+    elif isinstance(message, Rollout):
+        task = message.task
+    elif isinstance(message, (Executed, Trajectory)):
+        task = message.rollout.task
+    else:
+        return None
+    return task if task.split == "eval" and task.eval_round >= 0 else None
+
+
 def not_an_eval_result(traj: Trajectory) -> str | None:
     """Why ``traj`` cannot be recorded as a held-out result (None: it can)."""
     task = traj.rollout.task
@@ -104,7 +135,13 @@ class Summary(msgspec.Struct, kw_only=True):
     skipped_zero_variance: int = 0
     """Training groups the verifier skipped because their rewards were all equal (no GRPO
     signal; ``verifier.dynamic_sampling``, 0 without it). Groups generated for training =
-    ``trajectories`` + ``dropped_stale`` + this + dead-lettered ones."""
+    ``trajectories`` + ``dropped_stale`` + this + ``skipped_no_signal`` + dead-lettered ones."""
+    skipped_no_signal: int = 0
+    """Training groups the learner settled untrained because their whole batch had no
+    learning signal (every group's rewards equal): no step, no version was made of them."""
+    unjudged: int = 0
+    """Training groups the verifier could not judge (dead-lettered as ``unjudged``, also in
+    ``dead_letters`` and each domain's ``by_cause``): never trained, never a reward of 0."""
     dead_letters: int
     learner_step_seconds: float | None
     learner_busy_fraction: float | None
@@ -213,6 +250,7 @@ class Monitor:
         self.stall: Stall | None = None
         self.dead = 0
         self.zero_variance = 0
+        self.no_signal = 0
         self.health: dict[str, DomainHealth] = {}
         sched = ctx.config.scheduler
         self.trained_domains = list(sched.domains)
@@ -223,6 +261,7 @@ class Monitor:
         self._seen: set[tuple[int, str, str]] = set()  # (round, domain, item id) recorded
         self.trackers = Trackers([])  # open while the metrics are followed (config.tracking)
         self._tracked_rounds: set[int] = set()
+        self._opened = 0  # rounds the run opened (names.eval_round), as last read
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -244,10 +283,16 @@ class Monitor:
 
     async def refresh_domains(self) -> None:
         """Read every trained domain's figures (:mod:`streamrl.protocol.health`) and the
-        run's count of groups skipped for equal rewards."""
+        run's counts of groups skipped for equal rewards (the verifier's) and in batches
+        without signal (the learner's)."""
         self.health = await domain_health(self.ctx.client, self.ctx.names,
                                           self.trained_domains)
         self.zero_variance = await counted(self.ctx.client, self.ctx.names, "zero_variance")
+        self.no_signal = await counted(self.ctx.client, self.ctx.names, "no_signal")
+
+    def unjudged(self) -> int:
+        """Training groups the verifier could not judge (every trained domain's)."""
+        return sum(h.causes.get("verifier:unjudged", 0) for h in self.health.values())
 
     def forgetting(self) -> list[str]:
         """The eval-only domains flagged as forgetting so far."""
@@ -265,8 +310,17 @@ class Monitor:
         problem = not_an_eval_result(traj)
         if problem:
             raise Reject(f"not an evaluation result: {problem}")
+        if not await self.opened(traj.rollout.task.eval_round):
+            raise Reject(f"evaluation round {traj.rollout.task.eval_round} was never opened")
         self._record(traj, self._log_path)
         return []
+
+    async def opened(self, round_no: int) -> bool:
+        """Whether the run opened round ``round_no`` (the ``eval_round`` counter, incremented
+        before a round is published: read again only for a round past the last read)."""
+        if round_no >= self._opened:
+            self._opened = await read_counter(self.ctx.client, self.ctx.names.eval_round)
+        return 0 <= round_no < self._opened
 
     def _load_earlier(self, log_path: Path) -> None:
         """The rounds an earlier monitor of this run recorded (a resumed ``streamrl up``),
@@ -361,29 +415,15 @@ class Monitor:
         try:
             while True:
                 for _, raw in await reader.read():
-                    self.lose(raw)
+                    task = lost_eval_task(raw)
+                    if task is not None and await self.opened(task.eval_round):
+                        self.lose(task)
         finally:
             reader.close()
 
-    def lose(self, raw: bytes) -> bool:
-        """Count the held-out item a dead letter carries as lost (once; not if it was scored,
-        nor anything that is not an evaluation task of a round)."""
-        try:
-            letter = decode(raw, DeadLetter)
-            kind = _KIND_OF_STREAM.get(letter.stream)
-            message = decode(letter.payload, kind) if kind else None
-        except MessageError:
-            return False
-        if isinstance(message, Task):
-            task = message
-        elif isinstance(message, Rollout):
-            task = message.task
-        elif isinstance(message, (Executed, Trajectory)):
-            task = message.rollout.task
-        else:
-            return False
-        if task.split != "eval" or task.eval_round < 0:
-            return False
+    def lose(self, task: Task) -> bool:
+        """Count the held-out item of ``task`` (:func:`lost_eval_task`, in an opened round)
+        as lost, once; not if it was scored."""
         key = (task.eval_round, task.domain, task.item_id)
         if key in self._seen:
             return False
@@ -407,8 +447,8 @@ class Monitor:
         elapsed = time.monotonic() - self.started
         last = self.steps[-1] if self.steps else None
         rounds = self.completed_rounds()
-        evals = " ".join(f"{r.mean:.2f}@v{min(r.versions)}" for r in rounds[-4:]) or "-"
-        if rounds:
+        evals = " ".join(_round_text(r) for r in rounds[-4:]) or "-"
+        if rounds and rounds[-1].domain_means():
             evals += " (" + _domain_means_text(rounds[-1].domain_means()) + ")"
         recent = self.steps[-5:]
         reward = (  # no step yet: a dash, not "nan"
@@ -423,6 +463,8 @@ class Monitor:
             f"policy v{last.step if last else 0} | reward {reward} | "
             f"eval {evals} | {sps:.2f} samples/s | queues (lag+pending) {depth} | "
             f"dead {self.dead}"
+            + (f" | no signal {self.no_signal}" if self.no_signal else "")
+            + (f" | unjudged {n}" if (n := self.unjudged()) else "")
             + "".join(f" | {flag}" for q in self.queues if (flag := lag_flag(q)))
             + "".join(f" | forgetting: {d}" for d in self.forgetting())
             + (f" | {self.stall.describe()}" if self.stall else "")
@@ -461,6 +503,8 @@ class Monitor:
             reward_last_steps=statistics.fmean(s.reward_mean for s in steps[-k:]) if k else None,
             dropped_stale=steps[-1].dropped_stale if steps else 0,
             skipped_zero_variance=self.zero_variance,
+            skipped_no_signal=self.no_signal,
+            unjudged=self.unjudged(),
             dead_letters=self.dead,
             learner_step_seconds=statistics.median(s.step_seconds for s in steps)
             if steps

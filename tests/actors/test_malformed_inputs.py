@@ -15,6 +15,7 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode, encode
+from streamrl.queues.operations import increment
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from tests.actors.helpers import ONE_TINY_STEP, group
@@ -71,6 +72,7 @@ async def test_monitor_dead_letters_what_is_not_an_evaluation_result(
     )
     empty = msgspec.structs.replace(result, rewards=[])
     await Producer(client, names).publish(N.EVALS, [encode(train), encode(empty), encode(result)])
+    await increment(client, names.eval_round)  # round 0, opened by the run
     ctx = ActorContext(_config(tmp_path, redis_url, names.run), client, names)
     monitor = Monitor(ctx, tmp_path, eval_items=2)
 

@@ -18,6 +18,7 @@ from streamrl.protocol.messages import Sampling, StepMetrics
 from streamrl.protocol.quarantine import Why, quarantine
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import encode
+from streamrl.queues.operations import increment
 from streamrl.queues.payloads import REF_PREFIX
 from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 from streamrl.runtime.context import ActorContext
@@ -105,8 +106,10 @@ async def test_a_round_ends_when_its_other_items_were_dead_lettered(
 ) -> None:
     config = run_config(tmp_path, redis_url, names.run)
     monitor = Monitor(ActorContext(config, roles["monitor"], names), tmp_path, eval_items=3)
-    # Given a held-out round of three items: one scored, two dead-lettered on their way by
-    # the generator (a prompt too long for the model), one of them twice (a replayed letter)
+    # Given a held-out round the run opened, of three items: one scored, two dead-lettered on
+    # their way by the generator (a prompt too long for the model), one of them twice (a
+    # replayed letter)
+    await increment(client, names.eval_round)
     monitor._add(0, "m0", "math", [1.0], [0])
     lost = [make_task("math", MathItem(id=f"m{i}", prompt=f"{i} + 1?", answer=str(i + 1),
                                        kind="add"),

@@ -22,6 +22,7 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Trajectory
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import encode
+from streamrl.queues.operations import increment
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
@@ -103,6 +104,7 @@ async def test_the_monitor_tracks_steps_domains_and_rounds_in_every_backend(
         await Producer(roles["learner"], names).publish(
             N.METRICS, [_step(s, r) for s, r in ((1, 0.25), (2, 0.5), (3, 0.75))])
         await wait_until(lambda: len(monitor.steps) == 3)
+        await increment(client, names.eval_round)  # round 0, opened by the run
         await monitor.handle(_held_out(0, "arith", "a", 1.0, 2))
         await monitor.handle(_held_out(0, "math", "m", 0.5, 2))
         nursery.cancel_scope.cancel()

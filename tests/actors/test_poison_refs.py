@@ -22,6 +22,7 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import Rollout, StepMetrics
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode, encode
+from streamrl.queues.operations import increment
 from streamrl.queues.payloads import REF_PREFIX
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.serve import Output, serve_actor
@@ -216,7 +217,8 @@ async def test_poison_references_are_dead_lettered_by_the_monitor(
     client: RedisClient, names: N.Names, roles: dict[str, RedisClient], redis_url: str,
     tmp_path: Path,
 ) -> None:
-    # Given poison references in evals, then one evaluation result
+    # Given poison references in evals, then one evaluation result of the round the run opened
+    await increment(client, names.eval_round)
     planted = await _plant(client, roles["verifier"], names, N.EVALS)
     await roles["verifier"].call(roles["verifier"].sync.xadd, names.stream(N.EVALS),
                                  {b"d": encode(_eval_trajectory())})

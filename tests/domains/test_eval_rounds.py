@@ -33,6 +33,7 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import Executed, Rollout, Sample, Task, new_id, now
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
+from streamrl.queues.operations import increment
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 
@@ -72,7 +73,9 @@ def scripted(task: Task, version: int) -> Rollout:
 
 async def play_round(ctx: ActorContext, client: RedisClient, names: N.Names, round_no: int,
                      version: int, seen: int) -> tuple[list[Task], int]:
-    """Publish a held-out round; generate (scripted), execute and verify every task."""
+    """Open and publish a held-out round (as the scheduler does); generate (scripted),
+    execute and verify every task."""
+    assert await increment(client, names.eval_round) == round_no + 1
     published = await publish_eval_round(ctx, round_no, version)
     rows: Any = await client.call(client.sync.xrange, names.stream(N.TASKS))
     tasks = [decode(f[b"d"], Task) for _, f in rows[seen:]]

@@ -50,6 +50,7 @@ from streamrl.protocol.messages import (
 )
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode
+from streamrl.queues.operations import increment
 from streamrl.runtime.context import ActorContext
 from streamrl.runtime.workers import open_worker_pool
 from tests.actors.test_multiturn import Replica, entries
@@ -168,6 +169,7 @@ async def test_a_humaneval_round_through_the_real_actors_scores_every_item(
             await nursery.start(replica.serve, client, names)
         # When the scheduler's round publisher starts round 0
         with trio.fail_after(50):
+            await increment(client, names.eval_round)  # opened, as the scheduler does
             assert await publish_eval_round(ctx, 0, 0) == 4
             done = await monitor.wait_round(0)
         nursery.cancel_scope.cancel()
