@@ -102,8 +102,8 @@ async def still_queued(
     or delivered and not acknowledged (``queued.lua``, read-only, one call per shard)."""
     by_shard: dict[int | None, list[str]] = {}
     for qualified in entry_ids:
-        shard, _, eid = qualified.rpartition(":")
-        by_shard.setdefault(int(shard) if shard else None, []).append(eid)
+        prefix, _, eid = qualified.rpartition(":")
+        by_shard.setdefault(int(prefix) if prefix else None, []).append(eid)
     total = 0
     for shard, ids in by_shard.items():
         key = names.in_shard(shard).stream(stream)
