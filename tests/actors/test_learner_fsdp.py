@@ -1,11 +1,13 @@
 """The learner actor under torchrun with ``learner.parallelism = "fsdp"``: 2 gloo ranks, the
 model sharded; rank 0 publishes the gathered weights, which equal the single-process
 learner's on the same groups; the newest version holds the sharded checkpoint (older ones
-are pruned), and a single-process learner resumes from it."""
+are pruned), and a single-process learner resumes from it; a step whose ranks' micro-batches
+would take different forwards (the shared prefix on one rank only) finishes."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,9 +23,10 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import WeightsPublished
 from streamrl.protocol.names import Names
 from streamrl.queues.client import RedisClient
-from streamrl.queues.codec import decode
+from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
+from streamrl.testing.messages import make_trajectory
 from tests.actors.test_learner_torchrun import ROOT, _groups, _overrides
 
 
@@ -99,3 +102,51 @@ async def test_fsdp_learner_continues_a_run_saved_without_shards(
     after = load_file(tmp_path / "weights" / "v000003" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (tmp_path / "weights" / "v000003" / SHARDED_DIR).is_dir()
+
+
+async def _stop_torchrun(proc: trio.Process) -> None:
+    """SIGTERM, which torchrun passes to its workers (they run in sessions of their own),
+    then SIGKILL if it has not stopped them within a minute."""
+    proc.terminate()
+    with trio.move_on_after(60):
+        await proc.wait()
+        return
+    proc.kill()
+
+
+@pytest.mark.slow
+async def test_fsdp_learner_finishes_a_step_whose_ranks_differ_in_prefix(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
+) -> None:
+    # Given one group of 3 samples with a 20-token prompt and micro-batches of 2: rank 0's two
+    # rows share the prompt (the shared-prefix forward), rank 1's one row does not
+    group = make_trajectory(list(range(100, 120)), [[5, 6, 7], [8, 9], [10, 11, 12, 13]],
+                            [[-3.0] * 3, [-2.0] * 2, [-1.0] * 4], [1.0, 0.0, 0.5])  # fmt: skip
+    solo, multi = Names(names.run + "s"), Names(names.run + "f")
+    for run in (solo, multi):
+        await Producer(client, run).publish(N.TRAJECTORIES, [encode(group)])
+    settings = ["learner.groups_per_step=1", "learner.max_steps=1", "learner.micro_batch_size=2"]
+    solo_cfg = load_config(None, [*_overrides(solo.run, redis_url, tmp_path / "solo"), *settings])
+    with trio.fail_after(120):
+        await serve(ActorContext(solo_cfg, client, solo))
+    # When two FSDP ranks take the step (an overdue step is reported after 20 s)
+    overrides = [*_overrides(multi.run, redis_url, tmp_path / "multi"), *settings,
+                 "learner.parallelism=fsdp", "learner.step_deadline_s=20"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    output = tmp_path / "torchrun.log"
+    with output.open("wb") as out, trio.move_on_after(180) as deadline:
+        proc = await trio.run_process(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "-m", "streamrl.actors.learner", *[f"--set={o}" for o in overrides]],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, check=False,
+            deliver_cancel=_stop_torchrun,
+        )  # fmt: skip
+    # Then they finish it within the deadline, and publish the single process's weights
+    if deadline.cancelled_caught:
+        pytest.fail("the FSDP learner's ranks did not finish one step within 180 s: "
+                    + output.read_text()[-3000:])  # fmt: skip
+    assert proc.returncode == 0, output.read_text()[-3000:]
+    a = load_file(tmp_path / "solo" / "weights" / "v000001" / "model.safetensors")
+    b = load_file(tmp_path / "multi" / "weights" / "v000001" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
