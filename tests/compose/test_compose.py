@@ -147,14 +147,16 @@ class Cluster:
         }
 
     def groups(self) -> dict[str, tuple[int, int]]:
-        """stream -> (lag, pending) of its work group."""
+        """stream -> (lag, pending) of its work group (not the archiver's, beside it)."""
         out = {}
         for stream in N.WORK_STREAMS:
+            out[stream] = (0, 0)
             try:
                 for g in self.redis.xinfo_groups(self.names.stream(stream)):
-                    out[stream] = (int(g.get("lag") or 0), int(g["pending"]))
+                    if g["name"].decode() == N.GROUP_OF_STREAM[stream]:
+                        out[stream] = (int(g.get("lag") or 0), int(g["pending"]))
             except redis.ResponseError:
-                out[stream] = (0, 0)
+                pass
         return out
 
     def ledger(self) -> dict[str, int]:
