@@ -91,7 +91,7 @@ def open_run_redis(config: Config) -> Iterator[Config]:
     started over the run's data (``<run dir>/redis``) for the block and stopped after it.
     RedisUnreachable (saying what to give) when there is neither."""
     from streamrl.cli.status import RedisUnreachable
-    from streamrl.queues.server import open_data_dir
+    from streamrl.queues.server import DataDirBusy, open_data_dir
 
     if config.run.redis_url:
         yield config
@@ -106,6 +106,9 @@ def open_run_redis(config: Config) -> Iterator[Config]:
             raise RedisUnreachable(
                 f"run.redis_url is empty and {exc}: {NO_RUN_HINT}{_runs_beside(config)}"
             ) from None
+        except DataDirBusy as exc:  # `up` holds it, its server (re)starting
+            raise RedisUnreachable(f"{exc}, and no server answers there yet: try again in a "
+                                   "moment") from None
         except (RuntimeError, TimeoutError) as exc:
             raise RedisUnreachable(f"the server over the run's data in {data}: {exc}") from None
         yield msgspec.structs.replace(config, run=msgspec.structs.replace(config.run,

@@ -16,6 +16,11 @@ ports (before any actor, once each answers ``/health``) and points every generat
 With ``--max-minutes`` the run winds down by itself: admission stops, the learner stops,
 and a final held-out evaluation runs on the last policy version before everything is shut
 down. Ctrl-C (or SIGTERM) shuts down at once, without the final evaluation.
+
+The embedded server is kept up like a child: when it exits it is started again on its own
+data, with the same port and password (the actors ride it out on their reconnect policy).
+However ``up`` ends (its limit, a signal, a crash loop, an error of its own) it prints the
+summary, writes it to ``--summary-json``, and says how to look at the run afterwards.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -49,7 +54,13 @@ from streamrl.protocol.names import Names
 from streamrl.queues.acl import Credentials
 from streamrl.queues.client import RedisClient, RedisURL
 from streamrl.queues.operations import clear_flag, increment, set_flag
-from streamrl.queues.server import LOAD_TIMEOUT_S, ServerProcess, find_server_binary
+from streamrl.queues.server import (
+    LOAD_TIMEOUT_S,
+    DataDirBusy,
+    ServerProcess,
+    find_server_binary,
+    hold_data_dir,
+)
 from streamrl.queues.stats import group_state
 from streamrl.runtime.auth import (
     apply_role_users,
@@ -372,31 +383,53 @@ async def _open_redis(config: Config) -> AsyncIterator[str]:
     binary = find_server_binary(config.run.redis_server)
     server = ServerProcess(data_dir=config.run.path / "redis", binary=binary,
                            allocator=config.run.redis_allocator)
-    try:
-        server.start()
-        allocator = f", {server.preloaded} preloaded" if server.preloaded else ""
-        print(f"streamrl: embedded Redis ({binary}{allocator}) on 127.0.0.1:{server.port} "
-              "(AOF, password)", flush=True)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_serve_embedded, server)
-            yield server.url
-            nursery.cancel_scope.cancel()
-    finally:
-        server.stop()
+    with ExitStack() as held:
+        try:  # no second server over the run's data (an operator command's, another up's)
+            held.enter_context(hold_data_dir(server.data_dir))
+        except DataDirBusy as exc:
+            raise SystemExit(f"streamrl up: {exc}; start it again once that has ended") from None
+        try:
+            server.start()
+            allocator = f", {server.preloaded} preloaded" if server.preloaded else ""
+            print(f"streamrl: embedded Redis ({binary}{allocator}) on 127.0.0.1:{server.port} "
+                  "(AOF, password)", flush=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_serve_embedded, server)
+                yield server.url
+                nursery.cancel_scope.cancel()
+        finally:
+            server.stop()
 
 
-async def _serve_embedded(server: ServerProcess) -> None:
+async def _serve_embedded(server: ServerProcess, backoff: Backoff = RESTART_BACKOFF) -> None:
     """Whenever the embedded server exits (killed, crashed), start it again on its own data
-    with the same port and password: the actors ride it out on their reconnect policy, and
-    what the AOF holds (all but about the last second of writes) is kept."""
+    with the same port and password, after the children's backoff: the actors ride it out on
+    their reconnect policy, and what the AOF holds (all but about the last second of writes)
+    is kept. A server that exits ``CRASH_LOOP_EXITS`` times in a row, each within
+    ``CRASH_LOOP_S`` of starting, ends the run (SystemExit naming its log)."""
+    restarts = Retrying(backoff)
     while True:
         process = server.process
         assert process is not None
+        born = time.monotonic()
         code = await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
-        log.warning("embedded redis exited, restarting", code=code, data=str(server.data_dir))
+        if time.monotonic() - born >= CRASH_LOOP_S:
+            restarts.reset()  # it ran: a new failure, not a crash loop
+        delay = restarts.failed()
+        log_file = server.data_dir / "server.log"
+        if restarts.failures >= CRASH_LOOP_EXITS:
+            raise SystemExit(f"streamrl up: the embedded Redis exited {restarts.failures} "
+                             f"times in a row within {CRASH_LOOP_S:.0f} s of starting (last "
+                             f"exit code {code}); its log: {log_file}")
+        log.warning("embedded redis exited, restarting", code=code, log=str(log_file))
         print(f"streamrl: embedded Redis exited (code {code}); restarting it on its data in "
               f"{server.data_dir}", flush=True)
-        await trio.to_thread.run_sync(partial(server.start, timeout_s=LOAD_TIMEOUT_S))
+        await trio.sleep(delay)
+        try:
+            await trio.to_thread.run_sync(partial(server.start, timeout_s=LOAD_TIMEOUT_S))
+        except (RuntimeError, TimeoutError) as exc:  # it died starting: one more exit
+            log.warning("embedded redis did not start", error=str(exc)[-500:])
+            continue
         print(f"streamrl: embedded Redis is back on 127.0.0.1:{server.port}", flush=True)
 
 
@@ -618,4 +651,13 @@ def run_up(config: Config, *, max_minutes: float = 0.0, fresh: bool = False,
     """Run the pipeline until it ends; the summary is printed and written to
     ``summary_json`` however it ends (an error, a crash loop, a signal too)."""
     configure_logging(actor="supervisor", level="warning")
-    return trio.run(_up, config, max_minutes, fresh, summary_json)
+    try:
+        return trio.run(_up, config, max_minutes, fresh, summary_json)
+    except BaseExceptionGroup as group:  # a task's SystemExit (the server's crash loop): its words
+        exits, rest = group.split(SystemExit)
+        if exits is None or rest is not None:
+            raise
+        leaf: BaseException = exits
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        raise leaf from None

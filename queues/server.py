@@ -22,6 +22,7 @@ else as it is built; ``"libc"`` never preloads; a path preloads that library.
 from __future__ import annotations
 
 import ctypes.util
+import fcntl
 import functools
 import hashlib
 import os
@@ -248,11 +249,33 @@ def has_data(data_dir: Path) -> bool:
     return (data_dir / "server.conf").exists() and (data_dir / "appendonlydir").is_dir()
 
 
+class DataDirBusy(RuntimeError):
+    """Another process holds the data directory (:func:`hold_data_dir`)."""
+
+
+@contextmanager
+def hold_data_dir(data_dir: Path) -> Iterator[None]:
+    """This process's exclusive hold on ``data_dir`` for the block, so that no two servers
+    are ever started over the same data: an ``flock`` of its ``server.lock``, let go when the
+    block ends or the process does, however it ends. DataDirBusy when another process holds
+    it (``up`` running the run, or an operator command's server over it)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    with open(data_dir / "server.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DataDirBusy(f"the Redis data in {data_dir} is held by another process "
+                              "(`up` running this run, or an operator command)") from None
+        yield
+
+
 @contextmanager
 def open_data_dir(data_dir: Path, binary: str = "", allocator: str = "auto") -> Iterator[str]:
     """The URL of a server over the data in ``data_dir``: the one running there now (left
     running), else one started over it for the block (a new port and password, its AOF
-    loaded) and stopped after it. FileNotFoundError when ``data_dir`` holds no data."""
+    loaded; the data held, :func:`hold_data_dir`) and stopped after it. FileNotFoundError
+    when ``data_dir`` holds no data; DataDirBusy when another process holds it but no server
+    answers (``up`` starting or restarting its server)."""
     url = running_url(data_dir)
     if url is not None:
         yield url
@@ -260,10 +283,11 @@ def open_data_dir(data_dir: Path, binary: str = "", allocator: str = "auto") -> 
     if not has_data(data_dir):
         raise FileNotFoundError(f"no Redis data in {data_dir}")
     server = ServerProcess(data_dir, binary=find_server_binary(binary), allocator=allocator)
-    try:
-        yield server.start(timeout_s=LOAD_TIMEOUT_S).url
-    finally:
-        server.stop()
+    with hold_data_dir(data_dir):
+        try:
+            yield server.start(timeout_s=LOAD_TIMEOUT_S).url
+        finally:
+            server.stop()
 
 
 @contextmanager

