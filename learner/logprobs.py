@@ -79,7 +79,10 @@ def chunked_logprobs(
     enabled, the entropies only with ``entropy_grad`` (an entropy bonus)."""
     inv_t = 1.0 / temperature.to(device=hidden.device, dtype=torch.float32)
     lps, ents = [], []
-    for start in range(0, hidden.shape[0], chunk_tokens):
+    # at least one chunk, empty for no token: the (empty) result still depends on ``head``
+    # and ``hidden``, so a backward pass gives every parameter a zero gradient instead of
+    # failing, and a sharded model's ranks reduce the same gradients (learner.fsdp)
+    for start in range(0, max(hidden.shape[0], 1), chunk_tokens):
         part = slice(start, start + chunk_tokens)
         args = (head, transform, hidden[part], targets[part], inv_t[part], entropy_grad)
         if torch.is_grad_enabled():
@@ -88,7 +91,4 @@ def chunked_logprobs(
             lp, ent = _chunk(*args)
         lps.append(lp)
         ents.append(ent)
-    if not lps:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
-        return empty, empty
     return torch.cat(lps), torch.cat(ents)

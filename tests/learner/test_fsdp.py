@@ -64,6 +64,14 @@ PATTERN_CASES: dict[str, tuple[list[Trajectory], dict[str, Any]]] = {
                          [0.0, 1.0], temperature=0.7)],
         {"micro_batch_size": 2, "kl_coef": 0.1, "recompute_old_logprobs": True},
     ),
+    # rank 0's micro-batch has no token to train on (both its samples masked out, as an
+    # overlong filter or a turn mask leaves them): a zero gradient, not an error, on one rank
+    "no_token_on_one_rank": (
+        [make_trajectory([1, 2, 3], [[5, 6], [7, 8], [9, 10, 11], [12]],
+                         [[-1.0] * 2, [-2.0] * 2, [-3.0] * 3, [-0.5]], [1.0, 0.0, 0.0, 1.0],
+                         masks=[[0, 0], [0, 0], [1, 1, 1], [1]], temperature=0.7)],
+        {"micro_batch_size": 2},
+    ),
 }  # fmt: skip
 """Case name -> (the step's groups, TrainConfig fields besides ``lr``): batches whose ranks'
 micro-batches would not all take the same forward."""
