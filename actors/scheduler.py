@@ -316,9 +316,10 @@ class Scheduler:
                     await self.hold_back(name, climb, str(exc))
                     continue
                 self.orders[name] = self._order(name)
-                failed = getattr(get_domain(name), "generation_failures", lambda _: {})
+                failures = getattr(get_domain(name), "generation_failures", None)
+                failed = len(failures(climb.level)) if failures is not None else 0
                 log.info("curriculum level up", domain=name, level=climb.level,
-                         items=len(self.items[name]), failed_to_generate=len(failed(climb.level)))
+                         items=len(self.items[name]), failed_to_generate=failed)
 
     async def hold_back(self, name: str, climb: Climb, reason: str) -> None:
         """Keep ``name`` at the level below ``climb.level`` for the rest of the run, and say
