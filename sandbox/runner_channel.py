@@ -201,7 +201,8 @@ class RunnerChannel:
                     except (ValueError, KeyError, TypeError) as exc:
                         raise RunnerGone(f"malformed frame from the runner: {exc}") from exc
                     if len(buf) >= end:
-                        payload = bytes(buf[4 + size : end])
+                        with memoryview(buf) as view:  # (one copy of a large payload)
+                            payload = bytes(view[4 + size : end])
                         del buf[:end]
                         return header, payload
             chunk = await self._transport.receive()

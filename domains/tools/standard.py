@@ -248,13 +248,11 @@ class StandardTools:
         r = await self._exec(_timeout(limit) + argv)
         xml = (await self._get([report]))[report]
         await self._exec(["rm", "-f", "--", report])
-        output = _text(r.stdout) + _text(r.stderr)
         deadline = time.monotonic() + self.limits.host_timeout_s
-        results = await _off_loop(_test_results, xml, output, self.limits.message_chars,
-                                  deadline)
-        self.last_tests = list(results)
-        return render(results, r.exit_code, _timed_out(r, limit), clip(output, 2000, tail=True),
-                      self.limits.output_chars)
+        results, text = await _off_loop(_test_report, xml, r, _timed_out(r, limit),
+                                        self.limits, deadline)
+        self.last_tests = results
+        return text
 
     async def _tool_finish(self, summary: str = "") -> str:
         self.finished, self.summary = True, summary
@@ -365,11 +363,17 @@ def _patched(files: list[FilePatch], current: dict[str, bytes | None],
     return writes, deletes
 
 
-def _test_results(xml: bytes | None, output: str, budget: int,
-                  deadline: float) -> list[TestResult]:
-    """Each test's result: from the JUnit report where it has any, else pytest's summary."""
+def _test_report(xml: bytes | None, r: ExecResult, timed_out: bool, limits: ToolLimits,
+                 deadline: float) -> tuple[list[TestResult], str]:
+    """Each test's result (from the JUnit report where it has any, else pytest's summary)
+    and what the model reads of them."""
+    output = _text(r.stdout) + _text(r.stderr)
+    budget = limits.message_chars
     results = parse_junit(xml, budget, deadline) if xml is not None else None
-    return results or parse_summary(output, budget)
+    results = results or parse_summary(output, budget)
+    text = render(results, r.exit_code, timed_out, clip(output, 2000, tail=True),
+                  limits.output_chars)
+    return list(results), text
 
 
 def _checked_text(what: str, text: str) -> None:
