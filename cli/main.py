@@ -192,7 +192,8 @@ def _parser() -> argparse.ArgumentParser:
     serve_model = sub.add_parser(
         "serve-model", help="serve a model over the SGLang HTTP protocol subset (CPU)"
     )
-    serve_model.add_argument("--model", default="tiny", help="tiny, smollm2 or a HF directory")
+    serve_model.add_argument("--model", default="tiny", help="tiny, smollm2 (or smollm2-135m, "
+                                                             "as model.spec) or a HF directory")
     serve_model.add_argument("--host", default="127.0.0.1")
     serve_model.add_argument("--port", type=int, default=30000)
     serve_model.add_argument("--max-batch", type=int, default=32)

