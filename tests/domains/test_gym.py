@@ -23,9 +23,11 @@ from streamrl.domains.gym import ReasoningGymDomain
 from streamrl.domains.kinds import Record
 from streamrl.domains.registry import get_domain as scheduler_domain
 from streamrl.protocol import names as N
+from streamrl.protocol import roles
+from streamrl.queues.acl import role_url
 from streamrl.queues.client import RedisClient
 from streamrl.runtime.context import ActorContext
-from tests.helpers import run_config
+from tests.helpers import role_credentials, run_config
 
 
 def _gym(dataset: str, **kw: Any) -> ReasoningGymDomain:
@@ -300,12 +302,19 @@ async def test_a_domain_held_back_is_shown_by_status_with_why(
         "domain.rg-bits.curriculum.threshold=0.6", "domain.rg-bits.curriculum.min_groups=4",
     )
     declare_domains(config.domain)
-    scheduler = Scheduler(ActorContext(config, client, names))
+    credentials = {"scheduler": role_credentials(names)["scheduler"]}
+    await roles.apply_acls(client, names, credentials)  # the scheduler as its own ACL user
+    as_user = RedisClient(role_url(client.url.url, credentials["scheduler"]))
+    scheduler = Scheduler(ActorContext(config, as_user, names))
     groups, reward = reward_counters("rg-bits")
     # When its reward passes the threshold
     await client.call(client.sync.set, names.counter(groups), 4)
     await client.call(client.sync.set, names.counter(reward), 4000)
-    await scheduler.observe_curriculum()
+    try:
+        await scheduler.observe_curriculum()
+    finally:
+        as_user.close()
+        client.sync.execute_command("ACL", "DELUSER", credentials["scheduler"].user)
     # Then it stays at level 0, and status says so and why
     assert scheduler.climbs["rg-bits"].level == 0
     text = render(await snapshot(client, names, view=DomainView(known=("rg-bits",))))
