@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 import trio
@@ -42,7 +43,7 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import encode
 from streamrl.queues.streams import Producer
 from streamrl.sandbox import ProcessSandbox, opened
-from tests.actors.test_multiturn import Replica, ScriptedEngine, trajectory
+from tests.actors.test_multiturn import Replica, ScriptedEngine, entries, trajectory
 from tests.domains.test_kinds_repo_tests import SANDBOX_PYTEST
 from tests.up_run import run_up
 
@@ -174,6 +175,75 @@ async def test_repo_episode_with_tools_through_the_actors(
     batch = build_batch([traj], pad_id=0)
     assert int(batch.loss_mask.sum()) == sum(
         int(np.frombuffer(s.mask, np.uint8).sum()) for s in traj.rollout.samples)
+
+
+MISTAKES = [  # member 0: the mistakes models make (issue 32), then the fix
+    call("read_file", path="textkit") + call("write_file", path="notes.txt", content="\ud800")
+    + call("run", command="echo a\x00b") + call("apply_patch", patch="--- a/tests\n+++ b/tests\n"
+                                                 "@@ -1 +1 @@\n-x\n+y\n"),
+    call("run", command="chmod 555 textkit") + call("apply_patch", patch=ROW["solution"]),
+    call("run", command="chmod 755 textkit") + call("apply_patch", patch=ROW["solution"])
+    + call("run", command="trap '' TERM; sleep 30", timeout_s=1),
+    call("run_tests") + call("finish"),
+]
+
+
+@pytest.fixture
+def mistakes_domain(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[DomainConfig]:
+    """``[domain.repo_tools_test]`` with room for the mistakes (turns, tool calls)."""
+    write_rows(tmp_path / "data")
+    cfg = table(tmp_path / "data", max_tool_calls=20)
+    cfg = msgspec.structs.replace(cfg, max_turns=len(MISTAKES))
+    monkeypatch.delenv(ENV, raising=False)
+    declare_domains({NAME: cfg})
+    yield cfg
+    registry._factories.pop(NAME, None)
+    registry._instances.pop(NAME, None)
+
+
+async def test_a_models_mistakes_are_observations_through_the_actors(
+    client: RedisClient, names: N.Names, mistakes_domain: DomainConfig
+) -> None:
+    # Given a repository task whose member 0 reads a directory, writes a lone surrogate,
+    # runs a NUL, patches a directory, patches into a directory it made read-only, runs a
+    # command that ignores SIGTERM past its timeout, then fixes the bug; member 1 quits
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    engine = ScriptedEngine(tokenizer, lambda turn, pos: call("finish") if pos else
+                            MISTAKES[turn - 1])
+    sandboxes = Sandboxes("process")
+    executor = Executor(sandboxes, EpisodeSessions(sandboxes), {NAME: mistakes_domain})
+    replicas = [Replica(Generator(engine, tokenizer), "g"), Replica(executor, "e"),
+                Replica(Verifier(), "v")]
+    [item] = registry.get_domain(NAME).load_items("train")
+    # When the episode runs through the real actors
+    async with trio.open_nursery() as nursery:
+        for r in replicas:
+            await nursery.start(r.serve, client, names)
+        task = make_task(NAME, item, split="train", group_size=2,
+                         sampling=Sampling(max_new_tokens=256), version=0)
+        await Producer(client, names).publish(N.TASKS, [encode(task)])
+        traj = await trajectory(client, names)
+        nursery.cancel_scope.cancel()
+    await sandboxes.aclose()
+    # Then every mistake is an error observation, the fix earns its reward, nothing is
+    # dead-lettered
+    ep = traj.rollout.task.episode
+    assert ep is not None and ep.ended == ["done", "done"]
+    assert traj.rewards == [1.0, 0.0]
+    turns = traj.rollout.samples[0].turns
+    directory, surrogate, nul, patch_dir = turns[0].tools
+    assert all(r.error for r in turns[0].tools), turns[0].tools
+    assert "textkit: not a regular file" in directory.content
+    assert "not valid Unicode" in surrogate.content and "NUL" in nul.content
+    assert "tests: not a regular file" in patch_dir.content
+    chmod, read_only = turns[1].tools
+    assert not chmod.error and (not read_only.error or "Permission denied" in read_only.content)
+    _, fixed, stubborn = turns[2].tools
+    assert not fixed.error or "already" in fixed.content or "does not apply" in fixed.content
+    assert stubborn.content.startswith("timed out after 1 s"), stubborn
+    tests, _ = turns[3].tools
+    assert "passed" in tests.content and "FAIL" not in tests.content, tests.content
+    assert await entries(client, names, N.DEAD) == []
 
 
 def test_tools_table_is_checked_at_load() -> None:
