@@ -43,6 +43,7 @@ from streamrl.protocol.messages import (
     now,
 )
 from streamrl.protocol.staleness import StalenessPolicy
+from streamrl.protocol.versions import VersionFollower
 from streamrl.queues.streams import EventReader
 from streamrl.runtime.context import ActorContext, domain_item
 from streamrl.runtime.policies import Reject, Unavailable
@@ -195,36 +196,51 @@ async def serve_weight_updates(
     task_status: Any = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Load the current policy version, report ready, then follow every new version (and
-    advance ``gate`` to each version served)."""
+    advance ``gate`` to each version served). An event is a claim: one far ahead of the
+    run's chain of versions is refused (:mod:`protocol.versions`), and weights an event
+    names that cannot be loaded (no such path, not this model's weights) are logged while
+    the generator keeps serving the weights it has; it tries again on the next event (at
+    start, the newest of the last few events whose weights load)."""
     reader = EventReader(ctx.client, ctx.names, N.WEIGHTS, block_ms=ctx.config.queues.block_ms)
+    follower = VersionFollower()
     try:
-        event = await reader.latest_event(WeightsPublished)
-        if event is not None:
-            try:
-                await engine.update_weights(event.path, event.version)
-                log.info("weights loaded", policy_version=event.version)
-            except ServerUnavailable as exc:  # no server up yet: each loads it before work
-                log.warning("weights not loaded", policy_version=event.version, error=str(exc))
+        await follower.catch_up(reader)
+        for event in reversed(follower.taken[-3:]):
+            if await _load(engine, event, "weights loaded"):
+                break
         if gate is not None:
             gate.advance(engine.weight_version)
         task_status.started()
         while True:
-            events = await reader.read_events(WeightsPublished)
-            if events:
-                newest = max(events, key=lambda e: e.version)
-                if newest.version > engine.weight_version:
-                    try:
-                        await engine.update_weights(newest.path, newest.version)
-                    except ServerUnavailable as exc:
-                        # The version stays the target: each server loads it when it is back.
-                        log.warning("weights not loaded", policy_version=newest.version,
-                                    error=str(exc))
-                    else:
-                        log.info("weights updated", policy_version=newest.version)
-                    if gate is not None:  # a server that missed it loads it before work
-                        gate.advance(engine.weight_version)
+            taken = follower.take_all(await reader.read_events(WeightsPublished))
+            newest = max(taken, key=lambda e: e.version, default=None)
+            if newest is not None and newest.version > engine.weight_version:
+                await _load(engine, newest, "weights updated")
+                if gate is not None:  # a server that missed it loads it before work
+                    gate.advance(engine.weight_version)
     finally:
         reader.close()
+
+
+async def _load(engine: Engine, event: WeightsPublished, done: str) -> bool:
+    """Have ``engine`` serve ``event``'s weights; False if they could not be loaded (the
+    engine keeps the weights it serves). No server up (SGLang) counts as loaded: the
+    version stays the target, each server loads it when it is back."""
+    try:
+        await engine.update_weights(event.path, event.version)
+    except ServerUnavailable as exc:
+        log.warning("weights not loaded", policy_version=event.version, error=str(exc))
+    except Exception as exc:  # the event's path is a claim: what it names may be anything
+        from streamrl.inference.transformers_engine import EngineClosed  # loaded if raised
+
+        if isinstance(exc, EngineClosed):
+            raise
+        log.error("weights not loaded: keeping the weights served", policy_version=event.version,
+                  path=event.path[:300], serving=engine.weight_version, error=repr(exc)[:500])
+        return False
+    else:
+        log.info(done, policy_version=event.version)
+    return True
 
 
 def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextManager[Engine]:

@@ -81,6 +81,7 @@ from streamrl.protocol.admission import (
     staleness_room,
 )
 from streamrl.protocol.messages import Sampling, Task, WeightsPublished, new_id, now
+from streamrl.protocol.versions import VersionFollower
 from streamrl.queues.codec import encode
 from streamrl.queues.operations import increment, read_counter
 from streamrl.queues.shards import finish_counted, publish_counted_routed
@@ -247,9 +248,10 @@ async def publish_eval_entries(
     return ids
 
 
-async def latest_version(reader: EventReader) -> int:
-    latest = await reader.latest_event(WeightsPublished)
-    return latest.version if latest else 0
+async def latest_version(reader: EventReader, follower: VersionFollower | None = None) -> int:
+    """The policy version the run's weights events reach (:mod:`protocol.versions`: an event
+    far ahead of the chain of versions is refused); ``follower`` keeps following from it."""
+    return await (follower or VersionFollower()).catch_up(reader)
 
 
 class Scheduler:
@@ -455,7 +457,8 @@ class Scheduler:
         reader = EventReader(c.client, c.names, N.WEIGHTS, block_ms=c.config.queues.block_ms)
         try:
             await self.finish_admissions()
-            version = await latest_version(reader)
+            follower = VersionFollower()
+            version = await latest_version(reader, follower)
             next_eval = await self._eval_if_due(version, None)
             task_status.started()
             while True:
@@ -469,8 +472,8 @@ class Scheduler:
                 if count and await self.admit(count, version, admitted):
                     log.info("admitted", groups=count, policy_version=version)
                 # Wait for the next policy version (or re-check the backlog after block_ms).
-                for event in await reader.read_events(WeightsPublished):
-                    version = max(version, event.version)
+                follower.take_all(await reader.read_events(WeightsPublished))
+                version = follower.version
                 next_eval = await self._eval_if_due(version, next_eval)
         finally:
             reader.close()
