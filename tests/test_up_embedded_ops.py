@@ -30,8 +30,10 @@ def test_report_replay_status_and_dlq_open_a_finished_embedded_run(tmp_path: Pat
     run = ("--config", "configs/tiny.toml", "--set", "run.name=opsafter",
            "--set", f"run.work_dir={work}")
     up = _streamrl("up", *run, "--set", "run.redis_url=", "--set", "learner.max_steps=1",
-                   "--max-minutes", "3", timeout_s=300)
+                   "--max-minutes", "2", "--summary-json", str(tmp_path / "summary.json"),
+                   timeout_s=300)
     assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+    ended = json.loads((tmp_path / "summary.json").read_text())
     merged = work / "config.json"  # the merged config `up` writes for its actors
     # When the operator commands run on it, by the run's config and by its merged config
     report = _streamrl("report", "--config", str(merged), "--out", str(tmp_path / "report"))
@@ -44,7 +46,7 @@ def test_report_replay_status_and_dlq_open_a_finished_embedded_run(tmp_path: Pat
     assert show.returncode == 0, show.stderr
     assert show.stdout.startswith("episode "), show.stdout[:500]
     assert status.returncode == 0, status.stderr
-    assert json.loads(status.stdout)["policy_version"] == 1
+    assert json.loads(status.stdout)["policy_version"] == ended["policy_version"]
     assert dlq.returncode == 0, dlq.stderr
     assert isinstance(json.loads(dlq.stdout), list)
     # and the server each started over the run's data is gone again: the next one starts
