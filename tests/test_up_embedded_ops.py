@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.queues.server import hold_data_dir
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -65,3 +67,18 @@ def test_without_a_run_the_error_says_what_to_do(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert str(tmp_path / "none") in done.stderr
     assert "STREAMRL_REDIS_URL" in done.stderr and "--config" in done.stderr
+
+
+@pytest.mark.slow
+def test_up_refuses_a_run_whose_data_another_process_holds(tmp_path: Path) -> None:
+    # Given a run's data held by another process (an operator command's server over it)
+    work = tmp_path / "run"
+    with hold_data_dir(work / "redis"):
+        # When `up` is started on the run
+        up = _streamrl("up", "--config", "configs/tiny.toml", "--set", "run.name=held",
+                       "--set", "run.redis_url=", "--set", f"run.work_dir={work}",
+                       "--max-minutes", "1", timeout_s=300)
+    # Then it starts no second server over the data: it says why and exits non-zero
+    assert up.returncode != 0
+    assert "is held by another process" in up.stderr, up.stderr[-2000:]
+    assert "embedded Redis (" not in up.stdout
