@@ -254,13 +254,15 @@ def test_an_item_that_fails_to_generate_is_skipped_and_counted() -> None:
     assert domain.generation_failures(0) == {}
 
 
-def test_the_start_check_samples_every_level_and_says_what_failed() -> None:
-    # When up checks the declaration at start (its first CHECK_ITEMS items per level)
-    notes = _gym("tsumego", **TSUMEGO).check()
-    # Then each level whose sample lost an item says so (levels 1-3 here, not only level 0)
-    assert [n.split(":")[1].strip() for n in notes] == ["level 1", "level 2", "level 3"], notes
-    assert all("1 of its first 4 items failed to generate (skipped)" in n and
-               "Failed to generate a capture problem" in n for n in notes), notes
+def test_the_start_check_tries_every_level_and_says_what_failed() -> None:
+    # When up checks the declaration at start (at every level, items until one generates)
+    domain = _gym("tsumego", **TSUMEGO)
+    notes = domain.check()
+    # Then the level whose first item failed says so (level 3 here, past level 0)
+    assert notes == ["domain 'rg-tsumego': level 3: 1 of its first 2 items failed to generate "
+                     "(skipped): RuntimeError: Failed to generate a capture problem"], notes
+    assert [set(domain.generation_failures(level)) for level in range(4)] == [
+        set(), set(), set(), {0}]  # one item tried at each level but the last: cheap
 
 
 async def test_the_scheduler_takes_a_level_whose_items_partly_fail_to_generate(
