@@ -6,6 +6,14 @@ trained at, take one GRPO/PPO-clipped step, write the new weights
 as ``weights/v{step}`` (Hugging Face safetensors), then publish the ``weights`` event and
 the step's metrics and acknowledge the groups, in one atomic hand-off.
 
+A batch without learning signal (every group's rewards equal: every advantage zero; the
+trainer skips it, :attr:`learner.train.StepStats.skipped`) is no step: no version, no
+metrics, no checkpoint. Its groups are acknowledged and counted (``count:no_signal``: the
+summary's ``skipped_no_signal`` and the progress line), each freeing its admission slot
+(a count in admission's D), so the scheduler replaces them; every rank skips alike. With
+``learner.step_without_signal`` (wiring checks with a model that earns no reward) it is
+published anyway, its metrics marked ``no_signal``.
+
 Guarantees (exactly-once effect): every group that reaches the learner is trained exactly
 once, never partially, even across crashes of the learner or of Redis. The checkpoint of
 step N is the weights directory ``v{N}`` (with the AdamW state) plus the ledger line of
@@ -190,7 +198,9 @@ def follow(config: Config) -> int:
     optimizer = trainer.optimizer if config.learner.checkpoint_optimizer else None
     steps = 0
     while payloads := dist_util.broadcast_payloads(None):
-        trainer.step([decode(p, Trajectory) for p in payloads])
+        stats = trainer.step([decode(p, Trajectory) for p in payloads])
+        if stats.skipped and not config.learner.step_without_signal:
+            continue  # no signal: rank 0 publishes nothing, so takes no snapshot either
         if snapshot is not None:
             snapshot.take(trainer.model, optimizer, trainer.steps, rng_state())
         steps += 1
@@ -212,6 +222,7 @@ class Learner:
         self.trainer, self.version, self.resumed_optimizer = open_trainer(ctx.config)
         self.ledger = Ledger.open(self.root, self.version)
         self.dropped_stale = 0
+        self.no_signal = 0  # groups settled untrained: their batch had no learning signal
         self.snapshot: Snapshot | fsdp.ShardedSnapshot | None = None
         self.collecting = self.version
         """The version the batch being collected will be trained at."""
@@ -298,7 +309,10 @@ class Learner:
                 waited = time.monotonic() - t0
                 stats, batch = await self.batches.handle(collected, self._step, self._probe)
                 self.claimed -= {h.message.episode_id for h in collected if h not in batch}
-                if stats is None:  # every group of it dead-lettered: no step
+                skip = stats is not None and stats.skipped and not self.cfg.step_without_signal
+                if skip:  # no learning signal: its groups settled, no version
+                    await self._skip_no_signal(batch)
+                if stats is None or skip:  # every group dead-lettered, or no signal: no step
                     self.collecting -= 1
                     self._refill.set()
                     continue
@@ -423,6 +437,17 @@ class Learner:
             return False
         return True
 
+    async def _skip_no_signal(self, batch: Batch) -> None:
+        """Settle the groups of a batch without learning signal: acknowledged, counted in
+        ``no_signal`` once each, their admission slots freed; no version is made of them."""
+        for held in batch:
+            await self._settle(held, "no_signal", f"nosignal-{held.message.episode_id}",
+                               frees_slot=True)
+            self.claimed.discard(held.message.episode_id)
+        self.no_signal += len(batch)
+        log.info("no signal: no step", groups=len(batch), policy_version=self.version,
+                 reward_mean=[sum(h.message.rewards) / len(h.message.rewards) for h in batch])
+
     async def _settle(
         self, held: Held[Trajectory], counter: str, once: str, *, frees_slot: bool = False
     ) -> None:
@@ -492,6 +517,7 @@ class Learner:
             mismatch_ratio_min=stats.mismatch_ratio_min,
             mismatch_ratio_mean=stats.mismatch_ratio_mean,
             mismatch_ratio_max=stats.mismatch_ratio_max,
+            no_signal=stats.skipped,
         )
         path = await trio.to_thread.run_sync(self._checkpoint, record, metrics, state)
         if self.server_sync is not None:  # the servers on this version before it is announced
@@ -515,6 +541,7 @@ class Learner:
             mismatch_kl=round(stats.mismatch_kl, 6),
             mismatch_ratio=(round(stats.mismatch_ratio_min, 4), round(stats.mismatch_ratio_max, 4)),
             clip_frac=round(stats.clip_frac, 4),
+            no_signal=stats.skipped,
             step_s=round(stats.seconds, 2),
             wait_s=round(waited, 2),
         )

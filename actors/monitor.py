@@ -139,6 +139,9 @@ class Summary(msgspec.Struct, kw_only=True):
     skipped_no_signal: int = 0
     """Training groups the learner settled untrained because their whole batch had no
     learning signal (every group's rewards equal): no step, no version was made of them."""
+    published_without_signal: int = 0
+    """Groups of steps published without learning signal (``learner.step_without_signal``:
+    wiring checks only); counted in ``steps`` and ``trajectories`` too, they taught nothing."""
     unjudged: int = 0
     """Training groups the verifier could not judge (dead-lettered as ``unjudged``, also in
     ``dead_letters`` and each domain's ``by_cause``): never trained, never a reward of 0."""
@@ -289,6 +292,10 @@ class Monitor:
                                           self.trained_domains)
         self.zero_variance = await counted(self.ctx.client, self.ctx.names, "zero_variance")
         self.no_signal = await counted(self.ctx.client, self.ctx.names, "no_signal")
+
+    def published_without_signal(self) -> int:
+        """Groups of the steps the learner published without learning signal."""
+        return sum(s.groups for s in self.steps if s.no_signal)
 
     def unjudged(self) -> int:
         """Training groups the verifier could not judge (every trained domain's)."""
@@ -463,7 +470,8 @@ class Monitor:
             f"policy v{last.step if last else 0} | reward {reward} | "
             f"eval {evals} | {sps:.2f} samples/s | queues (lag+pending) {depth} | "
             f"dead {self.dead}"
-            + (f" | no signal {self.no_signal}" if self.no_signal else "")
+            + (f" | no signal {n}" if (n := self.no_signal + self.published_without_signal())
+               else "")
             + (f" | unjudged {n}" if (n := self.unjudged()) else "")
             + "".join(f" | {flag}" for q in self.queues if (flag := lag_flag(q)))
             + "".join(f" | forgetting: {d}" for d in self.forgetting())
@@ -504,6 +512,7 @@ class Monitor:
             dropped_stale=steps[-1].dropped_stale if steps else 0,
             skipped_zero_variance=self.zero_variance,
             skipped_no_signal=self.no_signal,
+            published_without_signal=self.published_without_signal(),
             unjudged=self.unjudged(),
             dead_letters=self.dead,
             learner_step_seconds=statistics.median(s.step_seconds for s in steps)

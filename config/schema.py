@@ -735,6 +735,14 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     checkpoint_optimizer: bool = True
     """Save the AdamW state with each version (only the newest keeps it; 2x the weights'
     size), so a restarted learner resumes with its moments instead of a fresh optimiser."""
+    step_without_signal: bool = False
+    """Publish a step even when no group of its batch has learning signal (every group's
+    rewards equal: every advantage zero): a version that learned nothing, marked so in its
+    metrics (the summary's ``published_without_signal``). Only for wiring checks with a
+    model that cannot earn a reward (configs/tiny.toml), where versions must flow. Off: such
+    a batch is no step (no version, no metrics); its groups are counted
+    (``count:no_signal``: the summary's ``skipped_no_signal``, the progress line) and free
+    their admission slots."""
     threads: NonNegInt = 1
     """torch threads in the learner process (0: torch's default)."""
     max_steps: NonNegInt = 0

@@ -2,9 +2,10 @@
 still enter it, read through the broker (:mod:`streamrl.queues.operations`).
 
 - :func:`admission_state`: training groups admitted so far, the stop flag, and D, the groups
-  that will never be trained (dropped as stale by the learner, skipped for zero reward
-  variance by the verifier where dynamic sampling is on, dead-lettered at any stage and not
-  requeued), each count summed over the shards. The scheduler admits group number k only
+  that will never be trained (dropped as stale by the learner, settled by it in a batch
+  without learning signal, skipped for zero reward variance by the verifier where dynamic
+  sampling is on, dead-lettered at any stage and not requeued), each count summed over the
+  shards. The scheduler admits group number k only
   while ``k < (V + max_staleness + 1) * groups_per_step + D`` (:func:`staleness_room`).
   Every count is written by the atomic hand-off that causes it, under its dedup key, so the
   bound holds across replays.
@@ -36,7 +37,8 @@ class AdmissionState:
     stopped: bool
     """The run's stop flag: no more training groups are admitted."""
     never_trained: int
-    """D: groups that freed their slot (stale drops, zero-variance skips, dead groups)."""
+    """D: groups that freed their slot (stale drops, batches without signal, zero-variance
+    skips, dead groups)."""
 
 
 async def admission_state(
@@ -46,7 +48,7 @@ async def admission_state(
     admitted = await read_counter(client, names.admitted)
     if await read_flag(client, names.stop):
         return AdmissionState(admitted, True, 0)
-    freed = ["dropped_stale", "zero_variance"] if dynamic_sampling else ["dropped_stale"]
+    freed = ["dropped_stale", "no_signal", *(["zero_variance"] if dynamic_sampling else [])]
     never = 0
     for layout in names.layouts():  # each shard's counters in its own slot
         keys = [layout.counter(name) for name in freed] + [layout.dead_groups]

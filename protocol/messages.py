@@ -249,6 +249,9 @@ class StepMetrics(Message, frozen=True, kw_only=True):
     mismatch_ratio_min: float = 1.0
     mismatch_ratio_mean: float = 1.0
     mismatch_ratio_max: float = 1.0
+    no_signal: bool = False
+    """No group of the step had learning signal (every reward of each group equal): the
+    version learned nothing (published only with ``learner.step_without_signal``)."""
 
 
 def training_task(message: msgspec.Struct) -> Task | None:

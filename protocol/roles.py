@@ -122,7 +122,8 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         ReadFlag(STOP),
         # the staleness bound's D (replaced drops, skips, dead groups), the domain shares
         # and their failed groups (quarantine)
-        ReadCounters((counter("dropped_stale"), DEAD_GROUPS, *SHARES, FAILED)),
+        ReadCounters((counter("dropped_stale"), counter("no_signal"), DEAD_GROUPS, *SHARES,
+                      FAILED)),
         # quarantine: a domain past its failure threshold, and the operator's lifts
         # (protocol/quarantine.py)
         ReadHash(QUARANTINE),
@@ -145,10 +146,11 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         ReadStored(CONTEXTS),
     ),
     "learner": (
-        # dropped_stale, duplicates_skipped: added by the hand-off that settles the group
+        # dropped_stale, duplicates_skipped, no_signal: added by the hand-off that settles
+        # the group
         consume(
             N.TRAJECTORIES, (N.WEIGHTS, N.METRICS),
-            (counter("dropped_stale"), counter("duplicates_skipped")),
+            (counter("dropped_stale"), counter("duplicates_skipped"), counter("no_signal")),
         ),
         # the last, part-filled step of a run with max_train_groups (protocol/admission.py):
         # admission closed and nothing left upstream
@@ -167,6 +169,7 @@ ROLE_OPS: dict[str, tuple[Op, ...]] = {
         Increment(EVAL_ROUND),
         Produce((N.TASKS,)),
         *DOMAIN_HEALTH,  # the summary's per-domain figures, dead letters and quarantine
+        ReadCounters((counter("no_signal"),)),  # the learner's batches without signal
     ),
     "archiver": (
         # its own group on both; acknowledges after the Parquet file is durable
