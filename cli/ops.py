@@ -145,6 +145,21 @@ def run_ops_command(args: argparse.Namespace, config: Config) -> int:
         return 2
 
 
+def broker_failure(exc: Exception, where: str) -> str:
+    """What an operator command's broker failure was, in a line: refused by the ACL (the
+    user lacks a permission: NOPERM), refused otherwise (an error reply), or Redis not
+    reached (connection, timeout)."""
+    import redis
+
+    text = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
+        return (f"refused by Redis's ACL at {where}: {text} (the run's admin user lacks a "
+                f"permission: `streamrl up` or `streamrl acl apply` creates it as needed)")
+    if isinstance(exc, redis.exceptions.ResponseError):
+        return f"refused by Redis at {where}: {text}"
+    return f"cannot reach Redis at {where}: {text}"
+
+
 def _run_connected(args: argparse.Namespace, config: Config) -> int:
     """``run_ops_command`` once ``config.run.redis_url`` names the run's server."""
     from streamrl.cli.status import RedisUnreachable, ops_client
@@ -187,12 +202,8 @@ def _run_connected(args: argparse.Namespace, config: Config) -> int:
                 lambda: run_domains(client, names, args.action, args.names, as_json=args.json)
             )
     except BrokerError as exc:  # unreachable, refused, not Redis: say so, briefly
-        print(
-            f"streamrl {args.command}: cannot reach Redis at "
-            f"{RedisURL(config.run.redis_url).redacted}: "
-            f"{type(exc).__name__}: {exc}",
-            file=sys.stderr,
-        )
+        where = RedisURL(config.run.redis_url).redacted
+        print(f"streamrl {args.command}: {broker_failure(exc, where)}", file=sys.stderr)
         return 2
     finally:
         client.close()
