@@ -65,7 +65,8 @@ async def test_an_unjudged_group_is_dead_lettered_once_counted_and_never_trained
 ) -> None:
     # Given an admitted training group the domain cannot judge, its held-out twin, and a
     # group of a domain that judges
-    train, held_out, good = _executed(UNJUDGED), _executed(UNJUDGED, "eval"), _executed("planted-ok")
+    train, held_out = _executed(UNJUDGED), _executed(UNJUDGED, "eval")
+    good = _executed("planted-ok")
     await client.call(client.sync.sadd, names.admitted_groups, train.episode_id)
     # When the verifier serves them
     runtime = await _verify(client, names, [train, held_out, good])
