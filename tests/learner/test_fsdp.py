@@ -200,6 +200,9 @@ def test_fsdp_step_whose_ranks_differ_in_prefix_finishes_and_equals_one_process(
     assert got["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-5)
     assert got["kl_ref"] == pytest.approx(stats.kl_ref, rel=1e-5, abs=1e-9)
     assert_same_weights(got["state"], single.model.state_dict())
+    # and the step moved the weights
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(load_model(tiny_dir).state_dict()[name], got["state"][name])
 
 
 def test_each_rank_holds_half_of_the_parameters(two_ranks: Path, tiny_dir: Path) -> None:
