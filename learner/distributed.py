@@ -21,8 +21,9 @@ Design (one reader, many trainers):
   every rank, which keeps the replicas identical;
 - only rank 0 writes the ledger, the weights and the optimiser state, and publishes.
 
-No FSDP: the model, its gradients and AdamW state must fit on one device. Everything here
-is a no-op in a single process without a process group (the Trainer then does not wrap).
+Under DDP the model, its gradients and AdamW state must fit on one device (``parallelism =
+"fsdp"`` shards them: :mod:`learner.fsdp`, the same batch split and padding passes). Everything
+here is a no-op in a single process without a process group (the Trainer then does not wrap).
 """
 
 from __future__ import annotations
