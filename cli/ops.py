@@ -149,13 +149,13 @@ def broker_failure(exc: Exception, where: str) -> str:
     """What an operator command's broker failure was, in a line: refused by the ACL (the
     user lacks a permission: NOPERM), refused otherwise (an error reply), or Redis not
     reached (connection, timeout)."""
-    import redis
+    from streamrl.queues.operations import AclRefused, BrokerRefused
 
     text = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, redis.exceptions.NoPermissionError) or "NOPERM" in str(exc):
+    if isinstance(exc, AclRefused) or "NOPERM" in str(exc):
         return (f"refused by Redis's ACL at {where}: {text} (the run's admin user lacks a "
                 f"permission: `streamrl up` or `streamrl acl apply` creates it as needed)")
-    if isinstance(exc, redis.exceptions.ResponseError):
+    if isinstance(exc, BrokerRefused):
         return f"refused by Redis at {where}: {text}"
     return f"cannot reach Redis at {where}: {text}"
 

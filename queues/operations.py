@@ -385,6 +385,11 @@ def grants_of(ops: Iterable[Op], layouts: Iterable[Layout]) -> list[Grant]:
 
 BrokerError = redis.RedisError
 """Any failure of a broker call that outlived the reconnect window (unreachable, refused)."""
+BrokerRefused = redis.ResponseError
+"""A :data:`BrokerError` that is Redis's answer (an error reply: a refused or failed command),
+not a failure to reach it."""
+AclRefused = redis.exceptions.NoPermissionError
+"""A :data:`BrokerRefused` of the ACL: the user lacks a permission (``NOPERM``)."""
 
 
 def _str(value: object) -> str:
