@@ -226,3 +226,30 @@ async def test_health_and_other_sessions_answer_while_a_large_prompt_is_tokenize
         assert gated.held_until_released is True
         assert answers[0].json()["error"]["code"] == "context_length_exceeded"
         nursery.cancel_scope.cancel()
+
+
+async def test_an_error_of_ours_is_a_logged_500_with_a_body_and_records_nothing(
+        served: Served) -> None:
+    # Given an engine call that fails once with an error that is no engine failure (a bug)
+    generate = served.sessions.generate
+    failures = [KeyError("a bug of ours")]
+
+    async def failing_once(batch: list[list[int]], sampling: Sampling, session: str) -> Any:
+        if failures:
+            raise failures.pop()
+        return await generate(batch, sampling, session)
+
+    served.sessions.generate = failing_once
+    # When the client asks
+    with capture_logs() as logs:
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as http:
+            r = await http.post(CHAT, content=_chat())
+    # Then it is a 500 with an OpenAI error body, the traceback is in the log, nothing recorded
+    assert r.status_code == 500, r.text[:300]
+    assert r.json()["error"]["type"] == "server_error"
+    assert any(e.get("status") == 500 and e.get("exc_info") for e in logs), logs
+    assert served.sessions.get("s").calls == []
+    # and the session answers the next call
+    answer = await trio.to_thread.run_sync(_ask, f"{served.url}/sessions/s/v1")
+    assert answer.choices[0].finish_reason in ("stop", "length")
+    assert len(served.sessions.get("s").calls) == 1
