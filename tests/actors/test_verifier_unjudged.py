@@ -7,9 +7,12 @@ runtime and verifier, real scorer processes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import trio
 
 from streamrl.actors.executor import to_outcome
+from streamrl.actors.monitor import Monitor
 from streamrl.actors.scheduler import make_task
 from streamrl.actors.verifier import SCORER_PRELOAD, Verifier
 from streamrl.protocol import names as N
@@ -19,12 +22,14 @@ from streamrl.protocol.messages import Executed, Rollout, Sample, Sampling, new_
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
+from streamrl.runtime.context import ActorContext
 from streamrl.runtime.policies import Policies, RetryPolicy
 from streamrl.runtime.serve import ActorRuntime, RuntimeSettings
 from streamrl.runtime.workers import open_worker_pool
 from streamrl.testing.wait import wait_until
 from tests.actors import planted_scorers
 from tests.actors.planted_scorers import UNJUDGED_REASON, PlantedItem
+from tests.helpers import run_config
 
 UNJUDGED = "planted-unjudged"
 
@@ -61,7 +66,7 @@ async def _verify(client: RedisClient, names: N.Names, groups: list[Executed]) -
 
 
 async def test_an_unjudged_group_is_dead_lettered_once_counted_and_never_trained(
-    client: RedisClient, names: N.Names
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:
     # Given an admitted training group the domain cannot judge, its held-out twin, and a
     # group of a domain that judges
@@ -87,6 +92,14 @@ async def test_an_unjudged_group_is_dead_lettered_once_counted_and_never_trained
     assert (health.resolved, health.trained, health.scored) == (1, 0, 0)
     assert int(await client.call(client.sync.get, names.dead_groups) or 0) == 1
     assert await counted(client, names, N.failed_counter(UNJUDGED, "verifier", "unjudged")) == 1
+    # and the run's summary and progress line say so
+    config = run_config(tmp_path, redis_url, names.run, f'scheduler.domains=["{UNJUDGED}"]')
+    monitor = Monitor(ActorContext(config, client, names), tmp_path, eval_items=1)
+    await monitor.refresh_domains()
+    summary = monitor.summary(names.run)
+    assert summary.unjudged == 1
+    assert summary.domains[UNJUDGED]["dead_letters"]["by_cause"] == {"verifier:unjudged": 1}
+    assert "| unjudged 1" in monitor.progress_line()
 
 
 async def test_replay_show_names_the_unjudged_group_and_why(
