@@ -5,13 +5,17 @@
 -- KEYS[1]    input stream
 -- KEYS[2..]  for each hand-off with k > 0 outputs, c > 0 counters, s > 0 stores or d > 0
 --            deletes, in order: its dedup key, then its k output streams (may repeat), its c
---            counter keys, its s hash keys, its d keys to delete
+--            counter keys, its s hash keys, its d keys to delete, then (shape -2) the set
+--            of open tickets
 -- ARGV[1]    consumer group of the input stream
 -- ARGV[2]    dedup key TTL in seconds
 -- ARGV[3..]  for each hand-off, in order: entry id, its shape, its k payloads (field "d"),
 --            its c increments (INCRBY, one per counter key), then for each hash key: field,
 --            value, TTL in seconds (HSET, EXPIRE). The shape is k alone when c = s = d = 0
---            (the common hand-off: two header arguments), else -1, k, c, s, d
+--            (the common hand-off: two header arguments), else -1, k, c, s, d, or -2, k, c,
+--            s, d, ticket: then its counters are added only if the ticket is in the set of
+--            open tickets (SISMEMBER: a group never admitted, or settled already, counts
+--            nothing; its outputs are published all the same)
 --
 -- A hand-off with none of those is only acknowledged (no dedup key). One whose dedup key
 -- exists (its outputs were published by an earlier delivery) publishes, counts, stores and
@@ -55,13 +59,17 @@ end
 while a_at <= n_args do
   local id = ARGV[a_at]
   local k = tonumber(ARGV[a_at + 1])
-  local c, s, d = 0, 0, 0
+  local c, s, d, o = 0, 0, 0, 0
+  local ticket = nil
   if k < 0 then
+    if k == -2 then
+      ticket, o = ARGV[a_at + 6], 1
+    end
     k = tonumber(ARGV[a_at + 2])
     c = tonumber(ARGV[a_at + 3])
     s = tonumber(ARGV[a_at + 4])
     d = tonumber(ARGV[a_at + 5])
-    a_at = a_at + 6
+    a_at = a_at + 6 + o
   else
     a_at = a_at + 2
   end
@@ -78,7 +86,10 @@ while a_at <= n_args do
         local added = redis.pcall('XADD', KEYS[k_at + j], '*', 'd', ARGV[a_at + j - 1])
         if failed(added, dedup) then return added end
       end
-      for j = 1, c do
+      -- a hand-off with a ticket counts only if the ticket is open
+      local counting = not ticket
+        or redis.call('SISMEMBER', KEYS[k_at + k + c + s + d + 1], ticket) == 1
+      for j = 1, (counting and c or 0) do
         local counted = redis.pcall('INCRBY', KEYS[k_at + k + j], ARGV[a_at + k + j - 1])
         if failed(counted, dedup) then return counted end
       end
@@ -87,7 +98,7 @@ while a_at <= n_args do
       end
       published = published + 1
     end
-    k_at = k_at + 1 + k + c + s + d
+    k_at = k_at + 1 + k + c + s + d + o
     a_at = a_at + k + c + 3 * s
   end
   ids[#ids + 1] = id

@@ -117,6 +117,7 @@ class Consume(Op):
             Grant(("smove",), rw=(tickets, record[0])),
             Grant(("hset",), write=(record[1],)),
             Grant(("srem",), rw=(tickets,)),
+            Grant(("sismember",), read=(tickets,)),  # a hand-off counting only an open one
         ]
         if self.outputs:
             grants.append(Grant(("set",), write=(*dedup, *out_blobs)))

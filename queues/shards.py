@@ -195,14 +195,16 @@ class ShardedConsumer:
 
     # ------------------------------------------------------------------ finishing
     async def complete(self, handoff: Handoff) -> None:
-        """The hand-off, in the entry's shard (dedup key, outputs and counters moved there)."""
+        """The hand-off, in the entry's shard (dedup key, outputs and counters moved there;
+        ``counts_if_open`` checked in that shard's open tickets)."""
         shard, consumer, eid = self._split(handoff.entry_id)
         dedup, outs = self._localize(shard, handoff.dedup_id, handoff.outputs)
         counters = self._localize_counters(shard, handoff.counters)
         local = self.names.in_shard(shard)
         stores = [(local.localize(k), f, v) for k, f, v in handoff.stores]
         deletes = [local.localize(k) for k in handoff.deletes]
-        await consumer.complete(Handoff(eid, dedup, outs, counters, stores, deletes))
+        await consumer.complete(Handoff(eid, dedup, outs, counters, stores, deletes,
+                                        counts_if_open=handoff.counts_if_open))
 
     async def read_stored(self, entry_id: str, key: str, fields: list[str]) -> list[bytes | None]:
         """:meth:`StreamConsumer.read_stored` in the entry's shard (``key`` moved there)."""

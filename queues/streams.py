@@ -102,6 +102,11 @@ class Handoff:
     deletes: Sequence[str] = ()
     """Keys deleted (DEL) in the same script as the outputs, under the same dedup key (the
     stored context of an episode that ends with this hand-off); same slot."""
+    counts_if_open: str | None = None
+    """A ticket: the ``counters`` are added only if it is open
+    (:attr:`queues.keys.Layout.open_tickets`, checked in the same script), so an entry whose
+    ticket was never opened (forged) or is settled already counts nothing; the outputs are
+    published all the same."""
 
 
 @dataclass(frozen=True)
@@ -473,8 +478,11 @@ class StreamConsumer:
                         keys.append(stream)
                         args.append(payload)
                 continue
-            args += (h.entry_id, -1, len(h.outputs), len(h.counters), len(h.stores),
-                     len(h.deletes))  # fmt: skip
+            checked = h.counts_if_open is not None and bool(h.counters)
+            args += (h.entry_id, -2 if checked else -1, len(h.outputs), len(h.counters),
+                     len(h.stores), len(h.deletes))  # fmt: skip
+            if checked:
+                args.append(h.counts_if_open)
             keys.append(h.dedup_id)
             for stream, payload in h.outputs:
                 keys.append(stream)
@@ -486,6 +494,8 @@ class StreamConsumer:
                 keys.append(key)
                 args += (name, value, ttl)
             keys += h.deletes
+            if checked:
+                keys.append(self.names.open_tickets)
         if self.client.cluster is not None:  # redis-py routes it (and follows MOVED)
             return self._handoff_batch(keys=keys, args=args)  # type: ignore[no-any-return]
         reply: list[int] = run_script(self._handoff_batch, self.client.sync, keys, args)

@@ -61,7 +61,9 @@ class Output:
 class Count:
     """A handler's result that adds ``n`` to the run's counter ``name``
     (:meth:`protocol.names.Names.counter`) with the hand-off: in the same script as its
-    outputs and under the same dedup key, so a replayed hand-off counts once."""
+    outputs and under the same dedup key, so a replayed hand-off counts once. The counts of
+    a training group's hand-off are added only while the group is in the admission record
+    (``Handoff.counts_if_open``): a group the run never admitted (forged) counts nothing."""
 
     name: str
     n: int = 1
@@ -229,6 +231,7 @@ class ActorRuntime:
                 [(names.counter(r.name), r.n) for r in results if isinstance(r, Count)],
                 wire.stores,
                 wire.deletes,
+                counts_if_open=admitted_group(self.consumer, message),
             )
             try:
                 await self.consumer.complete(handoff)
@@ -286,6 +289,15 @@ class ActorRuntime:
     ) -> None:
         await dead_letter(self.consumer, self.actor.stage, delivery, reason, message, cause=cause)
         self._dead += 1
+
+
+def admitted_group(consumer: Consumer, message: Message) -> str | None:
+    """The training group whose admission ``message``'s counts depend on (its episode id),
+    on the training path; None elsewhere (an evaluation item, the ``evals`` stream)."""
+    if consumer.stream_name == N.EVALS:
+        return None
+    task = training_task(message)
+    return None if task is None else task.episode_id
 
 
 def failure_cause(exc: BaseException) -> str:
