@@ -78,8 +78,7 @@ log = structlog.get_logger()
 replace = msgspec.structs.replace
 
 SNAPSHOT_ARGV = ["tar", "-czf", "-", "."]
-RESTORE_FILE = ".streamrl-restore.tgz"
-RESTORE_ARGV = ["sh", "-c", f"tar -xzf {RESTORE_FILE} && rm -f {RESTORE_FILE}"]
+RESTORE_ARGV = ["tar", "-xzf", "-"]  # the snapshot on stdin: nothing to write in the work dir
 LOST = ExecOutcome(exit_code=None, stdout="", stderr="sandbox session lost (no snapshot)",
                    timed_out=False, oom_killed=False, duration_s=0.0)
 
@@ -286,8 +285,7 @@ class EpisodeSessions:
         else:
             if not snapshot:
                 raise LostSession(f"member {member}: no snapshot of turn {turn - 1}")
-            result = await held.session.run(
-                ExecRequest(argv=RESTORE_ARGV, files={RESTORE_FILE: snapshot}))
+            result = await held.session.run(ExecRequest(argv=RESTORE_ARGV, stdin=snapshot))
             if not result.ok:
                 raise LostSession(f"member {member}: restore failed: {result.stderr[-300:]!r}")
             self.restored += 1

@@ -6,8 +6,11 @@ Guarantees every backend keeps:
 - a failure of the infrastructure itself (cannot create the sandbox, engine down) raises
   :class:`SandboxUnavailable`, which is retryable: the caller's message is retried later
   with a fresh sandbox;
-- a file the code's own doing keeps from being written (a directory it made read-only, a
-  disk it filled) raises :class:`WriteRefused`, never ``SandboxUnavailable``; a request
+- files are written whatever the code did to the permissions of the directories on the
+  way (the owner's write permission is given back); a file the code's own doing still keeps
+  from being written (a disk it filled) makes ``put_files`` raise :class:`WriteRefused`,
+  and a ``run`` whose ``request.files`` it keeps out a result (``exit_code`` None, not
+  timed out, nothing run, the reason on stderr), never ``SandboxUnavailable``; a request
   that cannot be expressed (a path that is absolute, has ``..``, a NUL or a character that
   is not UTF-8; an argument with a NUL or such a character: :func:`check_request`) raises
   ``ValueError`` before anything runs;
@@ -53,10 +56,10 @@ class SandboxUnavailable(RuntimeError):
 
 
 class WriteRefused(Exception):
-    """``put_files`` (or a run's ``request.files``) could not write a file because of what
-    the code left in the work dir: a directory it made read-only, a full disk. What the code
-    did, as data for the caller: not retryable, the sandbox is fine. The message names the
-    path and the reason; the files before it in the same call are written, none after it."""
+    """``put_files`` could not write a file because of what the code left in the work dir
+    (a full disk). What the code did, as data for the caller: not retryable, the sandbox is
+    fine. The message names the path and the reason; the files before it in the same call
+    are written, none after it."""
 
 
 class SessionExpired(RuntimeError):

@@ -89,9 +89,10 @@ Result conventions:
   segfaults is NOT reported as OOM.
 - request paths that are absolute or contain ``..``, and paths or arguments with a NUL or a
   character UTF-8 cannot encode, raise ``ValueError`` (a bad request, not something the
-  untrusted code did); a file that what the code left keeps from being written (a directory
-  it made read-only, a full disk) raises ``WriteRefused``; failures to start the sandbox
-  raise ``SandboxUnavailable``.
+  untrusted code did); files are written whatever the code did to the permissions of the
+  directories on the way, and one that what the code left still keeps from being written (a
+  full disk) raises ``WriteRefused`` from ``put_files`` and is a result (exit code None,
+  nothing run) of ``run``; failures to start the sandbox raise ``SandboxUnavailable``.
 """
 
 from __future__ import annotations
@@ -704,9 +705,16 @@ class ProcessSession:
         self._closed = False
 
     async def run(self, request: ExecRequest) -> ExecResult:
-        """Write ``request.files``, run ``request.argv`` under the session's limits."""
+        """Write ``request.files``, run ``request.argv`` under the session's limits (files
+        that what the code left keeps from being written: a result, nothing run)."""
         self._check_open()
-        await self.put_files(request.files)
+        check_request(request.argv, request.files)
+        try:
+            await self.put_files(request.files)
+        except WriteRefused as exc:
+            return ExecResult(exit_code=None, stdout=b"", stderr=f"sandbox: the request's "
+                              f"files could not be written: {exc}\n".encode(), timed_out=False,
+                              oom_killed=False, duration_s=0.0)
         return await self._box._execute(request, self.limits, self.workdir, self.uid, self._live)
 
     async def put_files(self, files: dict[str, bytes]) -> None:
@@ -746,9 +754,13 @@ class ProcessSession:
 
 
 def _open_parent(root: str, rel: PurePosixPath, create: bool) -> int:
-    """An fd of ``rel``'s parent dir inside ``root``, never through a symlink."""
+    """An fd of ``rel``'s parent dir inside ``root``, never through a symlink; with
+    ``create``, each directory on the way gets its owner's write and search permission back
+    (the code may have taken it)."""
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
+        if create:
+            _writable(fd)
         for part in rel.parts[:-1]:
             flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
             try:
@@ -761,10 +773,18 @@ def _open_parent(root: str, rel: PurePosixPath, create: bool) -> int:
                 nxt = os.open(part, flags, dir_fd=fd)
             os.close(fd)
             fd = nxt
+            if create:
+                _writable(fd)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _writable(dir_fd: int) -> None:
+    mode = stat.S_IMODE(os.fstat(dir_fd).st_mode)
+    if mode & 0o300 != 0o300:
+        os.fchmod(dir_fd, mode | 0o300)
 
 
 _REPLACEABLE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)

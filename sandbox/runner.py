@@ -26,12 +26,14 @@ Protocol, both directions: a frame is a 4-byte big-endian header length, a JSON 
 ``header["n"]`` payload bytes. Each request carries a random ``id`` that the reply echoes: the
 untrusted code runs as the same uid and could write into the container's stdout (through
 /proc/1/fd/1), but it never sees the id, so a forged reply is detected by the host. The runner
-makes itself non-dumpable so the code cannot read its memory or fds. A file the code's doing
-keeps from being written (a read-only directory, a full disk) is answered ``{"refused":
-reason}``, any other failure ``{"error": reason}``. Ops: ``run``, ``put``
-(files), ``get`` (files), ``reset`` (kill everything, remove System V IPC, empty the writable
-mounts, POSIX message queues included where /dev/mqueue is mounted, and the user's kernel
-keyrings).
+makes itself non-dumpable so the code cannot read its memory or fds. Files are written
+whatever the code did to the permissions of the directories on the way (the owner's write
+permission is given back); a file the code's doing still keeps from being written (a full
+disk) is answered ``{"refused": reason}`` by ``put`` and as a result by ``run`` (exit code
+null, nothing ran, the reason on stderr); any other failure ``{"error": reason}``. Ops:
+``run``, ``put`` (files), ``get`` (files), ``reset`` (kill everything, remove System V IPC,
+empty the writable mounts, POSIX message queues included where /dev/mqueue is mounted, and
+the user's kernel keyrings).
 
 The code shares the runner's uid, so it can change some of the runner's own state from outside
 (lower its rlimits with ``prlimit``, renice it, change its scheduling policy or CPU affinity),
@@ -122,6 +124,7 @@ def _parents_ok(path: str, create: bool) -> bool:
 
 def remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
+        os.chmod(path, 0o700)  # (the code may have made it read-only)
         wipe(path)
         os.rmdir(path)
     elif os.path.lexists(path):
@@ -133,13 +136,28 @@ class Refused(Exception):
     a full disk): answered as ``{"refused": ...}``, not as a runner error."""
 
 
+def _writable_way(path: str) -> None:
+    """Give the owner write and search permission back on /work and every directory on the
+    way to ``path`` (the code may have taken it; the runner owns them)."""
+    current = WORK
+    for part in ["", *os.path.relpath(path, WORK).split("/")[:-1]]:
+        current = os.path.join(current, part) if part else current
+        if not os.path.isdir(current) or os.path.islink(current):
+            return
+        mode = stat.S_IMODE(os.lstat(current).st_mode)
+        if mode & 0o300 != 0o300:
+            os.chmod(current, mode | 0o300)
+
+
 def put_files(entries: list, payload: bytes) -> None:
-    """Write files under /work, replacing links, fifos or directories the code left there;
-    :class:`Refused` at the first file the code's doing keeps from being written."""
+    """Write files under /work, replacing links, fifos or directories the code left there,
+    and the permissions it took from the directories on the way; :class:`Refused` at the
+    first file the code's doing still keeps from being written (a full disk)."""
     offset = 0
     for rel, size in entries:
         path = checked(rel)
         try:
+            _writable_way(path)
             _parents_ok(path, create=True)
             remove(path)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
@@ -372,7 +390,10 @@ class Capture:
 
 def run(req: dict, payload: bytes, wake_r: int) -> tuple[dict, bytes]:
     files_n = sum(size for _, size in req["files"])
-    put_files(req["files"], payload[:files_n])
+    try:
+        put_files(req["files"], payload[:files_n])
+    except Refused as exc:  # what the code left (a full disk): the run's result, not ours
+        return not_written(str(exc))
     stdin = memoryview(payload[files_n:])
     oom_before = oom_count()
     stdin_r, stdin_w = os.pipe()
@@ -443,6 +464,14 @@ def run(req: dict, payload: bytes, wake_r: int) -> tuple[dict, bytes]:
         "err_dropped": caps[err_r].dropped,
     }
     return reply, bytes(caps[out_r].kept) + bytes(caps[err_r].kept)
+
+
+def not_written(why: str) -> tuple[dict, bytes]:
+    """The reply of a run whose files could not be written: nothing ran."""
+    err = f"sandbox: the request's files could not be written: {why}\n".encode()
+    reply = {"exit_code": None, "timed_out": False, "oom": False, "duration_s": 0.0,
+             "out_n": 0, "out_dropped": 0, "err_dropped": 0}
+    return reply, err
 
 
 def reset(baseline: tuple) -> None:

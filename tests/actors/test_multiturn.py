@@ -560,6 +560,31 @@ async def test_a_turn_without_a_command_keeps_the_previous_snapshot(tokenizer: A
                 await ex.sessions.aclose()
 
 
+async def test_a_work_dir_the_model_made_read_only_is_restored(tokenizer: Any) -> None:
+    # Given turn 1 on executor A: the model writes a file and makes the work dir read-only
+    item = item_of("count_matching")
+    replies = {1: fence("echo a >> log.txt; chmod 555 . && echo locked"),
+               2: fence("cat log.txt; touch new.txt") + "\n<done>"}
+    generator = Generator(ScriptedEngine(tokenizer, lambda t, p: replies[t]), tokenizer)
+    ex_a, ex_b = executor(), executor()
+    async with ex_a.sandboxes.opened(), ex_b.sandboxes.opened():
+        try:
+            [r1] = await generator.handle(make_task("terminal", item, split="train", group_size=1,
+                                                    sampling=Sampling(), version=0))
+            [c1] = await ex_a.handle(r1.message)  # type: ignore[arg-type]
+            assert c1.message.episode.samples[0].turns[0].observation.endswith("locked")  # type: ignore[attr-defined]
+            # When turn 2 goes to executor B, which restores the member from the snapshot
+            [r2] = await generator.handle(c1.message)  # type: ignore[arg-type]
+            [done] = await ex_b.handle(r2.message)  # type: ignore[arg-type]
+            # Then it was restored (read-only as the model left it), not lost
+            assert ex_b.sessions.restored == 1
+            last = done.message.rollout.samples[0].turns[1].observation  # type: ignore[attr-defined]
+            assert last.startswith("exit code 1\nstdout:\na\nstderr:\ntouch"), last
+        finally:
+            for ex in (ex_a, ex_b):
+                await ex.sessions.aclose()
+
+
 async def test_a_redone_turn_never_replaces_the_published_state(tokenizer: Any) -> None:
     item = item_of("count_matching")
     replies = {1: fence("head -c 6 /dev/urandom | od -An -tx1 | tr -d ' \\n' | tee f.txt"),

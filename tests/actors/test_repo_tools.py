@@ -181,10 +181,9 @@ MISTAKES = [  # member 0: the mistakes models make (issue 32), then the fix
     call("read_file", path="textkit") + call("write_file", path="notes.txt", content="\ud800")
     + call("run", command="echo a\x00b") + call("apply_patch", patch="--- a/tests\n+++ b/tests\n"
                                                  "@@ -1 +1 @@\n-x\n+y\n"),
-    call("run", command="chmod 555 textkit") + call("apply_patch", patch=ROW["solution"]),
-    call("run", command="chmod 755 textkit") + call("apply_patch", patch=ROW["solution"])
-    + call("run", command="trap '' TERM; sleep 30", timeout_s=1),
-    call("run_tests") + call("finish"),
+    call("run", command="chmod 555 . textkit") + call("apply_patch", patch=ROW["solution"]),
+    call("run", command="trap '' TERM; sleep 30", timeout_s=1),
+    call("run_tests") + call("run", command="chmod 555 . textkit tests") + call("finish"),
 ]
 
 
@@ -205,8 +204,9 @@ async def test_a_models_mistakes_are_observations_through_the_actors(
     client: RedisClient, names: N.Names, mistakes_domain: DomainConfig
 ) -> None:
     # Given a repository task whose member 0 reads a directory, writes a lone surrogate,
-    # runs a NUL, patches a directory, patches into a directory it made read-only, runs a
-    # command that ignores SIGTERM past its timeout, then fixes the bug; member 1 quits
+    # runs a NUL, patches a directory, fixes the bug in a directory it made read-only, runs
+    # a command that ignores SIGTERM past its timeout, runs the tests and leaves the work
+    # dir read-only for the final check; member 1 quits
     tokenizer = load_tokenizer(resolve_model("tiny"))
     engine = ScriptedEngine(tokenizer, lambda turn, pos: call("finish") if pos else
                             MISTAKES[turn - 1])
@@ -236,13 +236,13 @@ async def test_a_models_mistakes_are_observations_through_the_actors(
     assert "textkit: not a regular file" in directory.content
     assert "not valid Unicode" in surrogate.content and "NUL" in nul.content
     assert "tests: not a regular file" in patch_dir.content
-    chmod, read_only = turns[1].tools
-    assert not chmod.error and (not read_only.error or "Permission denied" in read_only.content)
-    _, fixed, stubborn = turns[2].tools
-    assert not fixed.error or "already" in fixed.content or "does not apply" in fixed.content
+    chmod, fixed = turns[1].tools
+    assert not chmod.error and fixed.content == f"patched {MODULE}", fixed
+    [stubborn] = turns[2].tools
     assert stubborn.content.startswith("timed out after 1 s"), stubborn
-    tests, _ = turns[3].tools
+    tests, read_only, _ = turns[3].tools
     assert "passed" in tests.content and "FAIL" not in tests.content, tests.content
+    assert read_only.content == "exit code 0", read_only
     assert await entries(client, names, N.DEAD) == []
 
 

@@ -134,22 +134,27 @@ async def test_an_odd_character_is_an_error_observation(
     await carries_on(tools)
 
 
-async def test_writing_into_a_read_only_directory_is_answered(session: SandboxSession) -> None:
+async def test_writing_into_a_read_only_directory_works(session: SandboxSession) -> None:
     tools = StandardTools(session)
-    await session.put_files({"sub/a.py": b"x = 1\n"})
-    # Given a work dir and a directory the model made read-only
-    assert (await use(tools, "run", command="chmod 555 sub . && echo ok")).content.endswith("ok")
-    # When it writes and patches there
+    await session.put_files({"sub/a.py": b"x = 1\n", "sub/deep/t.py": b"t\n"})
+    # Given a work dir and directories the model made read-only (one with nothing for
+    # anyone, and one it replaces with a file)
+    r = await use(tools, "run", command="chmod 555 sub . && chmod 000 sub/deep && echo ok")
+    assert r.content.endswith("ok")
+    # When it writes and patches there, and a run brings files of its own
     results = [await use(tools, "write_file", path="new.py", content="x\n"),
                await use(tools, "write_file", path="sub/b.py", content="x\n"),
                await use(tools, "apply_patch", patch="--- a/sub/a.py\n+++ b/sub/a.py\n"
-                                                     "@@ -1 +1 @@\n-x = 1\n+x = 2\n")]
-    # Then each either worked (the host writes as root in the per-command modes) or is an
-    # error that says why; nothing raised
-    for r in results:
-        assert not r.error or "Permission denied" in r.content, r
-    # And once the model gives the permission back, everything works again
-    assert (await use(tools, "run", command="chmod 755 sub . && echo ok")).content.endswith("ok")
+                                                     "@@ -1 +1 @@\n-x = 1\n+x = 2\n"),
+               await use(tools, "write_file", path="sub/deep/u.py", content="u\n")]
+    staged = await session.run(ExecRequest(argv=["cat", "sub/staged.txt"],
+                                           files={"sub/staged.txt": b"s\n"}))
+    # Then each worked, in every mode (the owner's write permission is given back on the
+    # way, as the host writing as root ignores it in the per-command modes)
+    assert [r.error for r in results] == [False] * 4, results
+    assert (staged.exit_code, staged.stdout) == (0, b"s\n")
+    assert await sh(session, "cat new.py sub/b.py sub/a.py sub/deep/u.py sub/staged.txt") == \
+        "x\nx\nx = 2\nu\ns\n"
     await carries_on(tools)
 
 
@@ -161,8 +166,13 @@ async def test_writing_into_a_full_work_dir_is_answered(session: SandboxSession)
                                     " done; true")
     # When it writes a file
     w = await use(tools, "write_file", path="more.txt", content="y" * 100_000)
-    # Then it worked, or it is an error that says the disk is full
+    # Then it worked, or it is an error that says the disk is full; a run whose files do
+    # not fit runs nothing and says so
     assert not w.error or "No space left" in w.content, w
+    r = await session.run(ExecRequest(argv=["touch", "ran"], files={"f.txt": b"y" * 100_000}))
+    assert r.exit_code == 0 or (r.exit_code is None and not r.timed_out and
+                                b"files could not be written" in r.stderr), r
+    assert (r.exit_code == 0) == (w.error is False)
     assert (await use(tools, "run", command="rm big* && echo ok")).content.endswith("ok")
     await carries_on(tools)
 
