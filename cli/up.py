@@ -630,6 +630,17 @@ async def _stop_all(children: list[Child], signals: AsyncIterator[int]) -> None:
         nursery.cancel_scope.cancel()
 
 
+def _without_learning(s: Summary) -> str:
+    """The summary line's note of groups that taught nothing: skipped (or, with
+    ``learner.step_without_signal``, trained) without learning signal, and unjudged."""
+    notes = [f"{n} {what}" for n, what in (
+        (s.skipped_no_signal, "groups skipped for no learning signal"),
+        (s.published_without_signal, "groups trained without learning signal"),
+        (s.unjudged, "groups the verifier could not judge (never trained)"),
+    ) if n]  # fmt: skip
+    return "".join(f", {note}" for note in notes)
+
+
 def _summary_text(s: Summary, interrupted: bool) -> str:
     def f(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.3f}"
@@ -638,7 +649,7 @@ def _summary_text(s: Summary, interrupted: bool) -> str:
         f"\nstreamrl: {'interrupted' if interrupted else 'finished'} after {s.minutes} min: "
         f"{s.steps} steps, policy v{s.policy_version}, {s.trajectories} groups "
         f"({s.samples} samples) trained, {s.dropped_stale} stale dropped, "
-        f"{s.dead_letters} dead letters\n"
+        f"{s.dead_letters} dead letters" + _without_learning(s) + "\n"
         f"  held-out eval reward: before {f(s.eval_reward_before)}"
         f"  after {f(s.eval_reward_after)}\n"
         f"  train reward: first steps {f(s.reward_first_steps)}"

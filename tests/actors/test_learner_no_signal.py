@@ -129,3 +129,21 @@ async def test_a_wiring_check_may_publish_a_step_without_signal_marked_so(
     summary = monitor.summary(names.run)
     assert (summary.steps, summary.published_without_signal, summary.skipped_no_signal) == (1, 2, 0)
     assert "no signal 2" in monitor.progress_line()
+
+
+def test_the_summary_line_counts_groups_without_learning_signal() -> None:
+    from streamrl.actors.monitor import Summary
+    from streamrl.cli.up import _summary_text
+
+    fields = {"run": "r", "minutes": 1.0, "steps": 0, "policy_version": 0, "trajectories": 0,
+              "samples": 0, "eval_reward_before": None, "eval_reward_after": None,
+              "eval_rounds": [], "reward_first_steps": None, "reward_last_steps": None,
+              "dropped_stale": 0, "dead_letters": 3, "learner_step_seconds": None,
+              "learner_busy_fraction": None, "trained_tokens_per_second": None}
+    summary = msgspec.convert({**fields, "skipped_no_signal": 610, "unjudged": 3}, Summary)
+    line = _summary_text(summary, interrupted=False).splitlines()[1]
+    assert line.endswith("0 steps, policy v0, 0 groups (0 samples) trained, 0 stale dropped, "
+                         "3 dead letters, 610 groups skipped for no learning signal, 3 groups "
+                         "the verifier could not judge (never trained)"), line
+    plain = _summary_text(msgspec.convert(fields, Summary), interrupted=False)
+    assert plain.splitlines()[1].endswith("3 dead letters")
