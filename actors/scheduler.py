@@ -3,8 +3,9 @@
 Admission guarantees:
 - staleness: training group number k is admitted only once the learner's policy version V
   satisfies ``k < (V + max_staleness + 1) * groups_per_step + D`` (D: groups that will
-  never be trained: dropped as stale by the learner, skipped for zero reward variance by
-  the verifier, or dead-lettered at any stage and not requeued; each is replaced once),
+  never be trained: dropped as stale by the learner or settled by it in a batch without
+  learning signal, skipped for zero reward variance by the verifier, or dead-lettered at
+  any stage and not requeued; each is replaced once),
   so every admitted group can still be
   trained within ``max_staleness`` versions of the policy that samples it; the count of
   admitted groups lives in Redis, so a restarted scheduler keeps the bound. With
@@ -19,9 +20,9 @@ Admission guarantees:
 - the staleness and limit bounds are exact: tasks and the counter move together in one
   compare-and-set script, which adds nothing when replayed or when the counter has moved;
   each count in D is written by the atomic hand-off that causes it, under its dedup key
-  (the verifier's ``zero_variance``, the learner's ``dropped_stale``, a dead letter's
-  ``dead_groups``), so a replayed hand-off (redelivery, reclaim, a repeated script call)
-  does not count a group twice; on a sharded run these counters are per shard, in the
+  (the verifier's ``zero_variance``, the learner's ``dropped_stale`` and ``no_signal``, a
+  dead letter's ``dead_groups``), so a replayed hand-off (redelivery, reclaim, a repeated
+  script call) does not count a group twice; on a sharded run these counters are per shard, in the
   shard's slot with its hand-offs, and summed here;
   on a sharded run (``queues.shards`` > 1) tasks are routed to the shard of their episode
   and the counter stays run-global (``admitted``), so they cannot share a script: the
