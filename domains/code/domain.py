@@ -32,7 +32,7 @@ import msgspec
 from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
 from streamrl.domains.fences import block_or_text
 from streamrl.domains.kinds import TestResult
-from streamrl.domains.kinds.harness_host import report_body
+from streamrl.domains.kinds.harness_host import check_harness, report_body
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 DATA_DIR = Path(__file__).parent / "data"
@@ -106,7 +106,11 @@ class Code(SplitFiles):
                            stdin=json.dumps(spec).encode(), limits=limits)
 
     def score(self, item: CodeItem, completion_text: str, result: ExecResult | None) -> float:
+        """The fraction of tests passed; 0 without a trustworthy report, unless the harness
+        failed by itself (``harness_host.check_harness``: not a reward)."""
         passed = _report(item, completion_text, result)
+        if passed is None:
+            check_harness(result)
         if passed is None or not item.tests:
             return 0.0
         return sum(1 for p in passed if p is True) / len(item.tests)

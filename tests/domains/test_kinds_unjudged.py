@@ -1,20 +1,22 @@
-"""Every verifier kind tells a failure of its own check from a wrong answer (issue 32 item 3):
-a harness that crashed, a test script that wrote no reward (tests/domains/test_kinds_harbor.py),
-a reference the scorer cannot read, or a third-party scorer that raised is
-:class:`~streamrl.domains.base.VerifierFailed` with the reason, never a reward of 0; what the
-model's code did (killing its harness, a garbage answer) still scores 0. Real process sandbox,
-real math-verify and reasoning-gym."""
+"""Every verifier kind, and the built-in ``code`` domain, tells a failure of its own check
+from a wrong answer (issue 32 item 3): a harness that crashed, a test script that wrote no
+reward (tests/domains/test_kinds_harbor.py), a reference the scorer cannot read, or a
+third-party scorer that raised is :class:`~streamrl.domains.base.VerifierFailed` with the
+reason, never a reward of 0; what the model's code did (killing its harness, a garbage
+answer) still scores 0. Real process sandbox, real math-verify and reasoning-gym."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import msgspec
 import pytest
 
 from streamrl.config.schema import DomainConfig
 from streamrl.domains.base import VerifierFailed
+from streamrl.domains.code import Code
 from streamrl.domains.declared import build_domain
 from streamrl.domains.kinds import KINDS, Record
 from streamrl.domains.kinds import mathverify as _mathverify  # noqa: F401  (registers it)
@@ -22,6 +24,8 @@ from streamrl.domains.kinds.harbor import Harbor
 from streamrl.domains.kinds.pytests import PythonTests
 from streamrl.domains.kinds.stdio import Stdio
 from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
+from tests.domains.test_code import ITEM as CODE
+from tests.domains.test_code import fenced
 from tests.domains.test_kinds_harbor import _writes
 from tests.domains.test_kinds_python_tests import ITEM as ADD
 from tests.domains.test_kinds_stdio import ITEM as SUM
@@ -31,6 +35,7 @@ KINDS_AND_ITEMS = [
     (PythonTests(per_test_timeout_s=1.5), ADD, "    return a + b\n"),
     (Stdio(), SUM, "```python\na, b = map(int, input().split())\nprint(a + b)\n```"),
     (Harbor(solution_timeout_s=3.0, test_timeout_s=3.0), _writes("1"), "```bash\ntrue\n```"),
+    (Code(per_test_timeout_s=1.5), CODE, fenced("def add_3(xs):\n    return [x + 3 for x in xs]")),
 ]
 
 
@@ -41,9 +46,9 @@ async def box():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize(("verifier", "item", "right"), KINDS_AND_ITEMS,
-                         ids=["python_tests", "stdio", "harbor"])
+                         ids=["python_tests", "stdio", "harbor", "code"])
 async def test_a_crashed_harness_is_a_verifier_failure_not_a_zero(
-    box: ProcessSandbox, verifier: PythonTests | Stdio | Harbor, item: Record, right: str,
+    box: ProcessSandbox, verifier: PythonTests | Stdio | Harbor | Code, item: Any, right: str,
 ) -> None:
     # Given a right answer whose harness crashes in the sandbox (its spec lacks what it reads)
     request = verifier.exec_request(item, right)
