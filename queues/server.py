@@ -160,8 +160,9 @@ class ServerProcess:
         self.preloaded = preloaded_allocator(self.binary, self.allocator)
         if self.preloaded is not None:
             env["LD_PRELOAD"] = " ".join(filter(None, [self.preloaded, env.get("LD_PRELOAD")]))
-        self.process = subprocess.Popen(
-            [self.binary, str(conf)], cwd=self.data_dir, stdin=subprocess.DEVNULL, env=env
+        self.process = subprocess.Popen(  # its own session: a Ctrl-C at the terminal is for
+            [self.binary, str(conf)], cwd=self.data_dir, stdin=subprocess.DEVNULL, env=env,
+            start_new_session=True,  # its owner, which stops it last (`up` after its actors)
         )
         self.wait_ready(timeout_s)
         return self

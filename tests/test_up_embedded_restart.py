@@ -76,3 +76,35 @@ def test_up_restarts_its_killed_embedded_server_and_the_run_ends_normally(
     with open_data_dir(work / "redis") as url, redis.Redis.from_url(url) as r:
         after = int(r.xlen(N.Names("killed").stream(N.TRAJECTORIES)))
     assert after > before, (before, after)
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_at_the_terminal_stops_the_run_not_its_server_first(tmp_path: Path) -> None:
+    # Given a running `up` leading its own process group, as in a terminal
+    work, summary = tmp_path / "run", tmp_path / "summary.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STREAMRL_")}
+    out_path = tmp_path / "up.log"
+    with out_path.open("w") as log:
+        up = subprocess.Popen(
+            [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml",
+             "--set", "run.name=ctrlc", "--set", "run.redis_url=",
+             "--set", f"run.work_dir={work}", "--max-minutes", "3",
+             "--summary-json", str(summary)],
+            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait_until_sync(lambda: "streamrl: started" in out_path.read_text(), timeout=240)
+            # When the terminal's Ctrl-C reaches the whole group
+            os.killpg(up.pid, signal.SIGINT)
+            up.wait(timeout=120)
+        finally:
+            up.kill()
+            if up.wait() != 0 and running_url(work / "redis") is not None:
+                _kill_server(work)
+    out = out_path.read_text()
+    # Then `up` stopped the run with its server still under it (not restarted, not lost),
+    # wrote the summary and stopped the server last
+    assert "interrupted, shutting down" in out, out[-3000:]
+    assert "embedded Redis exited" not in out, out[-3000:]
+    assert json.loads(summary.read_text())["dead_letters"] == 0
+    assert running_url(work / "redis") is None
