@@ -32,8 +32,8 @@ Guarantees:
   removed lines; only its position may differ from the header's line numbers, to the nearest
   exact match after the previous hunk), a file's old and new names must be the same (no
   renames), no file twice, a file it creates must not exist (not even as a directory);
-  otherwise nothing is written (a write the sandbox refuses part way, e.g. a full disk,
-  leaves the files before it written);
+  otherwise nothing is written (deletions go first and stop it when one fails; a write the
+  sandbox refuses part way, a full disk, leaves the deletions and the files before it);
 - ``run_tests`` writes pytest's JUnit report to a fresh random name in the work dir, reads
   it without following links and removes it. What it reports is feedback to the model only.
 
@@ -199,16 +199,18 @@ class StandardTools:
         current = await self._get([f.path for f in files])
         for f in files:
             if f.old and current[f.path] is None:
-                raise ToolRefused(f"{f.path}: not a regular file in the work dir (links are not "
-                                  "followed)")
+                raise ToolRefused(f"{f.path}: not a regular file in the work dir (missing, a "
+                                  "directory, unreadable, or a link: links are not followed)")
             if not f.old and (current[f.path] is not None or await self._exists(f.path)):
                 raise ToolRefused(f"{f.path}: already exists (--- /dev/null creates a file)")
         deadline = time.monotonic() + self.limits.host_timeout_s
         writes, deletes = await _off_loop(_patched, files, current, deadline)
+        for path in deletes:  # (first: one the model's permissions keep changes nothing)
+            r = await self._exec(["rm", "-f", "--", path])
+            if not r.ok:
+                raise ToolRefused(f"{path}: cannot delete it: {_text(r.stderr)[-300:].strip()}")
         if writes:
             await self._put(writes)
-        for path in deletes:
-            await self._exec(["rm", "-f", "--", path])
         done = [f"patched {p}" for p in writes] + [f"deleted {p}" for p in deletes]
         return "\n".join(done)
 
@@ -267,8 +269,8 @@ class StandardTools:
             raise ToolRefused(str(exc)) from None
 
     async def _put(self, files: dict[str, bytes]) -> None:
-        """Write ``files``; what the model left in the way (a read-only directory, a full
-        disk) is the call's answer."""
+        """Write ``files``; what the model left in the way (a full disk) is the call's
+        answer."""
         try:
             await self.session.put_files(files)
         except (WriteRefused, ValueError) as exc:
@@ -289,7 +291,7 @@ class StandardTools:
         data = (await self._get([rel]))[rel]
         if data is None:
             raise ToolRefused(f"{rel}: not a regular file in the work dir (missing, a directory,"
-                              " or a link: links are not followed)")
+                              " unreadable, or a link: links are not followed)")
         return _decode(rel, data)
 
     def _render_exec(self, r: ExecResult, limit: float) -> str:

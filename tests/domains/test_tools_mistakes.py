@@ -158,6 +158,21 @@ async def test_writing_into_a_read_only_directory_works(session: SandboxSession)
     await carries_on(tools)
 
 
+async def test_a_deletion_the_models_permissions_keep_out_changes_nothing(
+        session: SandboxSession) -> None:
+    tools = StandardTools(session)
+    await session.put_files({"sub/a.py": b"x = 1\n", "sub/b.py": b"y\n"})
+    await use(tools, "run", command="chmod 555 sub")
+    # When a patch deletes a file of the read-only directory (as the model: it cannot) and
+    # changes another
+    r = await use(tools, "apply_patch", patch="--- a/sub/a.py\n+++ /dev/null\n@@ -1 +0,0 @@\n"
+                  "-x = 1\n--- a/sub/b.py\n+++ b/sub/b.py\n@@ -1 +1 @@\n-y\n+z\n")
+    # Then it says so, and nothing changed
+    assert r.error and "sub/a.py: cannot delete it" in r.content, r
+    assert "Permission denied" in r.content, r
+    assert await sh(session, "cat sub/a.py sub/b.py") == "x = 1\ny\n"
+
+
 async def test_writing_into_a_full_work_dir_is_answered(session: SandboxSession) -> None:
     tools = StandardTools(session)
     # Given a work dir the model filled (a tmpfs of 64 MB where it is one, nine files of the
