@@ -11,9 +11,10 @@ Guarantees:
   arguments), a bad path, a patch that does not apply, a command that fails, hangs or floods
   its output, a directory where a file is expected, text no file or command can hold (a
   lone surrogate, valid JSON; a NUL in a command), a write that what the model did keeps
-  from happening (a directory it made read-only, a disk it filled: the sandbox's
-  ``WriteRefused``): each is a result, ``error=True`` where the tool refused, saying what
-  was wrong. Only the infrastructure raises (``SandboxUnavailable``, retryable);
+  from happening (a disk it filled: the sandbox's ``WriteRefused``; a directory it made
+  read-only does not: the sandbox writes anyway), a deletion its permissions keep out: each
+  is a result, ``error=True`` where the tool refused, saying what was wrong. Only the
+  infrastructure raises (``SandboxUnavailable``, retryable);
 - no model input holds the event loop: a patch is parsed and placed (:mod:`.diff`, linear
   in the file and the patch) and a test report parsed in a worker thread, each against
   ``ToolLimits.host_timeout_s`` (past it the call is refused, or the report ignored);
