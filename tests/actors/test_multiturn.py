@@ -140,6 +140,8 @@ async def publish_task(client: RedisClient, names: N.Names, item: TerminalItem,
                        group: int) -> str:
     task = make_task("terminal", item, split="train", group_size=group,
                      sampling=Sampling(max_new_tokens=64), version=0)
+    # admitted as the scheduler admits it: the verifier counts only an admitted group
+    await client.call(client.sync.sadd, names.admitted_groups, task.id)
     await Producer(client, names).publish(N.TASKS, [encode(task)])
     return task.id
 
