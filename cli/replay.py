@@ -136,10 +136,15 @@ async def select_live(client: RedisClient, names: N.Names, query: Query) -> list
 async def select_unjudged(client: RedisClient, names: N.Names, query: Query) -> list[Found]:
     """The groups the verifier could not judge (its dead letters of cause ``unjudged``,
     :mod:`streamrl.actors.verifier`; never trained), oldest first, as trajectories with
-    placeholder rewards and the letter's reason in :attr:`Found.unjudged`."""
+    placeholder rewards and the letter's reason in :attr:`Found.unjudged`. None where the
+    query is for other streams than training groups' or bounds the reward (they have none);
+    at most ``query.limit`` (0: all)."""
     from streamrl.cli.dlq import Selection, full_payload, list_dead
 
-    out = []
+    out: list[Found] = []
+    if (N.TRAJECTORIES not in query.streams or query.min_reward is not None
+            or query.max_reward is not None):
+        return out
     for entry in await list_dead(client, names, Selection(stream=N.EXECUTED, error="^unjudged: ")):
         try:
             payload = await full_payload(client, names, entry)
@@ -153,7 +158,8 @@ async def select_unjudged(client: RedisClient, names: N.Names, query: Query) -> 
         reason = entry.error.removeprefix("unjudged: ")
         if query.matches(t) and query.in_id_range(entry.dead_id):
             out.append(Found(N.EXECUTED, entry.dead_id, "dead", t, payload, reason))
-    return out
+    out.sort(key=lambda f: f.trajectory.created_at)
+    return out[: query.limit] if query.limit else out
 
 
 def select_archive(root: Path, query: Query) -> list[Found]:
@@ -452,8 +458,9 @@ async def run_replay(
         ids = ledger_groups(config, args.step)
         query = replace(query, streams=(N.TRAJECTORIES,), trajectory_ids=frozenset(ids), limit=0)
     found = await select(live, names, query, use_archive)
-    if args.action in ("list", "show") and live is not None:
-        found += await select_unjudged(live, names, query)
+    if args.action in ("list", "show") and live is not None:  # by creation, within --limit
+        found = sorted(found + await select_unjudged(live, names, query),
+                       key=lambda f: f.trajectory.created_at)[: query.limit or None]
     if args.action == "list":
         rows = [
             {"trajectory_id": f.trajectory.id, "episode_id": f.trajectory.episode_id,

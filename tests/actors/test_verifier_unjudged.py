@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import trio
 
 from streamrl.actors.executor import to_outcome
@@ -117,3 +118,31 @@ async def test_replay_show_names_the_unjudged_group_and_why(
     assert found.trajectory.episode_id == train.episode_id and found.source == "dead"
     assert f"unjudged (not trained): sample 0: {UNJUDGED_REASON}" in shown
     assert "--- reward" not in shown and shown.count("--- unjudged") == 2
+
+
+async def test_replay_list_keeps_to_the_query_with_unjudged_groups(
+    client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from streamrl.cli.main import _parser
+    from streamrl.cli.replay import Query, run_replay, select_unjudged
+
+    # Given two training groups the verifier could not judge
+    await _verify(client, names, [_executed(UNJUDGED), _executed(UNJUDGED)])
+    config = run_config(tmp_path, redis_url, names.run)
+
+    async def listed(*selection: str) -> list[dict]:
+        args = _parser().parse_args(["replay", "list", "--source", "live", *selection])
+        capsys.readouterr()
+        assert await run_replay(client, names, config, args) == 0
+        return json.loads(capsys.readouterr().out)
+
+    # When replay lists them with a limit, for another stream, or by a reward bound
+    # Then the limit holds, and groups without a reward match neither the stream nor the bound
+    assert len(await listed()) == 2
+    assert len(await listed("--limit", "1")) == 1
+    assert await listed("--stream", "evals") == []
+    assert await listed("--max-reward", "0") == []
+    assert len(await select_unjudged(client, names, Query(limit=1))) == 1
