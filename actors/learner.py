@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from pathlib import Path
@@ -307,7 +307,7 @@ class Learner:
                 t0 = time.monotonic()
                 collected = await batches.receive()
                 waited = time.monotonic() - t0
-                stats, batch = await self.batches.handle(collected, self._step, self._probe)
+                stats, batch = await self.batches.handle(collected, self._step, self.probe)
                 self.claimed -= {h.message.episode_id for h in collected if h not in batch}
                 skip = stats is not None and stats.skipped and not self.cfg.step_without_signal
                 if skip:  # no learning signal: its groups settled, no version
@@ -327,6 +327,14 @@ class Learner:
     async def _step(self, trajectories: list[Trajectory]) -> StepStats:
         step = distributed_step if self.distributed else Trainer.step
         return await self._watched(partial(step, self.trainer, trajectories), len(trajectories))
+
+    @property
+    def probe(self) -> Callable[[Trajectory], Awaitable[None]] | None:
+        """How the runtime isolates a group that fails the step: a probe step on it alone,
+        in one process. None in a distributed learner (it fails loudly instead): a probe is
+        rank 0's alone, and its collectives would wait for ranks that only take the steps
+        rank 0 broadcasts (different collectives on different ranks: a hang)."""
+        return None if self.distributed else self._probe
 
     async def _probe(self, trajectory: Trajectory) -> None:
         """The step's forward and backward passes on one group, the weights untouched."""
