@@ -99,13 +99,24 @@ def harbor_row(task: Path) -> dict[str, Any]:
         "tests": tests,
         "environment": _files(task / "environment", IMAGE_FILES),
         "solution": _files(task / "solution"),
-        "agent_timeout_s": float(config.get("agent", {}).get("timeout_sec", 0)),
-        "verifier_timeout_s": float(config.get("verifier", {}).get("timeout_sec", 0)),
+        "agent_timeout_s": _timeout_sec(task, config, "agent"),
+        "verifier_timeout_s": _timeout_sec(task, config, "verifier"),
     }
     size = len(json.dumps(row))
     if size > MAX_TASK_BYTES:
         raise ValueError(f"{task}: {size} bytes as a row, more than {MAX_TASK_BYTES}")
     return row
+
+
+def _timeout_sec(task: Path, config: dict[str, Any], table: str) -> float:
+    """``[table] timeout_sec`` of a task.toml (0: none); ValueError naming it when the table
+    is not a table or the value not a number."""
+    section = config.get(table, {})
+    value = section.get("timeout_sec", 0) if isinstance(section, dict) else None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"{task}/task.toml: [{table}] timeout_sec must be a number of "
+                         f"seconds, not {value!r}")
+    return float(value)
 
 
 def harbor_rows(tasks_dir: Path) -> list[dict[str, Any]]:

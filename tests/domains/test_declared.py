@@ -387,3 +387,11 @@ def test_a_directory_of_harbor_task_dirs_is_data_as_it_is(tmp_path: Path) -> Non
     with pytest.raises(DeclarationError, match=r"broken: no tests/test\.sh"):
         build_domain("tb2", msgspec.convert({"kind": "harbor", "data": str(tasks)},
                                             DomainConfig)).load_items("train")
+    # and so is a task.toml whose timeout is not a number of seconds (not a traceback)
+    (tasks / "broken" / "tests").mkdir()
+    (tasks / "broken" / "tests" / "test.sh").write_text("exit 0\n")
+    for toml in ('agent = 5\n', '[verifier]\ntimeout_sec = "soon"\n'):
+        (tasks / "broken" / "task.toml").write_text(toml)
+        with pytest.raises(DeclarationError, match=r"broken/task\.toml: \[\w+\] timeout_sec"):
+            build_domain("tb3", msgspec.convert({"kind": "harbor", "data": str(tasks)},
+                                                DomainConfig)).load_items("train")
