@@ -57,6 +57,12 @@ class EvalRound:
     def mean(self) -> float:
         return statistics.fmean(self.rewards) if self.rewards else float("nan")
 
+    @property
+    def reward(self) -> float | None:
+        """The round's mean reward for the summary: None for a round with no result (every
+        item dead-lettered), not NaN (which ``json.dumps`` writes as invalid JSON)."""
+        return self.mean if self.rewards else None
+
     def domain_means(self) -> dict[str, float]:
         return {d: statistics.fmean(r) for d, r in sorted(self.by_domain.items()) if r}
 
@@ -492,12 +498,12 @@ class Monitor:
             policy_version=steps[-1].step if steps else 0,
             trajectories=sum(s.groups for s in steps),
             samples=sum(s.samples for s in steps),
-            eval_reward_before=rounds[0].mean if rounds else None,
-            eval_reward_after=rounds[-1].mean if len(rounds) > 1 else None,
+            eval_reward_before=rounds[0].reward if rounds else None,
+            eval_reward_after=rounds[-1].reward if len(rounds) > 1 else None,
             eval_rounds=[
                 {
                     "round": r.round,
-                    "reward": r.mean,
+                    "reward": r.reward,
                     "versions": sorted(r.versions),
                     "items": len(r.rewards),
                     "by_domain": r.domain_means(),

@@ -8,9 +8,11 @@ a stage's user."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgspec
+import pytest
 import trio
 
 from streamrl.actors.monitor import Monitor
@@ -95,3 +97,7 @@ async def test_a_round_whose_items_were_all_dead_lettered_is_reported_empty(
     assert "eval - (round 0: all 2 lost)" in monitor.progress_line()
     summary = monitor.summary(names.run)
     assert [r["items"] for r in summary.eval_rounds] == [0]
+    # with no reward for it (as `up` writes --summary-json: strict JSON, no NaN)
+    assert summary.eval_reward_before is None and summary.eval_rounds[0]["reward"] is None
+    json.loads(json.dumps(msgspec.to_builtins(summary)),
+               parse_constant=lambda c: pytest.fail(f"{c} in the summary JSON"))
