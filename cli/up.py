@@ -350,7 +350,12 @@ async def _prepare(config: Config, fresh: bool) -> None:
                 "with an external Redis (run.redis_url) use a new run.name instead"
             )
         if run_dir.exists():
-            shutil.rmtree(run_dir)
+            try:  # not from under a server over its data (another up's, an operator's)
+                with hold_data_dir(run_dir / "redis"):
+                    shutil.rmtree(run_dir)
+            except DataDirBusy as exc:
+                raise SystemExit(f"streamrl up --fresh: {exc}; {run_dir} is left as it "
+                                 "is") from None
             print(f"streamrl: --fresh: removed {run_dir}", flush=True)
     print(f"streamrl: run {config.run.name!r} in {run_dir}", flush=True)
     try:  # every declared domain builds and loads both splits, before anything is started

@@ -82,3 +82,23 @@ def test_up_refuses_a_run_whose_data_another_process_holds(tmp_path: Path) -> No
     assert up.returncode != 0
     assert "is held by another process" in up.stderr, up.stderr[-2000:]
     assert "embedded Redis (" not in up.stdout
+
+
+def test_up_fresh_removes_nothing_another_process_serves(tmp_path: Path) -> None:
+    import trio
+
+    from streamrl.cli.up import _prepare
+    from tests.helpers import run_config
+
+    # Given a run's data held by another process (its server over it)
+    config = run_config(tmp_path, "", "held", f"run.work_dir={tmp_path / 'run'}")
+    aof = config.run.path / "redis" / "appendonly.aof"
+    aof.parent.mkdir(parents=True)
+    aof.write_text("data\n")
+    # When `up --fresh` prepares the run
+    with (hold_data_dir(config.run.path / "redis"),
+          pytest.raises(SystemExit, match="is held by another process") as refused):
+        trio.run(_prepare, config, True)
+    # Then it says why and removes nothing from under that server
+    assert "left as it is" in str(refused.value)
+    assert aof.read_text() == "data\n"
