@@ -432,7 +432,8 @@ async def _serve_embedded(server: ServerProcess, backoff: Backoff = RESTART_BACK
         await trio.sleep(delay)
         try:
             await trio.to_thread.run_sync(partial(server.start, timeout_s=LOAD_TIMEOUT_S))
-        except (RuntimeError, TimeoutError) as exc:  # it died starting: one more exit
+        except (RuntimeError, OSError) as exc:  # it died starting or could not be started
+            # (a full disk, its binary gone; TimeoutError too): one more exit
             log.warning("embedded redis did not start", error=str(exc)[-500:])
             continue
         print(f"streamrl: embedded Redis is back on 127.0.0.1:{server.port}", flush=True)

@@ -86,3 +86,29 @@ async def test_an_embedded_server_that_keeps_dying_ends_the_run(tmp_path: Path) 
     assert isinstance(exit_, SystemExit)
     assert f"exited {CRASH_LOOP_EXITS} times in a row" in str(exit_)
     assert str(tmp_path / "redis" / "server.log") in str(exit_)
+
+
+async def test_an_embedded_server_that_cannot_be_started_again_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    # Given the embedded server served by `up`, whose binary is gone once it runs
+    server = ServerProcess(tmp_path / "redis").start()
+    server.binary = str(tmp_path / "no-redis-server")
+    ended: BaseExceptionGroup | None = None
+    try:
+        with trio.fail_after(60):
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_serve_embedded, server, Backoff(first_s=0.01, max_s=0.05))
+                    # When it dies (and every start after fails: no such file)
+                    assert server.process is not None
+                    server.process.kill()
+            except BaseExceptionGroup as group:
+                ended = group
+    finally:
+        server.stop()
+    # Then each failed start counts as an exit, and the crash loop ends the run in its words
+    assert ended is not None
+    (exit_,) = ended.exceptions
+    assert isinstance(exit_, SystemExit), repr(exit_)
+    assert f"exited {CRASH_LOOP_EXITS} times in a row" in str(exit_)
