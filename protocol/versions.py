@@ -55,11 +55,11 @@ class VersionFollower:
         """Walk every retained event of ``reader``'s stream from the oldest, in pages, taking
         those that continue the chain (the oldest one starts it); returns the version
         reached. The reader then follows from the newest event."""
-        newest = await reader.latest()
+        newest = await reader.newest_id()  # an entry without a payload on top ends it too
         if newest is None:
             return self.version
         reader.last_id, first = "0-0", True
-        while _id(reader.last_id) < _id(newest[0]):
+        while _id(reader.last_id) < _id(newest):
             events = await reader.read_events(WeightsPublished, count=PAGE)
             if first and events:
                 self.version, first = max(0, events[0].version), False

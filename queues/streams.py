@@ -801,6 +801,13 @@ class EventReader:
         self.last_id = entries[0][0]
         return entries[0][0], entries[0][1]  # type: ignore[return-value]
 
+    async def newest_id(self) -> str | None:
+        """The id of the stream's newest entry, whatever it holds (None: the stream is empty);
+        the read position is left as it is."""
+        raw = await self.client.call(self.client.sync.xrevrange, self.stream, count=1)
+        entries = _decode_entries(raw)
+        return entries[0][0] if entries else None
+
     async def read(self, count: int = 100) -> list[tuple[str, bytes]]:
         raw: Any = await self._blocking.call(
             self._blocking.sync.xread, {self.stream: self.last_id}, count=count, block=self.block_ms

@@ -10,6 +10,7 @@ import trio
 from streamrl.actors.scheduler import latest_version
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import WeightsPublished
+from streamrl.protocol.versions import VersionFollower
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import encode
 from streamrl.queues.payloads import REF_PREFIX
@@ -61,5 +62,29 @@ async def test_followers_skip_bad_events_and_keep_following(
         # Then both good ones are read, in order, and the bad one is logged with its id
         assert [e.version for e in events] == [1, 2]
         assert len(logs) == 1 and logs[0]["log_level"] == "error" and logs[0]["entry_id"]
+    finally:
+        reader.close()
+
+
+async def test_an_entry_without_a_payload_on_top_does_not_restart_the_chain(
+    roles: dict[str, RedisClient], names: N.Names
+) -> None:
+    # Given versions 1 to 3 published, then an entry with no payload field on top of them
+    # (written as the learner, the one role that may add to the weights stream)
+    learner = roles["learner"]
+    await Producer(learner, names).publish(N.WEIGHTS, [_weights(v) for v in (1, 2, 3)])
+    await learner.call(learner.sync.xadd, names.stream(N.WEIGHTS), {"x": b"no payload"})
+    reader = EventReader(roles["scheduler"], names, N.WEIGHTS, block_ms=100)
+    try:
+        # When the scheduler reads the policy version at start
+        follower = VersionFollower()
+        version = await latest_version(reader, follower)
+        # Then it is the chain's newest, and the learner's next version is taken after it
+        assert version == 3
+        await Producer(learner, names).publish(N.WEIGHTS, [_weights(4)])
+        with trio.fail_after(5):
+            while not follower.take_all(await reader.read_events(WeightsPublished)):
+                pass
+        assert follower.version == 4
     finally:
         reader.close()
