@@ -817,37 +817,18 @@ class EventReader:
             self.last_id = entries[-1][0]
         return [(eid, p) for eid, p in entries if p is not None]
 
-    async def latest_event(self, kind: type[M]) -> M | None:
-        """The newest event that decodes as ``kind`` (None when there is none): an event
-        stream has no dead-letter stream, so an undecodable (forged) one is logged and
-        passed over, never raised to the follower."""
-        latest = await self.latest()
-        if latest is None:
-            return None
-        events = self._decoded([latest], kind)
-        if events:
-            return events[0]
-        raw = await self.client.call(self.client.sync.xrevrange, self.stream, count=100)
-        events = self._decoded(
-            [(eid, p) for eid, p in _decode_entries(raw) if p is not None], kind, quiet=True
-        )
-        return events[0] if events else None
-
     async def read_events(self, kind: type[M], count: int = 100) -> list[M]:
         """:meth:`read`, decoded as ``kind``; undecodable events are logged and skipped."""
         return self._decoded(await self.read(count), kind)
 
-    def _decoded(
-        self, entries: list[tuple[str, bytes]], kind: type[M], *, quiet: bool = False
-    ) -> list[M]:
+    def _decoded(self, entries: list[tuple[str, bytes]], kind: type[M]) -> list[M]:
         out = []
         for eid, payload in entries:
             try:
                 out.append(decode(payload, kind))
             except MessageError as exc:
-                if not quiet:
-                    log.error("undecodable event skipped", stream=self.stream, entry_id=eid,
-                              reason=str(exc)[:500])
+                log.error("undecodable event skipped", stream=self.stream, entry_id=eid,
+                          reason=str(exc)[:500])
         return out
 
     def close(self) -> None:
