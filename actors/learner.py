@@ -222,7 +222,6 @@ class Learner:
         self.trainer, self.version, self.resumed_optimizer = open_trainer(ctx.config)
         self.ledger = Ledger.open(self.root, self.version)
         self.dropped_stale = 0
-        self.no_signal = 0  # groups settled untrained: their batch had no learning signal
         self.snapshot: Snapshot | fsdp.ShardedSnapshot | None = None
         self.collecting = self.version
         """The version the batch being collected will be trained at."""
@@ -452,7 +451,6 @@ class Learner:
             await self._settle(held, "no_signal", f"nosignal-{held.message.episode_id}",
                                frees_slot=True)
             self.claimed.discard(held.message.episode_id)
-        self.no_signal += len(batch)
         log.info("no signal: no step", groups=len(batch), policy_version=self.version,
                  reward_mean=[sum(h.message.rewards) / len(h.message.rewards) for h in batch])
 
