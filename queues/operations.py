@@ -200,8 +200,10 @@ class Observe(Op):
 @dataclass(frozen=True)
 class CountPending(Op):
     """The pending-entry count of a consumer group on ``streams`` (XPENDING), for an
-    autoscaler outside the run (KEDA's redis-streams scaler, ``pendingEntriesCount``): no
-    entry, length, lag or other state of the streams, no other key."""
+    autoscaler outside the run (KEDA's redis-streams scaler, ``pendingEntriesCount``). XPENDING
+    cannot be granted in part: its extended form also lists the pending entries' ids,
+    consumers, idle times and delivery counts; no entry's content, no length or lag, no other
+    key."""
 
     streams: tuple[str, ...]
 
