@@ -367,7 +367,10 @@ class Executor:
         unavailable: list[SandboxUnavailable] = []
 
         async def run_one(i: int) -> None:
-            request = domain.exec_request(item, rollout.samples[i].text)
+            # off the loop: a domain may work on the model's text here (repo_tests applies
+            # its patch), and no member's input may hold the other members' work
+            request = await trio.to_thread.run_sync(domain.exec_request, item,
+                                                    rollout.samples[i].text)
             if request is None:
                 return
             try:
@@ -501,7 +504,7 @@ class Executor:
                         st.samples[i] = observed(st.samples[i], action.observation, None,
                                                  action.results)
                     else:
-                        request = domain.exec_request(item, text)
+                        request = await trio.to_thread.run_sync(domain.exec_request, item, text)
                         result = await held.session.run(request) if request else None
                         held.turn = ep.turn
                         changed = request is not None
