@@ -582,9 +582,12 @@ def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: 
                      weight_version: str, openai_port: int = 0, dtype: str = "float32") -> int:
     """The ``streamrl serve-model`` command: serves until SIGINT (Ctrl-C, how ``streamrl up``
     stops it) or SIGTERM, then shuts down cleanly and exits 0."""
-    from streamrl.learner.model import resolve_model
+    from streamrl.learner.model import UnknownModelSpec, resolve_model
 
-    model_dir = resolve_model("smollm2-135m" if model == "smollm2" else model)
+    try:  # a mistyped --model: one line naming the valid specs, no traceback
+        model_dir = resolve_model(model)
+    except UnknownModelSpec as exc:
+        raise SystemExit(f"streamrl serve-model: {exc}") from None
     trio.run(until_signalled, partial(
         serve_model, model_dir, host=host, port=port, max_batch=max_batch, threads=threads,
         weight_version=weight_version, openai_port=openai_port, dtype=dtype))

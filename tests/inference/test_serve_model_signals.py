@@ -4,6 +4,8 @@ no traceback, exit 0 (as ``streamrl up`` stops it, with SIGINT)."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 from streamrl.testing.serve_model import start_serve_model, wait_healthy
@@ -24,3 +26,14 @@ def test_ctrl_c_stops_serve_model_cleanly(tmp_path: Path) -> None:
     assert "Traceback" not in log, log[-3000:]
     assert code == 0, log[-3000:]
     assert '"event": "stopped"' in log, log[-3000:]
+
+
+def test_a_mistyped_model_is_one_line_naming_the_valid_specs() -> None:
+    # When serve-model is given a model spec that does not exist
+    done = subprocess.run([sys.executable, "-m", "streamrl", "serve-model", "--model", "smolm2"],
+                          capture_output=True, text=True, timeout=120)
+    # Then it exits non-zero with one line that names the valid specs, no traceback
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "unknown model spec 'smolm2'" in lines[0] and "'tiny'" in lines[0], lines
