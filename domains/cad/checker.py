@@ -53,10 +53,7 @@ def load(path, np, trimesh):
     return mesh
 
 
-def measure(path):
-    import numpy as np
-    import trimesh
-
+def measure(path, np, trimesh):
     mesh = load(path, np, trimesh)
     mesh.remove_unreferenced_vertices()
     if len(mesh.faces) == 0:
@@ -79,8 +76,11 @@ def measure(path):
 
 def main():
     sys.path.insert(0, sys.argv[1])
+    import numpy as np  # a runtime it cannot import is the checker's failure: exit 1
+    import trimesh
+
     try:
-        verdict = measure(sys.argv[2])
+        verdict = measure(sys.argv[2], np, trimesh)
     except Exception as exc:  # a mesh file that cannot be read is data, not a crash
         verdict = {"built": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
     if verdict.get("built") and not all(

@@ -19,6 +19,13 @@ consistency: V - E + F equals the Euler number, a closed triangle mesh has 2E = 
 volume fits in the bounding box) and compares it with the
 task here, on the host.
 
+A failure of the check itself is no reward (:class:`~streamrl.domains.base.VerifierFailed`,
+issue 32 item 3): the driver found no CAD runtime (its marker file), the checker raised
+(it cannot import numpy/trimesh; it never sees the task, and it catches what a mesh file
+does to it) or printed no verdict, or the driver itself crashed. What the model's script
+does (crashing, timing out, a directory or fifo for its mesh, killing its driver, a mesh
+the checker runs out of time or memory on) still scores 0.
+
 Reward: 0 when the shape does not build (no closed fenced script, the script fails or times out, no
 mesh, an empty or unreadable or over-large mesh, a verdict that does not validate); else the
 fraction of :data:`CONSTRAINTS` met:
@@ -48,9 +55,16 @@ from typing import Any
 import msgspec
 import structlog
 
-from streamrl.domains.base import SINGLE_TURN, SandboxSpec, SplitFiles, chat_prompt_ids
+from streamrl.domains.base import (
+    SINGLE_TURN,
+    SandboxSpec,
+    SplitFiles,
+    VerifierFailed,
+    chat_prompt_ids,
+)
 from streamrl.domains.cad.runtime import MARKER, runtime_dir
 from streamrl.domains.fences import PYTHON, fence
+from streamrl.domains.kinds.harness_host import check_harness
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
 log = structlog.get_logger()
@@ -202,8 +216,17 @@ class Cad(SplitFiles):
                            stdin=json.dumps(spec).encode(), limits=LIMITS)
 
     def score(self, item: CadItem, completion_text: str, result: ExecResult | None) -> float:
+        """The fraction of :data:`CONSTRAINTS` met; 0 when the shape does not build.
+        :class:`VerifierFailed` when the check itself failed: the driver found no CAD
+        runtime or the checker crashed (an authentic verdict says ``unjudged``), or the
+        driver crashed (``harness_host.check_harness``)."""
         verdict = read_verdict(item, completion_text, result)
-        if verdict is None or not verdict["built"] or verdict["exit_code"] != 0:
+        if verdict is None:
+            check_harness(result)
+            return 0.0
+        if type(verdict.get("unjudged")) is str:
+            raise VerifierFailed(f"cad: {verdict['unjudged']}"[:300])
+        if not verdict["built"] or verdict["exit_code"] != 0:
             return 0.0
         met = constraints(item, verdict)
         return sum(met.values()) / len(met)

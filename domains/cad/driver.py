@@ -19,6 +19,11 @@ Its input (stdin, read whole before anything else runs): ``{"nonce", "source", "
    there. Its JSON measurements are checked for shape here, and this process prints the one
    line ``<nonce> <json>``; the host validates it again and compares with the task.
 
+A verdict with ``"unjudged": <why>`` says the check itself failed (no CAD runtime marker,
+the checker exited non-zero by itself or printed no verdict): the host raises
+VerifierFailed on it. A checker killed by a signal or past its deadline was measuring the
+model's mesh: a plain ``built: false``.
+
 Why the model cannot forge a verdict: it never learns the nonce (stdin is consumed before it
 starts; this process is non-dumpable, so /proc/<pid>/fd and memory are closed to it), its own
 output goes nowhere the host reads, and it is dead before the checker exists. With ``-I``
@@ -40,6 +45,7 @@ import time
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 STDERR_KEEP = 2048
+RUNTIME_MARKER = "streamrl-cad.json"  # runtime.MARKER: installed by runtime.install
 RUN_MODEL = (
     "import os, runpy, sys\n"
     "sys.path.insert(0, sys.argv[1])\n"
@@ -123,10 +129,11 @@ def read_mesh(model_dir, max_bytes):
             fd = os.open(os.path.join(model_dir, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
+        st = os.fstat(fd)
+        if st.st_mode & 0o170000 != 0o100000:  # a directory, a fifo: the model's doing
+            os.close(fd)
+            return None, f"{name} is not a regular file"
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if st.st_mode & 0o170000 != 0o100000:
-                return None, f"{name} is not a regular file"
             if st.st_size > max_bytes:
                 return None, f"{name} is larger than {max_bytes} bytes"
             return name, f.read(max_bytes + 1)[:max_bytes]
@@ -161,30 +168,47 @@ def run_model(spec, work):
     return (name, mesh), info
 
 
+def unjudged(why):
+    """The verdict when the check itself failed (the host raises VerifierFailed on it)."""
+    return {"built": False, "error": why, "unjudged": why}
+
+
 def run_checker(spec, name, mesh):
-    fresh = tempfile.mkdtemp(prefix="check-")
-    with open(os.path.join(fresh, "checker.py"), "w") as f:
-        f.write(spec["checker"])
-    with open(os.path.join(fresh, name), "wb") as f:
-        f.write(mesh)
+    try:  # the model's files may have filled the disk: that is its doing, a plain 0
+        fresh = tempfile.mkdtemp(prefix="check-")
+        with open(os.path.join(fresh, "checker.py"), "w") as f:
+            f.write(spec["checker"])
+        with open(os.path.join(fresh, name), "wb") as f:
+            f.write(mesh)
+        errors = open(os.path.join(fresh, "checker.err"), "w+b")  # noqa: SIM115
+    except OSError as exc:
+        return {"built": False, "error": f"cannot stage the checker: {exc}"[:300]}
     proc = subprocess.Popen(
         [sys.executable, "-I", "-S", "checker.py", spec["runtime"], name],
         cwd=fresh, env={**ENV, "HOME": fresh}, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
+        stdout=subprocess.PIPE, stderr=errors, start_new_session=True, close_fds=True,
     )
     deadline = time.monotonic() + spec["check_timeout_s"]
     raw, finished = drain(proc, deadline, None, 65536)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=max(0.0, deadline - time.monotonic()))
     kill_everything_left(proc.pid)
-    if raw is None or not finished or proc.returncode != 0:
+    errors.seek(0)
+    stderr = errors.read()[-4096:].decode("utf-8", "replace")
+    errors.close()
+    if raw is None or not finished or proc.returncode is None or proc.returncode < 0:
+        # past its deadline, or killed (out of memory): measuring the model's mesh did it
         return {"built": False, "error": f"checker failed (exit {proc.returncode})"}
+    if proc.returncode != 0:  # it raised: the checker's own failure (it never sees the task)
+        lines = [x for x in stderr.splitlines() if x.strip()]
+        return unjudged(f"the checker failed (exit {proc.returncode}): "
+                        + (lines[-1][:300] if lines else "no output"))
     try:
         verdict = json.loads(raw)
     except ValueError:
-        return {"built": False, "error": "checker output is not JSON"}
+        return unjudged("the checker's output is not JSON")
     if type(verdict) is not dict or type(verdict.get("built")) is not bool:
-        return {"built": False, "error": "checker output has no verdict"}
+        return unjudged("the checker's output has no verdict")
     return verdict
 
 
@@ -192,6 +216,10 @@ def main():
     spec = json.loads(sys.stdin.buffer.read())
     prctl(PR_SET_DUMPABLE, 0)
     prctl(PR_SET_CHILD_SUBREAPER, 1)
+    if not os.path.exists(os.path.join(spec["runtime"], RUNTIME_MARKER)):
+        verdict = unjudged(f"the CAD runtime is missing: no {spec['runtime']}/{RUNTIME_MARKER}")
+        sys.stdout.write(spec["nonce"] + " " + json.dumps(verdict) + "\n")
+        return
     mesh, info = run_model(spec, os.getcwd())
     verdict = info if mesh is None else {**run_checker(spec, *mesh), "exit_code": info["exit_code"]}
     sys.stdout.write(spec["nonce"] + " " + json.dumps(verdict, allow_nan=False) + "\n")

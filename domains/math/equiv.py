@@ -1,7 +1,9 @@
 """Answer equivalence for math: numeric first, then symbolic (sympy), under our own deadline.
 
 Guarantees:
-- ``equivalent(answer, expected)`` returns a bool and never raises or hangs: the symbolic
+- ``equivalent(answer, expected)`` returns a bool and never hangs, nor raises for the answer:
+  a reference it cannot check (neither a number nor a screened expression, or one sympy
+  cannot parse) is :class:`~streamrl.domains.base.VerifierFailed` (issue 32 item 3). The symbolic
   check runs in a persistent worker *process* (sympy imported once) with a deadline per
   call; a worker that misses it is killed (SIGKILL) and replaced, and the answer counts
   as wrong. No SIGALRM, no thread left spinning.
@@ -25,6 +27,8 @@ import threading
 from fractions import Fraction
 from multiprocessing.connection import Connection
 from typing import Any
+
+from streamrl.domains.base import VerifierFailed
 
 MAX_CHARS = 200
 MAX_EXPONENT = 64
@@ -91,9 +95,13 @@ def _worker(conn: Connection) -> None:  # runs in the child process
     while True:
         a, b = conn.recv()
         try:
-            ea = parse_expr(a, local_dict={}, global_dict=dict(namespace),
-                            transformations=transforms)
             eb = parse_expr(b, local_dict={}, global_dict=dict(namespace),
+                            transformations=transforms)
+        except Exception as exc:  # the reference: the check's failure, said as a str
+            conn.send(f"sympy cannot parse the reference {b!r}: {type(exc).__name__}: {exc}")
+            continue
+        try:
+            ea = parse_expr(a, local_dict={}, global_dict=dict(namespace),
                             transformations=transforms)
             diff = sympy.simplify(ea - eb)
             conn.send(bool(diff == 0))
@@ -137,7 +145,10 @@ class SymbolicChecker:
                 conn.send((a, b))
                 # a fresh worker first imports sympy (seconds): that is not the answer's time
                 if conn.poll(self.deadline_s + (first_call_grace_s if fresh else 0.0)):
-                    return bool(conn.recv())
+                    reply = conn.recv()
+                    if isinstance(reply, str):  # the reference does not parse
+                        raise VerifierFailed(f"math: {reply}"[:300])
+                    return bool(reply)
             except (EOFError, OSError, BrokenPipeError):
                 pass
             self._kill()
@@ -163,6 +174,9 @@ def equivalent(answer: str, expected: str, symbolic: SymbolicChecker | None = No
     if a is not None and b is not None:
         return numbers_equal(a, b)
     sa, sb = screen(answer), screen(expected)
+    if b is None and sb is None:
+        raise VerifierFailed(f"math: cannot check the reference {expected!r}: neither a number "
+                             "nor an expression the screen lets through"[:300])
     if sa is None or sb is None:
         return False
     if sa.replace(" ", "") == sb.replace(" ", ""):

@@ -18,7 +18,9 @@ model-written script it needs with stdout captured and under ``timeout``, and pr
 exited 0 within its deadline and printed exactly that one line, else 0.0. So printing
 "PASSED" (or anything) in a turn, exiting 0 early (``<done>`` at once), writing giant output
 (capped, drained, counted; the observation is cut), or killing the check from a script it
-runs (a non-zero exit) all score 0. The nonce is an HMAC of the item id under
+runs (a non-zero exit) all score 0. A check that ``sh`` cannot parse or start is no reward:
+:class:`~streamrl.domains.base.VerifierFailed` (issue 32 item 3). The nonce is an HMAC of
+the item id under
 ``$STREAMRL_VERIFY_KEY`` (else the item's hidden salt), computed independently by the
 executor that stages the check and the verifier that reads it.
 """
@@ -35,7 +37,13 @@ from typing import Any
 
 import msgspec
 
-from streamrl.domains.base import EpisodePolicy, SandboxSpec, SplitFiles, chat_prompt_ids
+from streamrl.domains.base import (
+    EpisodePolicy,
+    SandboxSpec,
+    SplitFiles,
+    VerifierFailed,
+    chat_prompt_ids,
+)
 from streamrl.domains.fences import SHELL, fence
 from streamrl.sandbox.base import ExecRequest, ExecResult, Limits
 
@@ -135,6 +143,14 @@ class Terminal(SplitFiles):
                            limits=LIMITS)
 
     def score(self, item: TerminalItem, completion_text: str, result: ExecResult | None) -> float:
+        """1.0 exactly when the check passed (see the module), else 0.0.
+        :class:`VerifierFailed` when the check itself could not run: ``sh`` could not parse
+        it (exit 2 with a syntax error) or could not start (126/127). The check script ends
+        with ``exit 0`` or ``exit 1`` and nothing the model left behind can change its
+        parse; a signal from a script it runs is the model's doing (0)."""
+        why = _check_failure(result)
+        if why is not None:
+            raise VerifierFailed(f"terminal: the check could not run: {why}"[:300])
         if result is None or result.timed_out or result.exit_code != 0 or result.stdout_dropped:
             return 0.0
         lines = result.stdout.decode("utf-8", "replace").splitlines()
@@ -142,6 +158,20 @@ class Terminal(SplitFiles):
             return 0.0
         head, _, verdict = lines[0].partition(" ")
         return 1.0 if hmac.compare_digest(head, nonce(item)) and verdict == "PASS" else 0.0
+
+
+def _check_failure(result: ExecResult | None) -> str | None:
+    """Why ``sh`` could not run the check script, else None."""
+    if result is None or result.timed_out or result.oom_killed:
+        return None
+    stderr = result.stderr.decode("utf-8", "replace")
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    last = lines[-1][:300] if lines else "no output"
+    if result.exit_code == 2 and "syntax error" in stderr.lower():
+        return last
+    if result.exit_code in (126, 127):
+        return f"exit {result.exit_code}: {last}"
+    return None
 
 
 def _tail(text: str, limit: int, dropped: int) -> str:

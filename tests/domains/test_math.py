@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from streamrl.domains.base import VerifierFailed
 from streamrl.domains.math import Math, MathItem, extract_answer
 from streamrl.domains.math.equiv import SymbolicChecker, equivalent, screen
 from streamrl.domains.math.generate import make_splits, write_splits
@@ -112,4 +113,6 @@ def test_a_parse_that_misses_its_deadline_is_killed_and_counts_as_wrong() -> Non
 
 def test_numbers_fast_path_needs_no_sympy() -> None:
     assert equivalent("1,000", "1000")
-    assert not equivalent("1e400", "1e400")  # not a plain number, and not allowed by screen
+    assert not equivalent("1e400", "1000")  # not a plain number, and not allowed by screen
+    with pytest.raises(VerifierFailed):  # as a reference: the check cannot read it
+        equivalent("1e400", "1e400")
