@@ -70,11 +70,16 @@ async def test_monitor_dead_letters_what_is_not_an_evaluation_result(
     result = msgspec.structs.replace(
         train, rollout=msgspec.structs.replace(train.rollout, task=task)
     )
-    empty = msgspec.structs.replace(result, rewards=[])
+    # (of another item: a dead-lettered result counts as lost for its own item, and had it the
+    # proper result's item, whichever the monitor saw first would decide that item)
+    other = msgspec.structs.replace(task, item_id=task.item_id + "-other")
+    empty = msgspec.structs.replace(
+        result, rollout=msgspec.structs.replace(result.rollout, task=other), rewards=[]
+    )
     await Producer(client, names).publish(N.EVALS, [encode(train), encode(empty), encode(result)])
     await increment(client, names.eval_round)  # round 0, opened by the run
     ctx = ActorContext(_config(tmp_path, redis_url, names.run), client, names)
-    monitor = Monitor(ctx, tmp_path, eval_items=2)
+    monitor = Monitor(ctx, tmp_path, eval_items=4)  # two items of two samples each
 
     # When the monitor reads them
     async with trio.open_nursery() as nursery:
@@ -85,7 +90,7 @@ async def test_monitor_dead_letters_what_is_not_an_evaluation_result(
 
     # Then it recorded the result and dead-lettered the other two (rejected by its handler,
     # through the runtime), and is still running
-    assert monitor.rounds[0].rewards == [0.0, 1.0]
+    assert monitor.rounds[0].rewards == [0.0, 1.0] and monitor.rounds[0].lost == 2
     letters = await _dead_letters(client, names)
     assert sorted(x.error for x in letters) == [  # handled concurrently: in any order
         "rejected: not an evaluation result: 0 rewards for 2 samples",
