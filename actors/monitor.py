@@ -25,7 +25,14 @@ import trio
 from streamrl.protocol import names as N
 from streamrl.protocol.admission import counted
 from streamrl.protocol.health import DomainHealth, domain_health
-from streamrl.protocol.messages import Executed, Rollout, StepMetrics, Task, Trajectory
+from streamrl.protocol.messages import (
+    Executed,
+    Rollout,
+    StepMetrics,
+    Task,
+    Trajectory,
+    carried_task,
+)
 from streamrl.protocol.pipeline import Stall, assess_stall, lag_flag, pipeline_state
 from streamrl.queues.codec import DeadLetter, MessageError, decode
 from streamrl.queues.operations import read_counter
@@ -103,13 +110,8 @@ def lost_eval_task(raw: bytes) -> Task | None:
         message = decode(letter.payload, kind) if kind else None
     except MessageError:
         return None
-    if isinstance(message, Task):
-        task = message
-    elif isinstance(message, Rollout):
-        task = message.task
-    elif isinstance(message, (Executed, Trajectory)):
-        task = message.rollout.task
-    else:
+    task = carried_task(message)
+    if task is None:
         return None
     return task if task.split == "eval" and task.eval_round >= 0 else None
 

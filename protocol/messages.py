@@ -254,16 +254,22 @@ class StepMetrics(Message, frozen=True, kw_only=True):
     version learned nothing (published only with ``learner.step_without_signal``)."""
 
 
+def carried_task(message: msgspec.Struct | None) -> Task | None:
+    """The task ``message`` carries (a ``Task`` itself, or the task of a rollout, executed
+    result or trajectory), else None."""
+    if isinstance(message, Task):
+        return message
+    if isinstance(message, Rollout):
+        return message.task
+    if isinstance(message, (Executed, Trajectory)):
+        return message.rollout.task
+    return None
+
+
 def training_task(message: msgspec.Struct) -> Task | None:
     """The task of the training group ``message`` carries (a ``Task`` of split "train", or a
     rollout, executed result or trajectory of one), else None."""
-    task: Task | None = None
-    if isinstance(message, Task):
-        task = message
-    elif isinstance(message, Rollout):
-        task = message.task
-    elif isinstance(message, (Executed, Trajectory)):
-        task = message.rollout.task
+    task = carried_task(message)
     if task is None or task.split != "train" or task.eval_round >= 0:
         return None
     return task
