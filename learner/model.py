@@ -44,8 +44,9 @@ TINY_CONFIG: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
+    # head_dim 32: the smallest vLLM's CPU attention runs (it refuses 16)
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
     "max_position_embeddings": 2048,
     "tie_word_embeddings": True,
     "rope_theta": 10000.0,
@@ -132,7 +133,7 @@ def _tiny_dir(seed: int = 0) -> Path:
         model.save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
 
-    return _atomic_dir(cache_dir() / f"tiny-llama-seed{seed}", build)
+    return _atomic_dir(cache_dir() / f"tiny-llama-hd32-seed{seed}", build)
 
 
 def _smollm2_tokenizer_dir() -> Path:
