@@ -21,9 +21,10 @@ a later SGLang HTTP client) keeps these guarantees:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -58,3 +59,23 @@ class Engine(Protocol):
         ...
 
     async def update_weights(self, path: str | Path, version: int) -> None: ...
+
+
+def stop_token_ids(tokenizer: Any, generation_eos: Any = None) -> set[int]:
+    """The tokens a completion stops at, whatever engine samples it: the tokenizer's EOS,
+    ``<|im_end|>`` where the vocabulary has it, and the generation config's
+    ``eos_token_id`` (an int or a list)."""
+    stops = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        stops.add(im_end)
+    stops.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+    return {int(s) for s in stops if s is not None}
+
+
+def model_stop_token_ids(model_dir: str | Path, tokenizer: Any) -> set[int]:
+    """:func:`stop_token_ids` of the model in ``model_dir`` (its generation_config.json),
+    without loading its weights (for engines that serve it from another process)."""
+    path = Path(model_dir) / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return stop_token_ids(tokenizer, eos)

@@ -51,7 +51,7 @@ import torch
 import trio
 
 from streamrl.inference.decode import Row, RowResult, decode_batch
-from streamrl.inference.engine import Completion
+from streamrl.inference.engine import Completion, stop_token_ids
 from streamrl.learner.model import load_model, load_tokenizer
 from streamrl.protocol.messages import Sampling
 
@@ -182,13 +182,8 @@ class TransformersEngine:
         self._busy_s = 0.0
 
     def _stops(self) -> set[int]:
-        stops = {self.tokenizer.eos_token_id}
-        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
-            stops.add(im_end)
         eos = getattr(self.model.generation_config, "eos_token_id", None)
-        stops.update(eos if isinstance(eos, list) else [eos])
-        return {int(s) for s in stops if s is not None}
+        return stop_token_ids(self.tokenizer, eos)
 
     @property
     def weight_version(self) -> int:
