@@ -29,7 +29,7 @@ from streamrl.actors.episodes import generate_turn
 from streamrl.config.schema import GeneratorConfig
 from streamrl.domains.base import is_agent_driven, is_multi_turn
 from streamrl.inference.engine import Completion, Engine
-from streamrl.inference.sglang_client import ServerUnavailable, SGLangEngine
+from streamrl.inference.http_engine import HTTPEngine, ServerUnavailable
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import (
     Rollout,
@@ -122,7 +122,7 @@ class Generator:
     async def generate(
         self, prompts: list[list[int]], sampling: Sampling, session: str
     ) -> list[Completion]:
-        if isinstance(self.engine, SGLangEngine):
+        if isinstance(self.engine, HTTPEngine):
             try:  # one server per episode (its prefix cache); none: retried, then released
                 return await self.engine.generate(prompts, sampling, session=session)
             except ServerUnavailable as exc:
@@ -244,7 +244,23 @@ async def _load(engine: Engine, event: WeightsPublished, done: str) -> bool:
 
 
 def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextManager[Engine]:
-    """The engine ``generator.engine`` names: in-process transformers, or SGLang servers."""
+    """The engine ``generator.engine`` names: in-process transformers, SGLang servers (or
+    serve-model), or vLLM servers."""
+    if cfg.engine == "vllm":
+        from streamrl.inference.engine import model_stop_token_ids
+        from streamrl.inference.vllm_client import open_vllm_engine
+        from streamrl.learner.model import load_tokenizer
+
+        if not (cfg.server_urls or cfg.router_url):
+            raise ValueError("generator.engine 'vllm' needs server_urls or router_url (streamrl "
+                             "up starts servers and fills them in)")
+        tokenizer = load_tokenizer(model_dir)
+        return open_vllm_engine(
+            cfg.server_urls, tokenizer=tokenizer,
+            stop_token_ids=model_stop_token_ids(model_dir, tokenizer),
+            router_url=cfg.router_url, health_interval_s=cfg.health_interval_s,
+            request_timeout_s=cfg.request_timeout_s, interrupt=cfg.interrupt,
+        )
     if cfg.engine == "sglang":
         from streamrl.inference.sglang_client import open_sglang_engine
 

@@ -169,6 +169,11 @@ class Summary(msgspec.Struct, kw_only=True):
     ``scheduler.forgetting_margin`` below its first): :mod:`streamrl.protocol.health`."""
     forgetting: list[str] = []
     """The eval-only domains flagged as forgetting."""
+    engine: str = ""
+    """The engine that generated the run's tokens (``generator.engine``: transformers, the
+    in-process one; sglang, SGLang servers or serve-model; vllm, vLLM servers)."""
+    engine_servers: int = 0
+    """The inference servers it generated on (0: the in-process engine)."""
 
 
 def forgetting(rounds: list[EvalRound], eval_only: list[str], margin: float) -> list[str]:

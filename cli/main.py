@@ -6,6 +6,7 @@
     streamrl dlq|replay|report|domains ... (see cli/ops.py)
     streamrl acl apply --config FILE
     streamrl serve-model --model tiny|smollm2|DIR --port P [--host 127.0.0.1]
+    streamrl serve-vllm --model tiny|smollm2|DIR --port P [--host 127.0.0.1]
 
 Every command takes ``--set section.key=value`` overrides (repeatable).
 """
@@ -203,11 +204,34 @@ def _parser() -> argparse.ArgumentParser:
                              help="weights and compute (auto: bfloat16 where the CPU has it)")
     serve_model.add_argument("--openai-port", type=int, default=0,
                              help="also serve the OpenAI-compatible endpoint here (docs/agents.md)")
+    serve_vllm = sub.add_parser(
+        "serve-vllm", help="serve a model with vLLM, set up for streamrl's vLLM engine "
+                           "(the environment `make vllm` builds; docs/inference.md)")
+    serve_vllm.add_argument("--model", default="tiny", help="tiny, smollm2 (or smollm2-135m, "
+                                                            "as model.spec) or a HF directory")
+    serve_vllm.add_argument("--host", default="127.0.0.1")
+    serve_vllm.add_argument("--port", type=int, default=8000)
+    serve_vllm.add_argument("--threads", type=int, default=1, help="OpenMP threads (0: all CPUs)")
+    serve_vllm.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                            help="weights and compute (auto: bfloat16 where the CPU has it)")
+    serve_vllm.add_argument("--kv-cache-gib", type=float, default=2.0)
+    serve_vllm.add_argument("--enforce-eager", action="store_true",
+                            help="do not compile the model (starts faster, decodes slower)")
+    serve_vllm.add_argument("--max-model-len", type=int, default=0,
+                            help="longest sequence (0: the model's maximum positions)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "serve-vllm":  # watches the lifeline itself: takes vLLM down with it
+        from streamrl.inference.vllm_server import main_serve_vllm
+
+        configure_logging(actor="serve-vllm")
+        return main_serve_vllm(args.model, args.host, args.port, dtype=args.dtype,
+                               threads=args.threads, kv_cache_gib=args.kv_cache_gib,
+                               enforce_eager=args.enforce_eager,
+                               max_model_len=args.max_model_len)
     exit_with_supervisor()  # a child of `streamrl up` dies with it (runtime/lifeline.py)
     if args.command == "serve-model":
         from streamrl.inference.server import main_serve_model

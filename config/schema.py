@@ -508,31 +508,36 @@ class GeneratorConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=
     time_limit_s: PosFloat = 600.0
     """Longest a generator may work on one message before it counts as failed (retried)."""
     engine: str = "transformers"
-    """'transformers' (in-process CPU engine) or 'sglang' (HTTP client: SGLang servers, or
-    ``streamrl serve-model`` on a CPU; see server_urls / router_url)."""
+    """'transformers' (in-process CPU engine), 'sglang' (HTTP client: SGLang servers, or
+    ``streamrl serve-model`` on a CPU) or 'vllm' (HTTP client of vLLM servers; without
+    server_urls ``streamrl up`` starts them, docs/inference.md). See server_urls /
+    router_url."""
     server_urls: list[str] = msgspec.field(default_factory=list)
-    """engine 'sglang': the servers this generator balances over (least-loaded, sticky per
-    task) and syncs weights to, e.g. ``["http://127.0.0.1:30000"]``."""
+    """engines 'sglang' and 'vllm': the servers this generator balances over (least-loaded,
+    sticky per episode) and syncs weights to, e.g. ``["http://127.0.0.1:30000"]``."""
     router_url: str = ""
-    """engine 'sglang': send every request to this sglang-router instead (weight updates
-    still go to server_urls, or to the router when that list is empty)."""
+    """engines 'sglang' and 'vllm': send every request to this router instead (weight
+    updates still go to server_urls, or to the router when that list is empty)."""
     health_interval_s: PosFloat = 2.0
-    """engine 'sglang': how often each server is probed (a dead one is taken out, one that
-    comes back loads the current weights before taking work)."""
+    """engines 'sglang' and 'vllm': how often each server is probed (a dead one is taken
+    out, one that comes back loads the current weights before taking work)."""
     request_timeout_s: PosFloat = 600.0
-    """engine 'sglang': HTTP timeout of one /generate request."""
+    """engines 'sglang' and 'vllm': HTTP timeout of one generation request."""
     pause_mode: str = "in_place"
     """engine 'sglang': /pause_generation mode around a weight update (abort, retract,
     in_place)."""
     interrupt: str = "resubmit"
-    """engine 'sglang': what a weight update does to running requests. 'resubmit' (any
-    SGLang): abort them (/abort_request) and resubmit each with its tokens so far appended to
-    input_ids once the update is done; 'in_place': they go on under the new weights, for
-    servers that report per-token versions (``meta_info.weight_versions``, serve-model)."""
+    """engines 'sglang' and 'vllm': what a weight update does to running requests.
+    'resubmit': abort them and resubmit each with its tokens so far appended to its prompt
+    once the update is done (every logprob is then the one the learner recomputes);
+    'in_place': they go on under the new weights, for servers that report per-token versions
+    (serve-model, vLLM); on vLLM their later tokens attend to a KV cache the old weights
+    computed (docs/inference.md measures the difference)."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ("transformers", "sglang"):
-            raise ValueError(f"generator.engine {self.engine!r}: use 'transformers' or 'sglang'")
+        if self.engine not in ("transformers", "sglang", "vllm"):
+            raise ValueError(f"generator.engine {self.engine!r}: use 'transformers', 'sglang' "
+                             "or 'vllm'")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"generator.dtype {self.dtype!r}: use 'auto', 'float32' or "
                              "'bfloat16'")
@@ -835,10 +840,17 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     verifiers: PosInt = 1
     """Verifier processes ``up`` starts."""
     serve_models: NonNegInt = 0
-    """``streamrl serve-model`` processes ``up`` starts on loopback ports (the model of
-    ``model.spec``, ``generator.max_batch`` and ``generator.threads``); when > 0 every
-    generator uses them (``generator.engine = "sglang"`` with their URLs) instead of its
-    in-process engine. 0: none."""
+    """Inference servers ``up`` starts on loopback ports for the model of ``model.spec``:
+    ``streamrl serve-model`` processes (``generator.max_batch``, ``generator.threads``),
+    or vLLM servers with ``generator.engine = "vllm"`` (at least one when that engine has no
+    ``server_urls``). When > 0 every generator uses them instead of its in-process engine.
+    0: none."""
+    vllm_kv_cache_gib: PosFloat = 2.0
+    """vLLM servers ``up`` starts: GiB of KV cache each (``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_enforce_eager: bool = False
+    """vLLM servers ``up`` starts: run the model eagerly instead of compiling it first
+    (compiling takes about a minute at the first start, cached after; the compiled model
+    decodes faster: benchmarks/engines.py)."""
     progress_interval_s: PosFloat = 10.0
     """How often ``up`` prints a progress line (policy version, reward, queues)."""
     decode_nice: Annotated[int, Meta(ge=0, le=19)] = 0
@@ -949,11 +961,12 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
         if error := self.weight_sync_error():
             raise ValueError(error)
         agents = sorted(n for n, t in self.domain.items() if t.agent.command)
-        if agents and not (self.generator.engine == "sglang" or self.up.serve_models):
+        if agents and not (self.generator.engine in ("sglang", "vllm")
+                           or self.up.serve_models):
             raise ValueError(
                 f"agent-driven domains {agents} need inference servers the executor's OpenAI "
                 f"endpoint can call: generator.engine = 'sglang' (SGLang servers, or "
-                f"streamrl serve-model), or up.serve_models > 0")
+                f"streamrl serve-model) or 'vllm', or up.serve_models > 0")
         for name in agents:
             wall = self.domain[name].episode_timeout_s or self.domain[name].agent.timeout_s
             if self.executor.time_limit_s <= wall:
@@ -967,6 +980,10 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
         """``learner.weight_sync = "broadcast"`` without servers to broadcast to, if so."""
         if self.learner.weight_sync != "broadcast":
             return None
+        if self.generator.engine == "vllm":
+            return ("learner.weight_sync = 'broadcast' with generator.engine = 'vllm': vLLM's "
+                    "weight-transfer API has GPU backends only (NCCL, IPC), not wired to the "
+                    "learner yet; use weight_sync = 'disk' (docs/inference.md)")
         servers = self.generator.engine == "sglang" and self.generator.server_urls
         if not (servers or self.up.serve_models):
             return ("learner.weight_sync = 'broadcast' needs the inference servers' URLs: "

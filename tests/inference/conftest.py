@@ -1,7 +1,9 @@
-"""Real ``streamrl serve-model`` processes on loopback ports, with the tiny random model."""
+"""Real ``streamrl serve-model`` processes and a real vLLM server on loopback ports, with the
+tiny random model."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import torch
 from streamrl.learner.model import resolve_model
 from streamrl.net import free_port
 from streamrl.testing.serve_model import ServeModel, start_serve_model, wait_healthy
+from streamrl.testing.vllm_server import VLLMServer, start_vllm, wait_vllm_healthy
 
 __all__ = ["ServeModel", "free_port", "start_serve_model", "wait_healthy"]
 
@@ -73,3 +76,28 @@ async def assert_serves(client: httpx.AsyncClient, url: str, model: Any, prompt:
     ref = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
     got = torch.tensor([t[0] for t in answer["meta_info"]["output_token_logprobs"]])
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def require_vllm() -> None:
+    """Skip where the vLLM environment is not built (``make vllm``); in CI (``$CI`` set:
+    ``make test`` builds it) that is a failure, never a skip."""
+    from streamrl.inference.vllm_server import VLLMNotInstalled, vllm_executable
+
+    try:
+        vllm_executable()
+    except VLLMNotInstalled as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """One real vLLM server (CPU build, eager, fp32) on the tiny model for the session."""
+    require_vllm()
+    server = start_vllm(tmp_path_factory.mktemp("vllm"), resolve_model("tiny"))
+    try:
+        wait_vllm_healthy(server)
+        yield server
+    finally:
+        server.kill()

@@ -42,7 +42,11 @@ def test_config_selects_and_validates_the_engine() -> None:
     with pytest.raises(ConfigError, match="server_urls or router_url"):
         load_config(None, ['generator.engine="sglang"'])
     with pytest.raises(ConfigError, match=r"generator\.engine"):
-        load_config(None, ['generator.engine="vllm"'])
+        load_config(None, ['generator.engine="tgi"'])
+    # vLLM without URLs: `up` starts its servers; broadcasting to them is GPU-only
+    assert load_config(None, ['generator.engine="vllm"']).generator.engine == "vllm"
+    with pytest.raises(ConfigError, match="GPU backends only"):
+        load_config(None, ['generator.engine="vllm"', 'learner.weight_sync="broadcast"'])
 
 
 async def test_published_weights_reach_every_server_and_rollouts(

