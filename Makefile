@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast lint typecheck k8s-check clean
+.PHONY: venv vllm demo test test-fast lint typecheck k8s-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,12 +16,19 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# vLLM's CPU build in an environment of its own (it pins transformers < 5.20), from the pinned
+# packages in deploy/vllm/requirements.txt; the generators' `engine = "vllm"`, `streamrl
+# serve-vllm` and the engine contract tests run it (docs/inference.md). Idempotent: about 70 s
+# the first time, nothing after.
+vllm:
+	deploy/vllm/build_env.sh
+
 demo: venv
 	$(BIN)/streamrl up --config configs/demo.toml --fresh --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
 
 # Two runs: everything in parallel on two workers, then the chaos tests alone (marked serial:
 # their kills come on a clock, so on a loaded machine they only measure the load).
-test: venv
+test: venv vllm
 	$(BIN)/pytest -q --durations=25 -n 2 --dist loadgroup -m "not serial"
 	$(BIN)/pytest -q --durations=10 -p no:xdist -m serial
 
