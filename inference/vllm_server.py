@@ -76,6 +76,10 @@ def vllm_command(model_dir: str | Path, port: int, *, dtype: str = "float32",
         "--logprobs-mode", "processed_logprobs", "--enable-scale-out",
         "--disable-uvicorn-access-log",
         "--worker-extension-cls", "streamrl_vllm_ext.WeightReload",
+        # a seeded request whose prefill is chunked kills vLLM 0.32's CPU worker ("CPU
+        # Generator does not use offset" when it rewinds the discarded sample's generator):
+        # prefills whole, up to the longest sequence
+        "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 2048)),
     ]
     if enforce_eager:
         command.append("--enforce-eager")

@@ -31,13 +31,15 @@ class ServeModel:
 
 
 def start_serve_model(log_dir: Path, model: str = "tiny", port: int | None = None,
-                      weight_version: str = "default") -> ServeModel:
+                      weight_version: str = "default", *, dtype: str = "float32",
+                      threads: int = 1, max_batch: int = 32) -> ServeModel:
     port = port or free_port()
     log = log_dir / f"serve-model-{port}.log"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     process = subprocess.Popen(
         [sys.executable, "-m", "streamrl", "serve-model", "--model", model,
-         "--host", "127.0.0.1", "--port", str(port), "--weight-version", weight_version],
+         "--host", "127.0.0.1", "--port", str(port), "--weight-version", weight_version,
+         "--dtype", dtype, "--threads", str(threads), "--max-batch", str(max_batch)],
         cwd=REPO, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT,
     )
     return ServeModel(f"http://127.0.0.1:{port}", port, process, log)

@@ -196,6 +196,23 @@ async def test_logprobs_are_the_learners(subject: Subject, base_model: torch.nn.
         assert len({tuple(c.tokens.tolist()) for c in completions[:3]}) > 1
 
 
+async def test_a_demo_training_batch_comes_back_whole(subject: Subject) -> None:
+    """The demo's batch shape, 6 groups of 8 seeded rows of real prompts (their prefills
+    together exceed one scheduling step: vLLM 0.32's CPU worker died on such a batch with
+    chunked prefill, which inference/vllm_server.py turns off)."""
+    from streamrl.domains.registry import get_domain
+
+    tokenizer = load_tokenizer(subject.base)
+    arith = get_domain("arith")
+    prompts = [arith.render_prompt(item, tokenizer) for item in arith.load_items("eval")[:6]]
+    rows = [p for p in prompts for _ in range(8)]
+    assert sum(map(len, rows)) > 2048
+    completions = await generate(subject, rows,
+                                 Sampling(max_new_tokens=8, temperature=0.7, seed=1))
+    assert len(completions) == 48
+    assert all(len(c.tokens) == len(c.logprobs) > 0 for c in completions)
+
+
 async def test_same_seed_same_samples(subject: Subject) -> None:
     sampling = Sampling(max_new_tokens=10, temperature=1.0, seed=11)
     first = await generate(subject, PROMPTS[:2], sampling)
