@@ -250,7 +250,7 @@ async def open_agent_runner(config: Any) -> AsyncIterator[AgentRunner]:
     ``executor.agent_host:agent_port`` for as long as the context is open."""
     from streamrl.actors.generator import open_engine
     from streamrl.inference.openai_api import serve_openai
-    from streamrl.learner.model import load_tokenizer, resolve_model
+    from streamrl.models import load_tokenizer, resolve_model
 
     model_dir = resolve_model(config.model.spec)
     tokenizer = load_tokenizer(model_dir)

@@ -249,7 +249,7 @@ def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextMan
     if cfg.engine == "vllm":
         from streamrl.inference.engine import model_stop_token_ids
         from streamrl.inference.vllm_client import open_vllm_engine
-        from streamrl.learner.model import load_tokenizer
+        from streamrl.models import load_tokenizer
 
         if not (cfg.server_urls or cfg.router_url):
             raise ValueError("generator.engine 'vllm' needs server_urls or router_url (streamrl "
@@ -276,7 +276,7 @@ def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextMan
 
 
 async def serve(ctx: ActorContext, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-    from streamrl.learner.model import load_tokenizer, resolve_model
+    from streamrl.models import load_tokenizer, resolve_model
 
     cfg = ctx.config.generator
     model_dir = resolve_model(ctx.config.model.spec)

@@ -68,9 +68,9 @@ from streamrl.learner.checkpoint import (
     save_state_dict,
 )
 from streamrl.learner.lora import LoraExport, LoraSettings
-from streamrl.learner.model import resolve_model
 from streamrl.learner.train import StepStats, TrainConfig, Trainer, rng_state
 from streamrl.learner.weights import latest_version, save_weights, version_dir
+from streamrl.models import resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.admission import run_drained
 from streamrl.protocol.messages import (

@@ -71,7 +71,7 @@ from streamrl.actors.scheduling import (
 )
 from streamrl.config.schema import Config
 from streamrl.domains.registry import get_domain
-from streamrl.learner.model import load_tokenizer, model_limits
+from streamrl.models import load_tokenizer, model_limits
 from streamrl.protocol import curriculum as C
 from streamrl.protocol import names as N
 from streamrl.protocol import quarantine as Q

@@ -70,7 +70,7 @@ from streamrl.actors import scheduler as scheduler_actor
 from streamrl.actors.generator import Generator, VersionGate, serve_weight_updates
 from streamrl.config.schema import load_config
 from streamrl.inference.engine import Completion
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Rollout, Sampling, StepMetrics, Trajectory, new_id, now
 from streamrl.protocol.names import Names

@@ -37,7 +37,7 @@ import trio
 
 from streamrl.domains.registry import get_domain
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
-from streamrl.learner.model import resolve_model
+from streamrl.models import resolve_model
 from streamrl.protocol.messages import Sampling
 from streamrl.sandbox import ProcessSandbox, opened
 from streamrl.testing.logprobs import teacher_forced_logprobs

@@ -98,7 +98,7 @@ from streamrl.actors.scheduler import domain_sampling, make_task  # noqa: E402
 from streamrl.actors.verifier import SCORER_PRELOAD, Verifier  # noqa: E402
 from streamrl.config.schema import Config, load_config  # noqa: E402
 from streamrl.domains.registry import get_domain  # noqa: E402
-from streamrl.learner.model import load_tokenizer, resolve_model  # noqa: E402
+from streamrl.models import load_tokenizer, resolve_model  # noqa: E402
 from streamrl.protocol.messages import (  # noqa: E402
     Executed,
     Rollout,

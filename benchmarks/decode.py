@@ -60,7 +60,7 @@ def main() -> None:
     from transformers import DynamicCache
 
     from streamrl.inference import decode
-    from streamrl.learner.model import load_model, resolve_model
+    from streamrl.models import load_model, resolve_model
 
     torch.set_num_threads(args.threads)
     model = load_model(resolve_model(args.model)).eval()

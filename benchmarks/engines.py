@@ -77,7 +77,7 @@ async def open_arm(arm: str, model_dir: Path, spec: str, args: argparse.Namespac
     from streamrl.inference.sglang_client import open_sglang_engine
     from streamrl.inference.transformers_engine import open_transformers_engine
     from streamrl.inference.vllm_client import open_vllm_engine
-    from streamrl.learner.model import load_tokenizer
+    from streamrl.models import load_tokenizer
 
     start = time.perf_counter()
     if arm == "in-process":
@@ -100,7 +100,7 @@ async def open_arm(arm: str, model_dir: Path, spec: str, args: argparse.Namespac
     from streamrl.testing.vllm_server import start_vllm, wait_vllm_healthy
 
     server = start_vllm(logs, model_dir, dtype=args.dtype, threads=args.threads,
-                        enforce_eager=args.vllm_eager, kv_cache_gib=2.0,
+                        enforce_eager=args.vllm_eager, kv_cache_gib=2,
                         max_model_len=args.max_model_len)
     try:
         await trio.to_thread.run_sync(wait_vllm_healthy, server, 900.0)
@@ -206,7 +206,7 @@ def main() -> None:
 
     from streamrl.domains.registry import get_domain
     from streamrl.inference.transformers_engine import native_bf16
-    from streamrl.learner.model import load_model, load_tokenizer, resolve_model
+    from streamrl.models import load_model, load_tokenizer, resolve_model
     from streamrl.testing.logprobs import teacher_forced_logprobs
 
     torch.set_num_threads(args.threads)

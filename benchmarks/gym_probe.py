@@ -62,7 +62,7 @@ def main() -> None:
     from streamrl.domains.gym import ReasoningGymDomain
     from streamrl.domains.template import with_prefix
     from streamrl.inference.decode import Row, decode_batch
-    from streamrl.learner.model import load_model, load_tokenizer, resolve_model
+    from streamrl.models import load_model, load_tokenizer, resolve_model
 
     torch.set_num_threads(args.threads)
     cfg = tomllib.loads(args.config.read_text())

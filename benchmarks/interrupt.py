@@ -35,7 +35,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from streamrl.inference.sglang_client import open_sglang_engine
-from streamrl.learner.model import load_model, resolve_model
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol.messages import Sampling
 from streamrl.runtime.logs import configure_logging
 from streamrl.testing.serve_model import start_serve_model, wait_healthy

@@ -52,7 +52,7 @@ def decode_loop(args: argparse.Namespace) -> None:
     from streamrl.domains.registry import get_domain
     from streamrl.inference import decode
     from streamrl.inference.transformers_engine import serving_dtype
-    from streamrl.learner.model import load_model, load_tokenizer, resolve_model
+    from streamrl.models import load_model, load_tokenizer, resolve_model
 
     torch.set_num_threads(1)
     model_dir = resolve_model(args.model)

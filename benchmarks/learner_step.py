@@ -39,8 +39,8 @@ def run_one(args: argparse.Namespace, mode: str) -> dict[str, object]:
     import torch
 
     from streamrl.learner.batch import build_batch
-    from streamrl.learner.model import load_model, resolve_model
     from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
+    from streamrl.models import load_model, resolve_model
     from streamrl.testing.messages import make_trajectory
 
     if args.threads:

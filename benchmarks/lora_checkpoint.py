@@ -35,9 +35,9 @@ from streamrl.learner.lora import (
     LoraExport,
     LoraSettings,
 )
-from streamrl.learner.model import resolve_model
 from streamrl.learner.train import TrainConfig, Trainer
 from streamrl.learner.weights import WEIGHTS_FILE, save_weights
+from streamrl.models import resolve_model
 from streamrl.testing.messages import make_trajectory
 
 SMOLLM2_135M = {  # HuggingFaceTB/SmolLM2-135M-Instruct's config.json

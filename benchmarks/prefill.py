@@ -59,7 +59,7 @@ def main() -> None:
     import torch
 
     from streamrl.inference import decode
-    from streamrl.learner.model import load_model, resolve_model
+    from streamrl.models import load_model, resolve_model
 
     torch.set_num_threads(args.threads)
     model = load_model(resolve_model(args.model)).eval()

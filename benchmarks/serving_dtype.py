@@ -58,7 +58,7 @@ def main() -> None:
     from streamrl.domains.registry import get_domain
     from streamrl.inference import decode
     from streamrl.inference.transformers_engine import native_bf16
-    from streamrl.learner.model import load_model, load_tokenizer, resolve_model
+    from streamrl.models import load_model, load_tokenizer, resolve_model
     from streamrl.testing.logprobs import teacher_forced_logprobs
 
     torch.set_num_threads(args.threads)

@@ -45,8 +45,8 @@ from streamrl.actors.generator import serve_weight_updates
 from streamrl.config.schema import load_config
 from streamrl.inference.sglang_client import WeightBroadcaster, open_sglang_engine
 from streamrl.inference.transformers_engine import open_transformers_engine
-from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
+from streamrl.models import load_model, resolve_model
 from streamrl.net import free_port
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import WeightsPublished, new_id, now

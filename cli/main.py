@@ -214,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     serve_vllm.add_argument("--threads", type=int, default=1, help="OpenMP threads (0: all CPUs)")
     serve_vllm.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                             help="weights and compute (auto: bfloat16 where the CPU has it)")
-    serve_vllm.add_argument("--kv-cache-gib", type=float, default=2.0)
+    serve_vllm.add_argument("--kv-cache-gib", type=int, default=2)
     serve_vllm.add_argument("--enforce-eager", action="store_true",
                             help="do not compile the model (starts faster, decodes slower)")
     serve_vllm.add_argument("--max-model-len", type=int, default=0,
@@ -225,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve-vllm":  # watches the lifeline itself: takes vLLM down with it
-        from streamrl.inference.vllm_server import main_serve_vllm
+        from streamrl.cli.serve_vllm import main_serve_vllm
 
         configure_logging(actor="serve-vllm")
         return main_serve_vllm(args.model, args.host, args.port, dtype=args.dtype,

@@ -215,7 +215,7 @@ class Seen:
 
 def seen_in(config: Config) -> Seen:
     """The tokenizer of ``model.spec`` (without the weights) and the domains' prefixes."""
-    from streamrl.learner.model import load_tokenizer, model_limits
+    from streamrl.models import load_tokenizer, model_limits
 
     try:
         tokenizer = load_tokenizer(model_limits(config.model.spec)[0])
@@ -367,9 +367,9 @@ def retrain(
     """Loss and gradient norm of one step on ``groups`` from ``checkpoint`` (default: the
     version before ``step``), with the learner's training config."""
     from streamrl.actors.learner import train_config
-    from streamrl.learner.model import resolve_model
     from streamrl.learner.train import Trainer
     from streamrl.learner.weights import version_dir
+    from streamrl.models import resolve_model
 
     base = resolve_model(config.model.spec)
     if checkpoint is None:

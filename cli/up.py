@@ -219,7 +219,7 @@ def _serve_models(config: Config) -> tuple[Config, list[Child]]:
                   "--host", "127.0.0.1", "--port", str(port), "--threads", str(g.threads),
                   "--dtype", g.dtype]
         if vllm:
-            return [*common, "--kv-cache-gib", f"{config.up.vllm_kv_cache_gib:g}",
+            return [*common, "--kv-cache-gib", str(config.up.vllm_kv_cache_gib),
                     *(["--enforce-eager"] if config.up.vllm_enforce_eager else [])]
         return [*common, "--max-batch", str(g.max_batch)]
 
@@ -348,7 +348,7 @@ def _give_metrics_ports(config: Config, children: list[Child]) -> None:
 async def _prepare(config: Config, fresh: bool) -> None:
     """Before anything is started: ``--fresh`` removes the run's directory; every declared
     domain builds, the executors' isolation is known, the base model is ready."""
-    from streamrl.learner.model import UnknownModelSpec, check_model_spec, resolve_model
+    from streamrl.models import UnknownModelSpec, check_model_spec, resolve_model
 
     try:  # a mistyped model spec: one line, before anything is removed or started
         check_model_spec(config.model.spec)

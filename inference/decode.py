@@ -45,7 +45,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from streamrl.learner.model import route_transformers_logging
+from streamrl.models import route_transformers_logging
 
 route_transformers_logging()  # its records as JSON lines too (runtime/logs.py)
 

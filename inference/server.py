@@ -582,7 +582,7 @@ def main_serve_model(model: str, host: str, port: int, max_batch: int, threads: 
                      weight_version: str, openai_port: int = 0, dtype: str = "float32") -> int:
     """The ``streamrl serve-model`` command: serves until SIGINT (Ctrl-C, how ``streamrl up``
     stops it) or SIGTERM, then shuts down cleanly and exits 0."""
-    from streamrl.learner.model import UnknownModelSpec, resolve_model
+    from streamrl.models import UnknownModelSpec, resolve_model
 
     try:  # a mistyped --model: one line naming the valid specs, no traceback
         model_dir = resolve_model(model)

@@ -52,7 +52,7 @@ import trio
 
 from streamrl.inference.decode import Row, RowResult, decode_batch
 from streamrl.inference.engine import Completion, stop_token_ids
-from streamrl.learner.model import load_model, load_tokenizer
+from streamrl.models import load_model, load_tokenizer
 from streamrl.protocol.messages import Sampling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -21,7 +21,6 @@ so each runs with what the client (:mod:`inference.vllm_client`) needs of it:
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
@@ -87,14 +86,14 @@ def vllm_command(model_dir: str | Path, port: int, *, dtype: str = "float32",
 
 
 def vllm_environment(base: dict[str, str], *, threads: int = 1,
-                     kv_cache_gib: float = 2.0) -> dict[str, str]:
+                     kv_cache_gib: int = 2) -> dict[str, str]:
     """``base`` with what a vLLM server needs (module docstring); no variable of the
     project's own environment that would point vLLM's Python at the project's packages."""
     env = {k: v for k, v in base.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     env.update({
         "PYTHONPATH": str(EXTENSION_DIR),  # streamrl_vllm_ext, for --worker-extension-cls
         "VLLM_SERVER_DEV_MODE": "1",
-        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_CPU_KVCACHE_SPACE": str(int(kv_cache_gib)),
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "OMP_NUM_THREADS": str(threads or os.cpu_count() or 1),
         "VLLM_NO_USAGE_STATS": "1",
@@ -105,73 +104,3 @@ def vllm_environment(base: dict[str, str], *, threads: int = 1,
     })
     return env
 
-
-def _die_with_parent() -> None:
-    """In the vLLM child, before exec: SIGKILL when the process that started it dies."""
-    import ctypes
-    import signal
-
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def main_serve_vllm(model: str, host: str, port: int, *, dtype: str = "auto", threads: int = 1,
-                    kv_cache_gib: float = 2.0, enforce_eager: bool = False,
-                    max_model_len: int = 0) -> int:
-    """``streamrl serve-vllm``: one vLLM server for a model spec (built-in or a directory),
-    in its own process group, taken down with this process however it ends: a signal is
-    passed on (SIGKILL after 20 s), ``up``'s lifeline closing kills it, and the kernel kills
-    it if this process is killed (``PR_SET_PDEATHSIG``)."""
-    import signal
-    import subprocess
-    import threading
-
-    from streamrl.learner.model import model_limits, resolve_model
-    from streamrl.runtime.lifeline import ENV_LIFELINE_FD
-    from streamrl.runtime.logs import get_logger
-
-    log = get_logger()
-    model_dir = resolve_model(model)
-    positions = model_limits(model)[1]
-    length = min(max_model_len or positions, positions)
-    command = vllm_command(model_dir, port, dtype=dtype, max_model_len=length,
-                           enforce_eager=enforce_eager, host=host)
-    env = vllm_environment(dict(os.environ), threads=threads, kv_cache_gib=kv_cache_gib)
-    lifeline = env.pop(ENV_LIFELINE_FD, "")
-    log.info("starting vLLM", command=" ".join(command), model_dir=str(model_dir))
-    child = subprocess.Popen(command, env=env, start_new_session=True,
-                             preexec_fn=_die_with_parent)
-
-    def down(sig: int = signal.SIGKILL) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, sig)
-
-    if lifeline.isdigit():  # a child of `up`: when up is gone, so is the server
-        fd = int(lifeline)
-
-        def watch() -> None:
-            while os.read(fd, 64):
-                pass
-            log.warning("supervisor gone, stopping vLLM")
-            down()
-            os._exit(70)
-
-        threading.Thread(target=watch, name="lifeline", daemon=True).start()
-    stopping = threading.Event()
-
-    def on_signal(signum: int, _frame: object) -> None:
-        stopping.set()
-        down(signal.SIGTERM)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-    try:
-        while True:
-            try:
-                code = child.wait(timeout=20 if stopping.is_set() else None)
-                break
-            except subprocess.TimeoutExpired:
-                down()
-    finally:
-        down()
-    return 0 if stopping.is_set() else (code or 1)

@@ -70,10 +70,10 @@ from streamrl.learner.loss import (
     mismatch,
     policy_loss,
 )
-from streamrl.learner.model import load_model
 from streamrl.learner.packing import is_packed, model_inputs, pack
 from streamrl.learner.prefix import MIN_SHARED_TOKENS, hidden_states, takes_prefix
 from streamrl.learner.shaping import LRDecay, lr_factor, sequence_kl
+from streamrl.models import load_model
 
 if TYPE_CHECKING:
     from streamrl.protocol.messages import Trajectory

@@ -10,7 +10,7 @@ from typing import Any, TextIO
 
 import structlog
 
-from streamrl.learner.model import route_transformers_logging
+from streamrl.models import route_transformers_logging
 
 
 def configure_logging(*, actor: str, level: str = "info", stream: TextIO | None = None) -> None:

@@ -34,7 +34,7 @@ class VLLMServer:
 
 def start_vllm(log_dir: Path, model_dir: Path, *, port: int | None = None,
                dtype: str = "float32", threads: int = 1, enforce_eager: bool = True,
-               max_model_len: int = 2048, kv_cache_gib: float = 1.0) -> VLLMServer:
+               max_model_len: int = 2048, kv_cache_gib: int = 1) -> VLLMServer:
     """A server for ``model_dir`` (eager by default: it starts in about 25 s instead of
     compiling for a minute), in a session of its own so :meth:`VLLMServer.kill` takes its
     children too."""

@@ -164,8 +164,8 @@ async def fail_soft(measure: Callable[[], Awaitable[dict[str, Any]]]) -> dict[st
 def open_learner(args: argparse.Namespace, work: Path) -> Learner:
     """The FSDP trainer, its snapshot, and version 0 saved for the server to start from."""
     from streamrl.learner import fsdp
-    from streamrl.learner.model import load_model
     from streamrl.learner.train import TrainConfig, Trainer
+    from streamrl.models import load_model
 
     device = "cpu" if args.cpu else "cuda"
     world = open_process_group(device)

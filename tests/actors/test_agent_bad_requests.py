@@ -25,7 +25,7 @@ from streamrl.actors.verifier import Verifier
 from streamrl.config.schema import AgentConfig, DomainConfig
 from streamrl.domains import registry
 from streamrl.domains.declared import ENV, declare_domains
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Sampling, Trajectory
 from streamrl.queues.client import RedisClient

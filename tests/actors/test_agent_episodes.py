@@ -35,7 +35,7 @@ from streamrl.inference.engine import Completion
 from streamrl.inference.openai_api import serve_openai
 from streamrl.inference.transformers_engine import open_transformers_engine
 from streamrl.learner.batch import build_batch
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.net import free_port
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Sampling, Trajectory, bytes_to_floats, bytes_to_ids

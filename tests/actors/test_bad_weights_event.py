@@ -16,7 +16,7 @@ import trio
 from streamrl.actors.generator import serve_weight_updates
 from streamrl.actors.scheduler import Scheduler
 from streamrl.inference.transformers_engine import open_transformers_engine
-from streamrl.learner.model import resolve_model
+from streamrl.models import resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import WeightsPublished
 from streamrl.queues.client import RedisClient

@@ -23,7 +23,7 @@ from streamrl.config.schema import DomainConfig, FeedbackConfig
 from streamrl.domains import registry
 from streamrl.domains.declared import ENV, declare_domains
 from streamrl.learner.batch import build_batch
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Sampling, bytes_to_ids
 from streamrl.queues.client import RedisClient

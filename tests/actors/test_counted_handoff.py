@@ -19,8 +19,8 @@ from streamrl.actors.learner import serve as serve_learner
 from streamrl.actors.scheduler import Scheduler, make_task
 from streamrl.actors.verifier import Verifier
 from streamrl.domains.math import MathItem
-from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import (
     Executed,

@@ -12,8 +12,8 @@ import trio
 from streamrl.actors.learner import serve
 from streamrl.config.schema import Config
 from streamrl.learner.checkpoint import LEDGER_FILE, TRAINER_STATE_FILE, Ledger
-from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Trajectory, WeightsPublished
 from streamrl.protocol.roles import apply_acls

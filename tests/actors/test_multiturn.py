@@ -36,7 +36,7 @@ from streamrl.domains.registry import get_domain, register
 from streamrl.domains.terminal import Terminal, TerminalItem
 from streamrl.inference.engine import Completion
 from streamrl.learner.batch import build_batch
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Sampling, Trajectory, bytes_to_floats, bytes_to_ids
 from streamrl.queues.client import RedisClient

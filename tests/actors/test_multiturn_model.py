@@ -20,8 +20,8 @@ import redis
 import torch
 
 from streamrl.learner.batch import build_batch
-from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Trajectory
 from streamrl.queues.codec import decode

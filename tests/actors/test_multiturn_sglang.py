@@ -13,7 +13,7 @@ import trio
 from streamrl.actors.generator import Generator
 from streamrl.actors.scheduler import make_task
 from streamrl.inference.sglang_client import open_sglang_engine
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Sampling
 from streamrl.testing.serve_model import start_serve_model, wait_healthy

@@ -20,7 +20,7 @@ from streamrl.actors.scheduler import make_task
 from streamrl.actors.verifier import Verifier
 from streamrl.config.schema import DomainConfig
 from streamrl.domains.registry import get_domain
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Sample, Sampling, Task, Trajectory
 from streamrl.queues.client import RedisClient

@@ -36,7 +36,7 @@ from streamrl.domains.declared import ENV, declare_domains
 from streamrl.domains.repo.generate import instance
 from streamrl.domains.repo.templates import STRINGS
 from streamrl.learner.batch import build_batch
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Sampling, bytes_to_ids
 from streamrl.queues.client import RedisClient

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from streamrl.actors.scheduler import Scheduler, eval_items
 from streamrl.config.schema import Config, load_config
 from streamrl.domains.declared import declare_domains
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.runtime.context import ActorContext

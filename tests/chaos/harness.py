@@ -302,7 +302,7 @@ def _actors(scenario: Scenario, credentials: dict[str, Credentials]) -> list[Act
 @asynccontextmanager
 async def open_pipeline(scenario: Scenario) -> AsyncIterator[Pipeline]:
     """Start every actor process; on exit stop them all (SIGTERM, then SIGKILL)."""
-    from streamrl.learner.model import resolve_model
+    from streamrl.models import resolve_model
 
     await trio.to_thread.run_sync(resolve_model, "tiny")  # build the cached model only once
     config = load_config(REPO / "configs" / "tiny.toml", scenario.settings())

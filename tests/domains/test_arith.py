@@ -10,7 +10,7 @@ import pytest
 from streamrl.domains.arith import Arith, ArithItem, extract_program
 from streamrl.domains.arith.generate import make_splits, write_splits
 from streamrl.domains.registry import ENTRY_POINT_GROUP, get_domain
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.sandbox.base import ExecResult
 from streamrl.sandbox.process import ProcessSandbox, open_process_sandbox
 

@@ -183,7 +183,7 @@ def test_items_another_process_generated_differently_are_scored_as_asked() -> No
 
 
 def test_a_response_prefix_ends_the_prompt_and_is_scored_with_the_completion() -> None:
-    from streamrl.learner.model import load_tokenizer, resolve_model
+    from streamrl.models import load_tokenizer, resolve_model
 
     tok = load_tokenizer(resolve_model("tiny"))
     split = {"train_size": 5, "eval_size": 5}

@@ -37,7 +37,7 @@ from streamrl.domains import registry
 from streamrl.domains.declared import ENV, check_declared, declare_domains
 from streamrl.domains.kinds import Record
 from streamrl.inference.transformers_engine import open_transformers_engine
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import (
     Executed,

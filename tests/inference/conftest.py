@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from streamrl.learner.model import resolve_model
+from streamrl.models import resolve_model
 from streamrl.net import free_port
 from streamrl.testing.serve_model import ServeModel, start_serve_model, wait_healthy
 from streamrl.testing.vllm_server import VLLMServer, start_vllm, wait_vllm_healthy

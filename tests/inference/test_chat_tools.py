@@ -28,7 +28,7 @@ from streamrl.inference.chat import (
     tool_format,
     tool_results_ids,
 )
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 
 READ = Tool(name="read_file", description="Read a file of the work dir.", parameters={
     "type": "object", "properties": {"path": {"type": "string"}},

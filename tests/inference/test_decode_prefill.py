@@ -23,7 +23,7 @@ from streamrl.inference.decode import (
     prefix_groups,
     sample_inverse_cdf,
 )
-from streamrl.learner.model import load_model
+from streamrl.models import load_model
 
 
 @pytest.fixture(scope="module")

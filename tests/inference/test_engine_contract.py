@@ -32,7 +32,7 @@ from streamrl.inference.http_engine import HTTPEngine, Server, ServerUnavailable
 from streamrl.inference.sglang_client import open_sglang_engine
 from streamrl.inference.transformers_engine import open_transformers_engine
 from streamrl.inference.vllm_client import open_vllm_engine
-from streamrl.learner.model import load_model, load_tokenizer, resolve_model
+from streamrl.models import load_model, load_tokenizer, resolve_model
 from streamrl.protocol.messages import Sampling
 from streamrl.testing.logprobs import teacher_forced_logprobs
 from tests.inference.conftest import ServeModel

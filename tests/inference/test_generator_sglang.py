@@ -14,7 +14,7 @@ from streamrl.actors.generator import Generator, open_engine, serve_weight_updat
 from streamrl.actors.scheduler import make_task
 from streamrl.config.schema import ConfigError, load_config
 from streamrl.domains.registry import get_domain
-from streamrl.learner.model import load_tokenizer
+from streamrl.models import load_tokenizer
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import (
     Rollout,

@@ -15,7 +15,7 @@ import trio
 
 from streamrl.inference.engine import Completion
 from streamrl.inference.sglang_client import open_sglang_engine
-from streamrl.learner.model import load_model
+from streamrl.models import load_model
 from streamrl.protocol.messages import Sampling
 from tests.inference.conftest import ServeModel
 from tests.inference.test_transformers_engine import assert_interrupted, perturbed

@@ -20,8 +20,8 @@ from streamrl.actors import learner as learner_actor
 from streamrl.actors.generator import serve_weight_updates
 from streamrl.actors.weight_sync import named_tensors
 from streamrl.inference.sglang_client import buckets, open_sglang_engine
-from streamrl.learner.model import load_model
 from streamrl.learner.weights import version_dir
+from streamrl.models import load_model
 from streamrl.net import free_port
 from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient

@@ -23,7 +23,7 @@ from streamrl.inference.engine import Completion
 from streamrl.inference.openai_api import serve_openai
 from streamrl.inference.openai_chat import encode, parse_messages, parse_reply, parse_tools
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
-from streamrl.learner.model import load_model, load_tokenizer, resolve_model
+from streamrl.models import load_model, load_tokenizer, resolve_model
 from streamrl.net import free_port
 from streamrl.protocol.messages import Sampling
 

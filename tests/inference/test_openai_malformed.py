@@ -24,7 +24,7 @@ from structlog.testing import capture_logs
 from streamrl.inference.agent_sessions import Budget, Sessions
 from streamrl.inference.openai_api import serve_openai
 from streamrl.inference.transformers_engine import open_transformers_engine
-from streamrl.learner.model import resolve_model
+from streamrl.models import resolve_model
 from streamrl.net import free_port
 from streamrl.protocol.messages import Sampling
 from streamrl.testing.wait import wait_until

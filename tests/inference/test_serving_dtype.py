@@ -12,7 +12,7 @@ import torch
 from streamrl.config.schema import GeneratorConfig
 from streamrl.inference import transformers_engine as te
 from streamrl.inference.transformers_engine import open_transformers_engine, serving_dtype
-from streamrl.learner.model import load_model, resolve_model
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol.messages import Sampling
 from tests.inference.test_transformers_engine import PROMPTS, perturbed, teacher_forced
 

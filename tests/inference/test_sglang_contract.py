@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 
-from streamrl.learner.model import load_model
+from streamrl.models import load_model
 from streamrl.testing.logprobs import teacher_forced_logprobs
 from streamrl.testing.wait import wait_until
 from tests.inference.conftest import ServeModel

@@ -14,7 +14,7 @@ from streamrl.actors.scheduler import make_task
 from streamrl.config.schema import load_config
 from streamrl.domains.registry import get_domain
 from streamrl.inference.transformers_engine import open_transformers_engine
-from streamrl.learner.model import load_tokenizer
+from streamrl.models import load_tokenizer
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Rollout, Sampling, WeightsPublished, new_id, now
 from streamrl.protocol.names import Names

@@ -14,7 +14,7 @@ import trio.testing
 
 from streamrl.inference.engine import Completion, Engine
 from streamrl.inference.transformers_engine import TransformersEngine, open_transformers_engine
-from streamrl.learner.model import load_model, resolve_model
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol.messages import Sampling
 from streamrl.testing.logprobs import teacher_forced_logprobs
 

@@ -10,7 +10,7 @@ import httpx
 import torch
 
 from streamrl.inference.sglang_client import WeightBroadcaster
-from streamrl.learner.model import load_model
+from streamrl.models import load_model
 from tests.inference.conftest import ServeModel, assert_serves, free_port
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356]

@@ -12,8 +12,8 @@ import torch
 import trio
 
 from streamrl.inference.sglang_client import open_sglang_engine
-from streamrl.learner.model import load_model
 from streamrl.learner.weights import save_weights
+from streamrl.models import load_model
 from streamrl.protocol.messages import Sampling
 from tests.inference.conftest import ServeModel, free_port, start_serve_model, wait_healthy
 

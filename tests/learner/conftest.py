@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from streamrl.learner.model import load_model, resolve_model
+from streamrl.models import load_model, resolve_model
 
 
 @pytest.fixture(scope="session")

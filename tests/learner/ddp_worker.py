@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from streamrl.learner import distributed as dist_util
-from streamrl.learner.model import load_model, resolve_model
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.queues.codec import decode, encode
 from tests.learner.test_distributed import CASES, fixed_groups, run_case

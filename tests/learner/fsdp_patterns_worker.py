@@ -12,7 +12,7 @@ import torch
 
 from streamrl.learner import distributed as dist_util
 from streamrl.learner import fsdp
-from streamrl.learner.model import load_model, resolve_model
+from streamrl.models import load_model, resolve_model
 from tests.learner.test_fsdp import PATTERN_CASES, run_pattern_case
 
 

@@ -12,7 +12,7 @@ import torch
 
 from streamrl.learner import distributed as dist_util
 from streamrl.learner import fsdp
-from streamrl.learner.model import load_model, resolve_model
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.queues.codec import decode, encode
 from tests.learner.test_distributed import CASES, fixed_groups

@@ -15,8 +15,8 @@ import torch
 
 from streamrl.learner.batch import build_batch
 from streamrl.learner.distributed import shard_rows
-from streamrl.learner.model import load_model
 from streamrl.learner.train import StepStats, TrainConfig, Trainer
+from streamrl.models import load_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 

@@ -20,9 +20,9 @@ import torch
 from streamrl.learner.batch import build_batch
 from streamrl.learner.fsdp import SHARDED_DIR
 from streamrl.learner.lora import LoraSettings
-from streamrl.learner.model import load_model
 from streamrl.learner.train import StepStats, TrainConfig, Trainer
 from streamrl.learner.weights import version_dir
+from streamrl.models import load_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 from tests.learner.test_distributed import CASES, fixed_groups

@@ -24,9 +24,9 @@ from streamrl.learner.checkpoint import (
     save_state_dict,
 )
 from streamrl.learner.lora import ADAPTER_SUBDIR, LoraExport, LoraSettings, find_adapter
-from streamrl.learner.model import load_model
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
 from streamrl.learner.weights import WEIGHTS_FILE, save_weights, version_dir
+from streamrl.models import load_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 

@@ -11,9 +11,9 @@ import torch
 
 from streamrl.learner.batch import build_batch
 from streamrl.learner.loss import group_advantages, kl_penalty
-from streamrl.learner.model import load_model
 from streamrl.learner.shaping import lr_factor, sequence_kl, soft_length_penalty
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
+from streamrl.models import load_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 

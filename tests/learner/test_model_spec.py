@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl.learner.model import model_limits, resolve_model
+from streamrl.models import model_limits, resolve_model
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamrl.learner.model import load_model
 from streamrl.learner.train import TrainConfig, Trainer
+from streamrl.models import load_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 

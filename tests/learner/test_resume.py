@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from streamrl.learner.checkpoint import load_trainer_state, save_trainer_state
-from streamrl.learner.model import load_model
 from streamrl.learner.train import TrainConfig, Trainer
 from streamrl.learner.weights import save_weights, version_dir
+from streamrl.models import load_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from streamrl.learner.batch import build_batch
-from streamrl.learner.model import load_model, load_tokenizer
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
+from streamrl.models import load_model, load_tokenizer
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from streamrl.learner.model import load_model, load_tokenizer
 from streamrl.learner.weights import latest_version, list_versions, load_state_into, save_weights
+from streamrl.models import load_model, load_tokenizer
 
 IDS = torch.tensor([[1, 510, 2021, 314, 17, 2]])
 

@@ -22,8 +22,8 @@ from streamrl.actors.learner import serve as serve_learner
 from streamrl.actors.scheduler import Scheduler
 from streamrl.actors.verifier import serve
 from streamrl.cli.up import _children
-from streamrl.learner.model import load_model, resolve_model
 from streamrl.learner.weights import save_weights
+from streamrl.models import load_model, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Task, Trajectory, new_id, now
 from streamrl.queues.client import RedisClient

@@ -266,7 +266,7 @@ async def test_show_prints_the_prompt_the_model_saw_and_the_turn_the_domain_ran(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:
     from streamrl.domains.declared import declare_domains
-    from streamrl.learner.model import load_tokenizer, resolve_model
+    from streamrl.models import load_tokenizer, resolve_model
     from streamrl.protocol.messages import Rollout, Sample, floats_to_bytes, ids_to_bytes
     from tests.ops.helpers import outcome
 

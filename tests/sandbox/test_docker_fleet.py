@@ -37,7 +37,7 @@ from streamrl.cli.status import read_fleet, render, snapshot
 from streamrl.config.schema import Config, DomainConfig, DomainSandboxConfig, ExecutorConfig
 from streamrl.domains.base import SandboxSpec
 from streamrl.domains.registry import get_domain
-from streamrl.learner.model import load_tokenizer, resolve_model
+from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Executed, Sampling
 from streamrl.queues.client import RedisClient

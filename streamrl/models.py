@@ -1,5 +1,10 @@
 """Where policy weights come from, and the one on-disk layout every actor loads.
 
+One place for every part that needs a model: the learner, the in-process engine,
+serve-model, the vLLM servers (``streamrl serve-vllm`` hands vLLM the directory resolved
+here), the scheduler (a prompt's length against the model's positions, :func:`model_limits`)
+and the tokenizers of the HTTP clients.
+
 Every actor loads a policy from a Hugging Face directory (``config.json``,
 ``model.safetensors``, tokenizer files). :func:`prepare_base_model` creates that directory
 once per run from a model spec:
