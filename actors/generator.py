@@ -249,7 +249,7 @@ def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextMan
     if cfg.engine == "vllm":
         from streamrl.inference.engine import model_stop_token_ids
         from streamrl.inference.vllm_client import open_vllm_engine
-        from streamrl.models import load_tokenizer
+        from streamrl.models import load_tokenizer, vocab_size
 
         if not (cfg.server_urls or cfg.router_url):
             raise ValueError("generator.engine 'vllm' needs server_urls or router_url (streamrl "
@@ -258,16 +258,18 @@ def open_engine(cfg: GeneratorConfig, model_dir: Any) -> AbstractAsyncContextMan
         return open_vllm_engine(
             cfg.server_urls, tokenizer=tokenizer,
             stop_token_ids=model_stop_token_ids(model_dir, tokenizer),
-            router_url=cfg.router_url, health_interval_s=cfg.health_interval_s,
-            request_timeout_s=cfg.request_timeout_s, interrupt=cfg.interrupt,
+            vocab_size=vocab_size(model_dir), router_url=cfg.router_url,
+            health_interval_s=cfg.health_interval_s, request_timeout_s=cfg.request_timeout_s,
+            interrupt=cfg.interrupt,
         )
     if cfg.engine == "sglang":
         from streamrl.inference.sglang_client import open_sglang_engine
+        from streamrl.models import vocab_size
 
         return open_sglang_engine(
             cfg.server_urls, router_url=cfg.router_url, health_interval_s=cfg.health_interval_s,
             request_timeout_s=cfg.request_timeout_s, pause_mode=cfg.pause_mode,
-            interrupt=cfg.interrupt,
+            interrupt=cfg.interrupt, vocab_size=vocab_size(model_dir),
         )
     from streamrl.inference.transformers_engine import open_transformers_engine
 

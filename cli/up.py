@@ -199,11 +199,11 @@ def _on_lifeline(children: list[Child], lifeline: Lifeline) -> list[Child]:
 def _serve_models(config: Config) -> tuple[Config, list[Child]]:
     """The inference servers ``up`` starts (``up.serve_models``: serve-model processes, or
     vLLM servers with ``generator.engine = "vllm"``, at least one when that engine has no
-    URLs), and the config pointing generators at them."""
+    URLs: one per generator), and the config pointing generators at them."""
     vllm = config.generator.engine == "vllm"
     n = config.up.serve_models
     if vllm and not n and not (config.generator.server_urls or config.generator.router_url):
-        n = 1
+        n = config.up.generators  # one server per generator: the in-process engines' share
     if not n:
         return config, []
     run_dir = config.run.path

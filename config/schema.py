@@ -842,9 +842,9 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     serve_models: NonNegInt = 0
     """Inference servers ``up`` starts on loopback ports for the model of ``model.spec``:
     ``streamrl serve-model`` processes (``generator.max_batch``, ``generator.threads``),
-    or vLLM servers with ``generator.engine = "vllm"`` (at least one when that engine has no
-    ``server_urls``). When > 0 every generator uses them instead of its in-process engine.
-    0: none."""
+    or vLLM servers with ``generator.engine = "vllm"`` (0 and no ``server_urls``: one per
+    generator, ``up.generators``). When > 0 every generator uses them instead of its
+    in-process engine. 0: none."""
     vllm_kv_cache_gib: PosInt = 2
     """vLLM servers ``up`` starts: GiB of KV cache each (``VLLM_CPU_KVCACHE_SPACE``, whole GiB)."""
     vllm_enforce_eager: bool = False

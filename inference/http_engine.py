@@ -120,12 +120,16 @@ class HTTPEngine:
     kind = "http"
 
     def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], *,
-                 router_url: str = "", interrupt: str = "resubmit") -> None:
+                 router_url: str = "", interrupt: str = "resubmit",
+                 vocab_size: int = 0) -> None:
         if not urls and not router_url:
             raise ValueError("need at least one server URL or a router URL")
         if interrupt not in INTERRUPT_MODES:
             raise ValueError(f"interrupt {interrupt!r}: use one of {INTERRUPT_MODES}")
         self.interrupt = interrupt
+        self.vocab_size = vocab_size
+        """Token ids at or above it are refused before they are sent (0: not checked): SGLang
+        0.5 dies on one (an IndexError in its scheduler takes the server down)."""
         self._updates = 0  # weight updates under way
         self._updated = trio.Event()  # set while no update is under way
         self._updated.set()
@@ -167,6 +171,11 @@ class HTTPEngine:
         if not prompts:
             return []
         prompts = [list(map(int, p)) for p in prompts]
+        if self.vocab_size:
+            for p in prompts:
+                if p and not 0 <= min(p) <= max(p) < self.vocab_size:
+                    raise ValueError(f"a prompt token id is outside the vocabulary "
+                                     f"(0..{self.vocab_size - 1}): {min(p)}..{max(p)}")
         completions = await self._generate(prompts, sampling, session)
         if all(c.finish_reason != "abort" for c in completions):
             return completions

@@ -27,6 +27,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -87,6 +88,19 @@ def _completion(answer: Any) -> Completion:
                       weight_version=version, versions=versions)
 
 
+def _aborted_at(c: Completion, sent: int | None) -> Completion:
+    """An answer aborted by a weight update (``interrupt="resubmit"``) whose tokens carry no
+    per-token versions: SGLang 0.5 stamps it with the version it serves when it answers,
+    the new one, although every token was sampled before the pause, by the weights served
+    when the request was sent. Those are its tokens' version."""
+    if c.finish_reason != "abort" or sent is None or not len(c.tokens):
+        return c
+    versions = c.token_versions()
+    if int(versions.min()) <= sent:
+        return c
+    return replace(c, weight_version=sent, versions=np.full(len(c.tokens), sent, np.int32))
+
+
 class SGLangEngine(HTTPEngine):
     """See the module docstring. Use :func:`open_sglang_engine`."""
 
@@ -94,8 +108,9 @@ class SGLangEngine(HTTPEngine):
 
     def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], *,
                  router_url: str = "", pause_mode: str = "in_place",
-                 interrupt: str = "resubmit") -> None:
-        super().__init__(client, urls, router_url=router_url, interrupt=interrupt)
+                 interrupt: str = "resubmit", vocab_size: int = 0) -> None:
+        super().__init__(client, urls, router_url=router_url, interrupt=interrupt,
+                         vocab_size=vocab_size)
         self.pause_mode = pause_mode
 
     async def _request(self, server: Server, prompts: list[list[int]],
@@ -111,10 +126,11 @@ class SGLangEngine(HTTPEngine):
         }
         if sampling.seed is not None:
             body["sampling_params"]["sampling_seed"] = sampling.seed
+        sent = server.weight_version  # what the server served when the request left
         answers = await self._post_answer(server, "/generate", body)
         if not isinstance(answers, list) or len(answers) != len(prompts):
             raise ProtocolError(f"expected {len(prompts)} answers from {server.url}")
-        return [_completion(a) for a in answers]
+        return [_aborted_at(_completion(a), sent) for a in answers]
 
     async def _serving_version(self, server: Server) -> int:
         info = await self.get_json(server, "/model_info")
@@ -122,7 +138,10 @@ class SGLangEngine(HTTPEngine):
 
     async def _load(self, server: Server, path: str, version: int) -> None:
         """pause -> [abort] -> update_weights_from_disk -> continue."""
-        await self._post(server, "/pause_generation", {"mode": self.pause_mode})
+        # resubmit: running requests are aborted anyway, and the server must be idle for its
+        # prefix cache to be flushed (below)
+        mode = "abort" if self.interrupt == "resubmit" else self.pause_mode
+        await self._post(server, "/pause_generation", {"mode": mode})
         try:
             if self.interrupt == "resubmit":  # answered with their tokens so far
                 await self._post(server, "/abort_request", {"abort_all": True})
@@ -130,11 +149,29 @@ class SGLangEngine(HTTPEngine):
                 "model_path": path, "weight_version": str(version),
                 "flush_cache": self.pause_mode != "in_place",
             })
+            if self.interrupt == "resubmit" and answer.get("success"):
+                await self._flush(server)
         finally:
             with trio.CancelScope(shield=True):
                 await self._post(server, "/continue_generation", {})
         if not answer.get("success"):
             raise ProtocolError(f"update refused: {answer.get('message')}")
+
+    async def _flush(self, server: Server, timeout_s: float = 10.0) -> None:
+        """Empty the server's prefix cache once the aborted requests have drained: its keys
+        and values were computed by the old weights, and a new request with a cached prefix
+        would be served them (SGLang caches prefixes across requests, serve-model does not).
+        SGLang answers 400 while requests still hold cache entries (asked within its weight
+        update instead, ``flush_cache``, it asserts and the server dies), so it is asked
+        until it has."""
+        with trio.fail_after(timeout_s):
+            while True:
+                response = await self.client.post(server.url + "/flush_cache")
+                if response.status_code == 200:
+                    return
+                if response.status_code != 400:
+                    raise ProtocolError(f"/flush_cache: HTTP {response.status_code}")
+                await trio.sleep(0.05)
 
     async def get_json(self, server: Server, path: str) -> dict[str, Any]:
         """GET a control endpoint, under its old name if the new one is a 404."""
@@ -155,7 +192,7 @@ _join = join_parts  # the pieces of one interrupted completion (tests use the ol
 async def open_sglang_engine(
     urls: Sequence[str], *, router_url: str = "", health_interval_s: float = 2.0,
     request_timeout_s: float = 600.0, pause_mode: str = "in_place",
-    interrupt: str = "resubmit",
+    interrupt: str = "resubmit", vocab_size: int = 0,
 ) -> AsyncIterator[SGLangEngine]:
     """A client with its health checks running (one probe done before it is handed out)."""
     timeout = httpx.Timeout(request_timeout_s, connect=5.0)
@@ -165,7 +202,7 @@ async def open_sglang_engine(
         trio.open_nursery() as nursery,
     ):
         engine = SGLangEngine(client, urls, router_url=router_url, pause_mode=pause_mode,
-                              interrupt=interrupt)
+                              interrupt=interrupt, vocab_size=vocab_size)
         await nursery.start(engine.serve_health_checks, health_interval_s)
         try:
             yield engine

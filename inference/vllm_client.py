@@ -94,8 +94,9 @@ class VLLMEngine(HTTPEngine):
 
     def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], *, tokenizer: Any,
                  stop_token_ids: Iterable[int], router_url: str = "",
-                 interrupt: str = "resubmit") -> None:
-        super().__init__(client, urls, router_url=router_url, interrupt=interrupt)
+                 interrupt: str = "resubmit", vocab_size: int = 0) -> None:
+        super().__init__(client, urls, router_url=router_url, interrupt=interrupt,
+                         vocab_size=vocab_size)
         self.tokenizer = tokenizer
         self.stop_token_ids = sorted({int(t) for t in stop_token_ids})
 
@@ -174,7 +175,7 @@ class VLLMEngine(HTTPEngine):
 async def open_vllm_engine(
     urls: Sequence[str], *, tokenizer: Any, stop_token_ids: Iterable[int], router_url: str = "",
     health_interval_s: float = 2.0, request_timeout_s: float = 600.0,
-    interrupt: str = "resubmit",
+    interrupt: str = "resubmit", vocab_size: int = 0,
 ) -> AsyncIterator[VLLMEngine]:
     """A client with its health checks running (one probe done before it is handed out)."""
     timeout = httpx.Timeout(request_timeout_s, connect=5.0)
@@ -184,7 +185,8 @@ async def open_vllm_engine(
         trio.open_nursery() as nursery,
     ):
         engine = VLLMEngine(client, urls, tokenizer=tokenizer, stop_token_ids=stop_token_ids,
-                            router_url=router_url, interrupt=interrupt)
+                            router_url=router_url, interrupt=interrupt,
+                            vocab_size=vocab_size)
         await nursery.start(engine.serve_health_checks, health_interval_s)
         try:
             yield engine

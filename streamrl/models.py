@@ -212,6 +212,14 @@ def model_limits(spec: str) -> tuple[Path, int]:
     return model_dir, int(config.get("max_position_embeddings") or 1 << 30)
 
 
+def vocab_size(model_dir: Path | str) -> int:
+    """The number of token ids the model in ``model_dir`` embeds (its config's
+    ``vocab_size``; 0 where the config does not say): an id at or above it is no input."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    return int(config.get("vocab_size") or text.get("vocab_size") or 0)
+
+
 def load_tokenizer(model_dir: Path | str) -> Any:
     from transformers import AutoTokenizer
     route_transformers_logging()

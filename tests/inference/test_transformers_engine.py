@@ -150,7 +150,8 @@ def perturbed(tiny: Path, out: Path, seed: int = 0) -> torch.nn.Module:
 
 def assert_interrupted(old: torch.nn.Module, new: torch.nn.Module, prompt: list[int],
                        tokens: list[int], logprobs: list[float], versions: list[int],
-                       before: int, after: int, temperature: float) -> int:
+                       before: int, after: int, temperature: float,
+                       atol: float = 1e-3) -> int:
     """Tokens of both versions, in order; each token's logprob is its own version's
     teacher-forced one. Returns the index of the first token of the new version."""
     assert len(tokens) == len(logprobs) == len(versions)
@@ -162,9 +163,9 @@ def assert_interrupted(old: torch.nn.Module, new: torch.nn.Module, prompt: list[
     got = torch.tensor(logprobs)
     # (float noise grows with the length: cached vs. one-pass attention over ~600 tokens)
     torch.testing.assert_close(got[:k], teacher_forced(old, prompt, c, temperature)[:k],
-                               atol=1e-3, rtol=0)
+                               atol=atol, rtol=0)
     torch.testing.assert_close(got[k:], teacher_forced(new, prompt, c, temperature)[k:],
-                               atol=1e-3, rtol=0)
+                               atol=atol, rtol=0)
     return k
 
 
