@@ -1,7 +1,8 @@
 """The inference engine interface the generator actor talks to.
 
 Every backend (the in-process :class:`~inference.transformers_engine.TransformersEngine`,
-a later SGLang HTTP client) keeps these guarantees:
+the HTTP clients of SGLang / serve-model and of vLLM servers, :mod:`inference.http_engine`)
+keeps these guarantees (tests/inference/test_engine_contract.py holds all of them to it):
 
 - ``generate`` returns one :class:`Completion` per prompt, in order;
 - ``Completion.logprobs[i]`` is the behaviour logprob of ``tokens[i]`` under the weights
