@@ -33,7 +33,7 @@ def vllm_processes(session: int) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("vllm")
+@pytest.mark.serial  # with the other vLLM tests, alone (test_engine_contract.py)
 @pytest.mark.parametrize("ending", ["SIGTERM", "SIGKILL"])
 def test_serve_vllm_takes_the_server_down_with_it(tmp_path: Path, ending: str) -> None:
     require_vllm()
