@@ -26,8 +26,9 @@ vllm:
 demo: venv
 	$(BIN)/streamrl up --config configs/demo.toml --fresh --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
 
-# Two runs: everything in parallel on two workers, then the chaos tests alone (marked serial:
-# their kills come on a clock, so on a loaded machine they only measure the load).
+# Two runs: everything in parallel on two workers, then the chaos, Docker fleet and vLLM tests
+# alone (marked serial: the chaos kills come on a clock, so on a loaded machine they only
+# measure the load; a vLLM server's processes made the sandbox tests miss their deadlines).
 test: venv vllm
 	$(BIN)/pytest -q --durations=25 -n 2 --dist loadgroup -m "not serial"
 	$(BIN)/pytest -q --durations=10 -p no:xdist -m serial

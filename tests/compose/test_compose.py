@@ -362,11 +362,18 @@ def _scale_down_executors(
     settled_at = done_at = None
 
     def settled_and_done() -> bool:
+        """The command done and nothing pending on the removed consumers now. Settled is
+        when that last became true: a removed executor with nothing pending as the command
+        starts can still read an entry before its SIGTERM, so an early empty read is not the
+        end state (CI at 8970104 found an entry pending on a gone consumer at the end, after
+        this wait had counted an empty read as settled)."""
         nonlocal settled_at, done_at
-        if settled_at is None and not cluster.pending_ids(N.ROLLOUTS, gone):
-            settled_at = time.time()
         if done_at is None and down.poll() is not None:
             done_at = time.time()
+        if cluster.pending_ids(N.ROLLOUTS, gone):
+            settled_at = None
+        elif settled_at is None:
+            settled_at = time.time()
         return done_at is not None and settled_at is not None
 
     try:
