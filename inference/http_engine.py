@@ -33,7 +33,8 @@ Guarantees, whatever the protocol:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -389,3 +390,25 @@ class HTTPEngine:
             if len(self._sticky) > MAX_STICKY:
                 self._sticky.popitem(last=False)
         return server
+
+
+@asynccontextmanager
+async def open_http_engine(make: Callable[[httpx.AsyncClient], HTTPEngine], *,
+                           health_interval_s: float, request_timeout_s: float,
+                           max_connections: int = 256,
+                           max_keepalive: int = 64) -> AsyncIterator[Any]:
+    """``make(client)``'s engine with its health checks running (one probe done before it
+    is handed out); the HTTP client and the checks end with the block."""
+    timeout = httpx.Timeout(request_timeout_s, connect=5.0)
+    limits = httpx.Limits(max_connections=max_connections,
+                          max_keepalive_connections=max_keepalive)
+    async with (
+        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
+        trio.open_nursery() as nursery,
+    ):
+        engine = make(client)
+        await nursery.start(engine.serve_health_checks, health_interval_s)
+        try:
+            yield engine
+        finally:
+            nursery.cancel_scope.cancel()

@@ -45,6 +45,7 @@ from streamrl.inference.http_engine import (
     Server,
     ServerUnavailable,
     join_parts,
+    open_http_engine,
     parse_version,
     version_spans,
 )
@@ -195,19 +196,13 @@ async def open_sglang_engine(
     interrupt: str = "resubmit", vocab_size: int = 0,
 ) -> AsyncIterator[SGLangEngine]:
     """A client with its health checks running (one probe done before it is handed out)."""
-    timeout = httpx.Timeout(request_timeout_s, connect=5.0)
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
-    async with (
-        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
-        trio.open_nursery() as nursery,
-    ):
-        engine = SGLangEngine(client, urls, router_url=router_url, pause_mode=pause_mode,
-                              interrupt=interrupt, vocab_size=vocab_size)
-        await nursery.start(engine.serve_health_checks, health_interval_s)
-        try:
-            yield engine
-        finally:
-            nursery.cancel_scope.cancel()
+    def make(client: httpx.AsyncClient) -> SGLangEngine:
+        return SGLangEngine(client, urls, router_url=router_url, pause_mode=pause_mode,
+                            interrupt=interrupt, vocab_size=vocab_size)
+
+    async with open_http_engine(make, health_interval_s=health_interval_s,
+                                request_timeout_s=request_timeout_s) as engine:
+        yield engine
 
 
 # ---------------------------------------------------------------------------- broadcast path

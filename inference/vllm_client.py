@@ -55,6 +55,7 @@ from streamrl.inference.http_engine import (
     HTTPEngine,
     ProtocolError,
     Server,
+    open_http_engine,
     parse_version,
     version_spans,
 )
@@ -178,17 +179,11 @@ async def open_vllm_engine(
     interrupt: str = "resubmit", vocab_size: int = 0,
 ) -> AsyncIterator[VLLMEngine]:
     """A client with its health checks running (one probe done before it is handed out)."""
-    timeout = httpx.Timeout(request_timeout_s, connect=5.0)
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=256)
-    async with (
-        httpx.AsyncClient(timeout=timeout, limits=limits) as client,
-        trio.open_nursery() as nursery,
-    ):
-        engine = VLLMEngine(client, urls, tokenizer=tokenizer, stop_token_ids=stop_token_ids,
-                            router_url=router_url, interrupt=interrupt,
-                            vocab_size=vocab_size)
-        await nursery.start(engine.serve_health_checks, health_interval_s)
-        try:
-            yield engine
-        finally:
-            nursery.cancel_scope.cancel()
+    def make(client: httpx.AsyncClient) -> VLLMEngine:
+        return VLLMEngine(client, urls, tokenizer=tokenizer, stop_token_ids=stop_token_ids,
+                          router_url=router_url, interrupt=interrupt, vocab_size=vocab_size)
+
+    async with open_http_engine(make, health_interval_s=health_interval_s,
+                                request_timeout_s=request_timeout_s, max_connections=512,
+                                max_keepalive=256) as engine:
+        yield engine

@@ -36,7 +36,6 @@ from streamrl.models import load_model, load_tokenizer, resolve_model, vocab_siz
 from streamrl.protocol.messages import Sampling
 from streamrl.testing.logprobs import teacher_forced_logprobs
 from streamrl.testing.sglang_server import sglang_python
-from tests.inference.conftest import ServeModel
 from tests.inference.test_transformers_engine import assert_interrupted, perturbed
 
 # alone, after the parallel part (the serial phase of `make test`): a vLLM server's processes
@@ -112,18 +111,6 @@ async def until_generating(subject: Subject, prompt: list[int]) -> None:
     raise AssertionError(f"the probe ended after {received} tokens")
 
 
-@pytest.fixture(scope="module")
-def module_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeModel]:
-    from tests.inference.conftest import start_serve_model, wait_healthy
-
-    server = start_serve_model(tmp_path_factory.mktemp("serve"))
-    try:
-        wait_healthy(server)
-        yield server
-    finally:
-        server.kill()
-
-
 @asynccontextmanager
 async def open_subject(name: str, request: pytest.FixtureRequest, *,
                        interrupt: str = "resubmit") -> AsyncIterator[Subject]:
@@ -133,7 +120,7 @@ async def open_subject(name: str, request: pytest.FixtureRequest, *,
             yield Subject(name, engine, tiny)
         return
     if name in ("serve-model", "sglang"):
-        server = request.getfixturevalue("module_server" if name == "serve-model"
+        server = request.getfixturevalue("one_server" if name == "serve-model"
                                          else "sglang_server")
         async with open_sglang_engine([server.url], health_interval_s=60, interrupt=interrupt,
                                       vocab_size=vocab_size(tiny)) as engine:
