@@ -1,7 +1,8 @@
 """deploy/kubernetes: the shipped manifests pass `make k8s-check` (deploy/kubernetes/check.py),
-the checker renders them as kustomize would and fails, naming the problem, on each kind of
-mistake it claims to catch; and Redis's start-up script keeps the role users across a restart
-of a real server."""
+the base and the vLLM overlay (overlays/vllm); the checker renders them as kustomize would and
+fails, naming the problem, on each kind of mistake it claims to catch; the vLLM servers run
+with what `streamrl up` starts vLLM with; and Redis's start-up script keeps the role users
+across a restart of a real server."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +23,14 @@ import pytest
 import redis
 import yaml
 
+from streamrl.inference import vllm_server
 from streamrl.net import free_port
 from streamrl.testing.wait import wait_until_sync
 from tests.helpers import redis_server_for_tests
 
 REPO = Path(__file__).resolve().parents[1]
 KUBE = REPO / "deploy" / "kubernetes"
+VLLM = KUBE / "overlays" / "vllm"
 
 Docs = list[dict[str, Any]]
 
@@ -356,10 +360,243 @@ def test_the_documented_external_redis_passes(k8s: ModuleType, copy: Path, url: 
 
 
 def test_unimplemented_kustomize_fields_are_refused(k8s: ModuleType, copy: Path) -> None:
-    _kustomization("patches", [{"path": "x.yaml"}])(copy)
+    _kustomization("replicas", [{"name": "generator", "count": 2}])(copy)
     assert k8s.check(copy).problems == [
-        f"render: {copy / 'kustomization.yaml'}: ['patches']: not implemented by check.py's "
+        f"render: {copy / 'kustomization.yaml'}: ['replicas']: not implemented by check.py's "
         f"renderer"]
+
+
+@pytest.mark.parametrize("patch", [
+    {"patch": "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: verifier}\n"
+              "spec: {replicas: 2}\n"},
+    {"patch": '[{"op": "remove", "path": "/spec/replicas"}]'},
+    {"path": "p.yaml", "target": {"kind": "Deployment"}},
+], ids=["merge", "json6902", "target"])
+def test_patches_other_than_deletions_are_refused(k8s: ModuleType, copy: Path,
+                                                  patch: dict[str, Any]) -> None:
+    (copy / "p.yaml").write_text("$patch: delete\napiVersion: apps/v1\nkind: Deployment\n"
+                                 "metadata: {name: verifier}\n")
+    _kustomization("patches", [patch])(copy)
+    [problem] = k8s.check(copy).problems
+    assert problem.startswith(f"render: {copy}: patches: "), problem
+
+
+def test_render_deletes_and_replaces_from_an_overlay(k8s: ModuleType, tmp_path: Path) -> None:
+    # Given an overlay of the base that deletes a resource and replaces or merges ConfigMaps
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "streamrl.toml").write_text("# replaced\n")
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+        "resources": [str(KUBE)],
+        "patches": [{"patch": "$patch: delete\napiVersion: apps/v1\nkind: Deployment\n"
+                              "metadata: {name: verifier}\n"}],
+        "configMapGenerator": [
+            {"name": "streamrl-config", "behavior": "replace", "files": ["streamrl.toml"]},
+            {"name": "streamrl-redis", "behavior": "merge", "literals": ["EXTRA=1"]}],
+        "generatorOptions": {"disableNameSuffixHash": True}}))
+    # When it is rendered
+    resources = k8s.render(overlay)
+    base = k8s.render(KUBE)
+    # Then the deleted one is gone and nothing else
+    names = [(r["kind"], r["metadata"]["name"]) for r in resources]
+    assert names == [(r["kind"], r["metadata"]["name"]) for r in base
+                     if (r["kind"], r["metadata"]["name"]) != ("Deployment", "verifier")]
+    # the replaced ConfigMap has the overlay's data and the base's namespace and labels, in
+    # its place; the merged one both data
+    config = doc(resources, "ConfigMap", "streamrl-config")
+    assert config["data"] == {"streamrl.toml": "# replaced\n"}
+    assert config["metadata"] == doc(base, "ConfigMap", "streamrl-config")["metadata"]
+    assert doc(resources, "ConfigMap", "streamrl-redis")["data"] == {
+        "STREAMRL_REDIS_URL": "redis://redis:6379/0", "EXTRA": "1"}
+    # And a ConfigMap created twice, or replaced where there is none, is refused
+    for generator, expected in [({"name": "streamrl-redis", "literals": ["A=1"]}, "exists"),
+                                ({"name": "nowhere", "behavior": "replace", "literals": ["A=1"]},
+                                 "0 ConfigMaps of that name to replace")]:
+        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+            "resources": [str(KUBE)], "configMapGenerator": [generator],
+            "generatorOptions": {"disableNameSuffixHash": True}}))
+        with pytest.raises(k8s.RenderError, match=expected):
+            k8s.render(overlay)
+
+
+# -- the vLLM overlay ---------------------------------------------------------------------------
+
+def test_the_vllm_overlay_passes_and_swaps_sglang_for_vllm(k8s: ModuleType) -> None:
+    # When the overlay is checked (as the command line would: its base's secrets template)
+    report = k8s.check(VLLM)
+    # Then nothing is wrong, the SGLang servers and router are gone and vLLM's are there
+    assert report.problems == []
+    kinds = {(r["kind"], r["metadata"]["name"]) for r in report.resources}
+    assert {("StatefulSet", "vllm"), ("Service", "vllm")} <= kinds
+    assert not {n for _, n in kinds if n.startswith("sglang")}
+    base = k8s.render(KUBE)
+    assert len(report.resources) == len(base) - 4 + 3   # + the extension's ConfigMap
+    # the config every pod reads is the overlay's: engine vllm, one URL per server
+    text = doc(report.resources, "ConfigMap", "streamrl-config")["data"]["streamrl.toml"]
+    generator = tomllib.loads(text)["generator"]
+    sts = doc(report.resources, "StatefulSet", "vllm")
+    assert generator["engine"] == "vllm" and "router_url" not in generator
+    assert generator["server_urls"] == [f"http://vllm-{i}.vllm:8000"
+                                        for i in range(sts["spec"]["replicas"])]
+    # the image is the vLLM version streamrl's client is tested with
+    image = sts["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == f"vllm/vllm-openai:v{vllm_server.VLLM_VERSION}"
+
+
+def test_the_vllm_overlay_config_is_the_base_config_but_the_generator() -> None:
+    base = tomllib.loads((KUBE / "streamrl.toml").read_text())
+    overlay = tomllib.loads((VLLM / "streamrl.toml").read_text())
+    assert base.pop("generator")["engine"] == "sglang"
+    assert overlay.pop("generator")["engine"] == "vllm"
+    assert overlay == base
+
+
+def test_the_vllm_servers_start_as_streamrl_up_starts_them(k8s: ModuleType,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given the overlay's vLLM container, and the command line `streamrl up` starts vLLM with
+    resources = k8s.render(VLLM)
+    c = doc(resources, "StatefulSet", "vllm")["spec"]["template"]["spec"]["containers"][0]
+    monkeypatch.setattr(vllm_server, "vllm_executable", lambda: Path("vllm"))
+    local = k8s._options(vllm_server.vllm_command("/models/m", 8000))
+    # Then the container carries every flag of it that is not the machine's, and the env
+    options = k8s._options([*c["command"], *c["args"]])
+    missing = {f: v for f, v in local.items()
+               if f not in vllm_server.MACHINE_FLAGS and options.get(f, "absent") != v}
+    assert missing == {}, f"the vLLM StatefulSet lacks {missing}"
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert vllm_server.SERVER_ENVIRONMENT.items() <= env.items()
+    # and the extension's ConfigMap is this checkout's file
+    ext = doc(resources, "ConfigMap", "streamrl-vllm-ext")["data"]
+    assert ext == {"streamrl_vllm_ext.py": (
+        vllm_server.EXTENSION_DIR / "streamrl_vllm_ext.py").read_text()}
+
+
+def _vllm_container(docs: Docs) -> dict[str, Any]:
+    return container(docs, "StatefulSet", "vllm")
+
+
+def _vllm_args(change: Callable[[list[str]], None]) -> Callable[[Path], None]:
+    return _yaml("overlays/vllm/vllm.yaml", lambda d: change(_vllm_container(d)["args"]))
+
+
+def _drop(flag: str) -> Callable[[list[str]], None]:
+    def change(args: list[str]) -> None:
+        i = args.index(flag)
+        del args[i:i + (1 if i + 1 == len(args) or args[i + 1].startswith("--") else 2)]
+    return change
+
+
+def _set(flag: str, value: str) -> Callable[[list[str]], None]:
+    return lambda args: args.__setitem__(args.index(flag) + 1, value)
+
+
+def _vllm_toml(old: str, new: str) -> Callable[[Path], None]:
+    return lambda d: _set_toml(d / "overlays" / "vllm", old, new)
+
+
+def _no_env(name: str) -> Callable[[Docs], None]:
+    def change(docs: Docs) -> None:
+        env = _vllm_container(docs)["env"]
+        env[:] = [e for e in env if e["name"] != name]
+    return change
+
+
+def _unmount(name: str) -> Callable[[Docs], None]:
+    def change(docs: Docs) -> None:
+        mounts = _vllm_container(docs)["volumeMounts"]
+        mounts[:] = [m for m in mounts if m["name"] != name]
+    return change
+
+
+def _vllm_no_gpu(docs: Docs) -> None:
+    for section in ("requests", "limits"):
+        del _vllm_container(docs)["resources"][section]["nvidia.com/gpu"]
+
+
+def _keep_sglang(directory: Path) -> None:
+    (directory / "overlays" / "vllm" / "without-sglang.yaml").write_text(
+        "$patch: delete\napiVersion: apps/v1\nkind: Deployment\nmetadata:\n"
+        "  name: sglang-router\n")
+
+
+VLLM_BREAKAGES: list[tuple[str, Callable[[Path], None], str]] = [
+    ("no --logprobs-mode", _vllm_args(_drop("--logprobs-mode")),
+     "StatefulSet/vllm (vllm): needs --logprobs-mode processed_logprobs (streamrl's vLLM "
+     "client: inference/vllm_server.py, serve_flags)"),
+    ("vLLM's default logprobs", _vllm_args(_set("--logprobs-mode", "raw_logprobs")),
+     "needs --logprobs-mode processed_logprobs, not 'raw_logprobs'"),
+    ("no token-in/token-out route", _vllm_args(_drop("--enable-scale-out")),
+     "StatefulSet/vllm (vllm): needs --enable-scale-out"),
+    ("no worker extension", _vllm_args(_drop("--worker-extension-cls")),
+     "needs --worker-extension-cls streamrl_vllm_ext.WeightReload"),
+    ("chunked prefill", _vllm_args(_drop("--no-enable-chunked-prefill")),
+     "needs --no-enable-chunked-prefill"),
+    ("a batch shorter than a sequence", _vllm_args(_set("--max-num-batched-tokens", "2048")),
+     "--max-num-batched-tokens 2048 below --max-model-len 4096"),
+    ("no --max-model-len", _vllm_args(_drop("--max-model-len")),
+     "StatefulSet/vllm (vllm): no --max-model-len"),
+    ("no dev mode", _yaml("overlays/vllm/vllm.yaml", _no_env("VLLM_SERVER_DEV_MODE")),
+     "StatefulSet/vllm (vllm): VLLM_SERVER_DEV_MODE=None, needs '1'"),
+    ("the extension not mounted", _yaml("overlays/vllm/vllm.yaml", _unmount("vllm-ext")),
+     "no directory of PYTHONPATH '/opt/streamrl/vllm_ext' holds streamrl_vllm_ext.py from a "
+     "ConfigMap"),
+    ("a stale copy of the extension",
+     lambda d: (d / "overlays" / "vllm" / "streamrl_vllm_ext.py").write_text("# old\n"),
+     "ConfigMap/streamrl-vllm-ext streamrl_vllm_ext.py is not this checkout's"),
+    ("more replicas than server_urls",
+     _yaml("overlays/vllm/vllm.yaml", lambda d: doc(d, "StatefulSet", "vllm")["spec"].update(
+         replicas=3)),
+     "StatefulSet/vllm: vLLM server(s) ['vllm-2'] in no URL of generator.server_urls"),
+    ("fewer replicas than server_urls",
+     _yaml("overlays/vllm/vllm.yaml", lambda d: doc(d, "StatefulSet", "vllm")["spec"].update(
+         replicas=1)),
+     "http://vllm-1.vllm:8000: StatefulSet/vllm has no pod vllm-1"),
+    ("a URL on another port",
+     _vllm_toml('"http://vllm-1.vllm:8000"]', '"http://vllm-1.vllm:8001"]'),
+     "http://vllm-1.vllm:8001: Service 'vllm' has no port 8001"),
+    ("vLLM on another port than the Service's", _vllm_args(_set("--port", "8080")),
+     "http://vllm-0.vllm:8000: Service 'vllm' sends port 8000 to 8000, and vLLM listens on "
+     "8080 (--port)"),
+    ("no server_urls", _vllm_toml(
+        'server_urls = ["http://vllm-0.vllm:8000", "http://vllm-1.vllm:8000"]',
+        'router_url = "http://vllm:8000"'),
+     "engine 'vllm' needs server_urls naming every vLLM server"),
+    ("a vLLM server without a GPU", _yaml("overlays/vllm/vllm.yaml", _vllm_no_gpu),
+     "StatefulSet/vllm (vllm): a vLLM server needs nvidia.com/gpu limits 1 (its "
+     "--tensor-parallel-size)"),
+    ("vLLM reads the weights from another volume",
+     _yaml("overlays/vllm/vllm.yaml", lambda d: doc(d, "StatefulSet", "vllm")["spec"][
+         "template"]["spec"]["volumes"][1]["persistentVolumeClaim"].update(
+         claimName="streamrl-models")),
+     "StatefulSet/vllm (vllm): mount claim streamrl-data at /data as the learner does"),
+    ("the engine left at sglang", _vllm_toml('engine = "vllm"', 'engine = "sglang"'),
+     "StatefulSet/vllm (vllm): a vLLM server, but generator.engine is 'sglang'"),
+    ("SGLang kept beside vLLM", _keep_sglang,
+     "StatefulSet/sglang (sglang): an SGLang server, but generator.engine is 'vllm'"),
+]
+
+
+@pytest.mark.parametrize(("change", "expected"), [(c, e) for _, c, e in VLLM_BREAKAGES],
+                         ids=[name for name, _, _ in VLLM_BREAKAGES])
+def test_the_check_names_each_vllm_mistake(k8s: ModuleType, copy: Path,
+                                           change: Callable[[Path], None], expected: str) -> None:
+    # Given a copy of the base and the vLLM overlay with one mistake
+    change(copy)
+    # When the overlay is checked
+    problems = k8s.check(copy / "overlays" / "vllm").problems
+    # Then the check fails and says what is wrong
+    assert any(expected in p for p in problems), "\n".join(problems)
+
+
+def test_the_command_line_checks_the_vllm_overlay(copy: Path) -> None:
+    script = [sys.executable, str(KUBE / "check.py")]
+    ok = subprocess.run([*script, str(VLLM)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    _vllm_args(_drop("--logprobs-mode"))(copy)
+    broken = subprocess.run([*script, str(copy / "overlays" / "vllm")], capture_output=True,
+                            text=True, timeout=120)
+    assert broken.returncode == 1
+    assert "needs --logprobs-mode processed_logprobs" in broken.stderr
 
 
 # -- Redis's start-up script (redis.yaml) against a real server ---------------------------------

@@ -1,12 +1,15 @@
-"""``make k8s-check``: render the kustomize base in deploy/kubernetes offline and validate it.
+"""``make k8s-check``: render the kustomize base in deploy/kubernetes (or an overlay of it, such
+as overlays/vllm) offline and validate it.
 
     python deploy/kubernetes/check.py [DIR] [--component DIR ...] [--print]
 
 Rendering needs no kustomize, kubectl or cluster: :func:`render` reads ``kustomization.yaml``
 and implements the fields this deployment uses, the way kustomize applies them (``resources``:
 files and bases; ``components``; ``namespace``; ``labels`` with ``includeTemplates`` and no
-selectors; ``configMapGenerator`` with ``files`` and ``literals`` and no name hash; ``images``).
-Any other field is an error: a field kustomize would apply is never silently skipped.
+selectors; ``configMapGenerator`` with ``files``, ``literals`` and ``behavior`` (create,
+replace, merge) and no name hash; ``patches`` that delete a resource (``$patch: delete``);
+``images``). Any other field, or any other patch, is an error: what kustomize would apply is
+never silently skipped.
 
 The render then passes, or the problems are printed and the exit status is 1:
 1. every standard resource against Kubernetes 1.30's JSON schemas in strict mode (an unknown
@@ -16,19 +19,24 @@ The render then passes, or the problems are printed and the exit status is 1:
    streamrl's schema; every streamrl container runs a real command (``streamrl run <actor>``,
    ``streamrl acl apply`` or the torchrun learner) with that config, as non-root with a
    read-only root, holds its own role's password only, and drains before it is killed; every
-   ConfigMap, Secret (secrets.example.yaml: the template of the real ones), claim and service
-   account it names exists, with the key named; every ScaledObject scales an actor Deployment
-   on exactly the streams and consumer group streamrl uses for that stage
-   (protocol/names.py for run.name and queues.shards), as an ACL user allowed the commands
-   KEDA sends (protocol/roles.py), at the Redis the actors use, below the stage's
-   concurrency; the SGLang servers and the learner request GPUs (one torchrun rank per GPU);
+   ConfigMap, Secret (secrets.example.yaml, of the directory or its base: the template of the
+   real ones), claim and service account it names exists, with the key named; every
+   ScaledObject scales an actor Deployment on exactly the streams and consumer group streamrl
+   uses for that stage (protocol/names.py for run.name and queues.shards), as an ACL user
+   allowed the commands KEDA sends (protocol/roles.py), at the Redis the actors use, below the
+   stage's concurrency; the inference servers and the learner request GPUs (one torchrun rank
+   per GPU); the inference servers are generator.engine's; for SGLang,
    generator.server_urls, the router's --worker-urls and the SGLang pods name the same
-   servers; the learner and the servers share the volume the weights are written to; the
-   executor pod allows the sandbox streamrl.toml asks for.
+   servers; for vLLM, server_urls name every vLLM pod and reach it on the port it listens
+   on, and each server runs with the flags and environment streamrl's client needs
+   (inference/vllm_server.py), with this checkout's worker extension on its PYTHONPATH; the
+   learner and the servers share the volume the weights are written to; the executor pod
+   allows the sandbox streamrl.toml asks for.
 
 Not checked: what only a live cluster decides (admission, scheduling, storage classes, whether
-KEDA, the GPU device plugin or user namespaces are there), SGLang's and torchrun's flags beyond
-those named above, and the real Secrets' values. Nothing here has been applied to a cluster.
+KEDA, the GPU device plugin or user namespaces are there), SGLang's, vLLM's and torchrun's
+flags beyond those named above, and the real Secrets' values. Nothing here has been applied to
+a cluster.
 """
 
 from __future__ import annotations
@@ -51,7 +59,8 @@ import kubernetes_validate
 import msgspec
 import yaml
 
-from streamrl.config.schema import Config
+from streamrl.config.schema import Config, GeneratorConfig
+from streamrl.inference.vllm_server import SERVER_ENVIRONMENT, serve_flags
 from streamrl.protocol.names import GROUP_OF_STREAM, Names
 from streamrl.protocol.roles import OPERATOR_ROLES, ROLES, run_grants
 from streamrl.queues.acl import CONNECTION
@@ -61,6 +70,10 @@ from streamrl.sandbox.base import ISOLATION_LEVELS
 
 HERE = Path(__file__).resolve().parent
 KEDA_SCHEMA = HERE / "keda-schema.json"
+VLLM_EXTENSION = HERE.parents[1] / "inference" / "vllm_ext"
+"""The worker extension every vLLM server imports (``--worker-extension-cls``)."""
+VLLM_PORT = 8000
+"""``vllm serve``'s port without ``--port``."""
 SECRETS_TEMPLATE = "secrets.example.yaml"
 KUBERNETES_VERSION = "1.30"
 GPU = "nvidia.com/gpu"
@@ -77,7 +90,7 @@ class RenderError(Exception):
 
 
 FIELDS = {"apiVersion", "kind", "namespace", "labels", "resources", "components",
-          "configMapGenerator", "generatorOptions", "images"}
+          "configMapGenerator", "generatorOptions", "patches", "images"}
 CLUSTER_SCOPED = {"Namespace", "PersistentVolume", "StorageClass", "ClusterRole",
                   "CustomResourceDefinition", "PriorityClass", "ClusterTriggerAuthentication"}
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
@@ -92,15 +105,18 @@ def render(directory: Path, components: Sequence[Path] = ()) -> list[Resource]:
 def _build(directory: Path, kind: str, resources: list[Resource],
            components: Sequence[Path] = ()) -> list[Resource]:
     """A Kustomization renders into a list of its own; a Component adds to, and transforms,
-    the list of the kustomization that uses it (kustomize's order: resources, components,
-    generators, then the transformers)."""
+    the list of the kustomization that uses it (kustomize's order before 5.1: resources,
+    components, generators, then the transformers, patches first; 5.1 runs the generators
+    before the components, so what renders here renders with both)."""
     k = _kustomization(directory, kind)
     for entry in k.get("resources", []):
         path = directory / entry
         resources += _build(path, "Kustomization", []) if path.is_dir() else _documents(path)
     for path in [*(directory / c for c in k.get("components", [])), *components]:
         _build(path, "Component", resources)
-    resources += _generated(directory, k)
+    _generate(directory, k, resources)
+    for entry in k.get("patches", []):
+        _patch(directory, resources, entry)
     if k.get("namespace"):
         _set_namespace(resources, k["namespace"])
     for spec in k.get("labels", []):
@@ -130,14 +146,16 @@ def _documents(path: Path) -> list[Resource]:
     return docs
 
 
-def _generated(directory: Path, k: dict[str, Any]) -> list[Resource]:
+def _generate(directory: Path, k: dict[str, Any], resources: list[Resource]) -> None:
+    """``configMapGenerator``: each ConfigMap added (``behavior: create``, the default), or in
+    place of the one of that name already rendered (``replace``: its data; ``merge``: its data
+    updated), keeping that one's name, namespace and labels, as kustomize does."""
     generators = k.get("configMapGenerator", [])
     if generators and k.get("generatorOptions") != {"disableNameSuffixHash": True}:
         raise RenderError(f"{directory}: generatorOptions must be {{disableNameSuffixHash: true}}"
                           " (check.py does not implement kustomize's name hash)")
-    out = []
     for g in generators:
-        if unknown := sorted(set(g) - {"name", "files", "literals"}):
+        if unknown := sorted(set(g) - {"name", "behavior", "files", "literals"}):
             raise RenderError(f"{directory}: configMapGenerator {g.get('name')}: {unknown}")
         data: dict[str, str] = {}
         for item in g.get("files", []):
@@ -149,9 +167,51 @@ def _generated(directory: Path, k: dict[str, Any]) -> list[Resource]:
             if not sep or key in data:
                 raise RenderError(f"{directory}: configMapGenerator {g['name']}: literal {key!r}")
             data[key] = value
-        out.append({"apiVersion": "v1", "kind": "ConfigMap",
-                    "metadata": {"name": g["name"]}, "data": data})
-    return out
+        made = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": g["name"]},
+                "data": data}
+        behavior = g.get("behavior", "create")
+        old = [i for i, r in enumerate(resources)
+               if r["kind"] == "ConfigMap" and r["metadata"]["name"] == g["name"]]
+        if behavior not in ("create", "replace", "merge"):
+            raise RenderError(f"{directory}: configMapGenerator {g['name']}: behavior {behavior!r}")
+        if behavior == "create":
+            if old:
+                raise RenderError(f"{directory}: ConfigMap {g['name']} exists: behavior must be "
+                                  f"merge or replace")
+            resources.append(made)
+            continue
+        if len(old) != 1:
+            raise RenderError(f"{directory}: configMapGenerator {g['name']}: {len(old)} ConfigMaps "
+                              f"of that name to {behavior} (a component's generators run before "
+                              f"its parent's in kustomize < 5.1: replace them from an overlay)")
+        was = resources[old[0]]
+        made["metadata"] = {**was["metadata"], "labels": {
+            **_get(was, "metadata", "labels", default={})}}
+        made["data"] = {**(was.get("data") or {}), **data} if behavior == "merge" else data
+        resources[old[0]] = made
+
+
+def _patch(directory: Path, resources: list[Resource], entry: dict[str, Any]) -> None:
+    """``patches``: strategic-merge patches that delete a resource (``$patch: delete``; kustomize
+    finds it by apiVersion, kind and name). Any other patch is refused, not skipped."""
+    if set(entry) - {"path", "patch"} or len(entry) != 1:
+        raise RenderError(f"{directory}: patches: {entry}: only one of path or patch (no target, "
+                          f"no options)")
+    text = (directory / entry["path"]).read_text() if "path" in entry else entry["patch"]
+    for doc in (d for d in yaml.safe_load_all(text) if d is not None):
+        ident = {"apiVersion", "kind", "metadata", "$patch"}
+        if not isinstance(doc, dict) or doc.get("$patch") != "delete" or set(doc) - ident or \
+                set(doc["metadata"]) - {"name", "namespace"}:
+            raise RenderError(f"{directory}: patches: only strategic-merge patches that delete a "
+                              f"resource ($patch: delete) are implemented by check.py's renderer")
+        meta = doc["metadata"]
+        found = [r for r in resources if (r.get("apiVersion"), r["kind"], r["metadata"]["name"])
+                 == (doc.get("apiVersion"), doc.get("kind"), meta.get("name"))
+                 and meta.get("namespace") in (None, r["metadata"].get("namespace"))]
+        if len(found) != 1:
+            raise RenderError(f"{directory}: patches: {len(found)} resources match the deletion "
+                              f"of {doc.get('kind')}/{meta.get('name')}")
+        resources.remove(found[0])
 
 
 def _set_namespace(resources: list[Resource], namespace: str) -> None:
@@ -322,11 +382,25 @@ class Report:
     problems: list[str]
 
 
+def secrets_template(directory: Path) -> Path:
+    """secrets.example.yaml of ``directory``, else of the first base it renders that has one
+    (an overlay checks against its base's)."""
+    if (directory / SECRETS_TEMPLATE).is_file():
+        return directory / SECRETS_TEMPLATE
+    for entry in _kustomization(directory, "Kustomization").get("resources", []):
+        if (directory / entry).is_dir():
+            try:
+                return secrets_template(directory / entry)
+            except RenderError:
+                continue
+    raise RenderError(f"{directory}: no {SECRETS_TEMPLATE} here or in a base")
+
+
 def check(directory: Path = HERE, components: Sequence[Path] = ()) -> Report:
     """Render ``directory`` (with ``components``) and every problem found in it."""
     try:
         resources = render(directory, components)
-        template = Path(directory) / SECRETS_TEMPLATE
+        template = secrets_template(Path(directory))
         secrets = {r["metadata"]["name"]: _secret_data(r) for r in _documents(template)}
     except (RenderError, OSError, yaml.YAMLError) as exc:
         return Report([], [f"render: {exc}"])
@@ -707,8 +781,28 @@ def _runs(p: Process | dict[str, Any], module: str) -> bool:
     return any(argv[i:i + 2] == ["-m", module] for i in range(len(argv)))
 
 
+def _is_vllm(container: dict[str, Any]) -> bool:
+    """A vLLM server: ``vllm serve``, its module, or vLLM's image with its entrypoint."""
+    argv = [*container.get("command", []), *container.get("args", [])]
+    image = split_image(container.get("image", ""))[0].rpartition("/")[2]
+    return (len(argv) > 1 and PurePosixPath(argv[0]).name == "vllm" and argv[1] == "serve") or \
+        _runs(container, "vllm.entrypoints.openai.api_server") or \
+        (image == "vllm-openai" and not container.get("command"))
+
+
+def servers(cluster: Cluster, engine: str) -> list[tuple[Resource, dict[str, Any]]]:
+    """(workload, container) of every inference server of ``engine`` ('sglang', 'vllm')."""
+    runs: Callable[[dict[str, Any]], bool] = (
+        _is_vllm if engine == "vllm" else lambda c: _runs(c, "sglang.launch_server"))
+    return [(r, c) for r in cluster.resources for c in containers(r) if runs(c)]
+
+
+ENGINES = {"sglang": "an SGLang", "vllm": "a vLLM"}
+
+
 def check_learner_and_gpus(cluster: Cluster, config: Config) -> list[str]:
-    """One learner, one torchrun rank per GPU it requests; a GPU for every SGLang server."""
+    """One learner, one torchrun rank per GPU it requests; a GPU for every SGLang server, and
+    for a vLLM server as many as its tensor-parallel size."""
     problems = []
     learners = [p for p in _actors(cluster) if p.role == "learner"]
     if len(learners) != 1 or _get(learners[0].owner, "spec", "replicas", default=1) != 1:
@@ -726,18 +820,23 @@ def check_learner_and_gpus(cluster: Cluster, config: Config) -> list[str]:
         if config.learner.device.startswith("cuda") and limits != ranks:
             problems.append(f"{p.where}: learner.device = {config.learner.device!r} with "
                             f"{ranks} rank(s) on {limits} GPU(s) ({GPU} limits): one rank per GPU")
-    for r in cluster.resources:
-        for c in containers(r):
+    for engine, article in ENGINES.items():
+        for r, c in servers(cluster, engine):
             requests, limits = _gpus(c)
-            if _runs(c, "sglang.launch_server") and (limits < 1 or requests not in (0, limits)):
-                problems.append(f"{r['kind']}/{r['metadata']['name']} ({c['name']}): an SGLang "
-                                f"server needs {GPU} limits (and requests equal to them)")
+            argv = [*c.get("command", []), *c.get("args", [])]
+            size = flag(argv, "--tensor-parallel-size") or flag(argv, "-tp") or "1"
+            wanted = f"{size} (its --tensor-parallel-size)" if engine == "vllm" else "at least 1"
+            if limits < 1 or requests not in (0, limits) or (
+                    engine == "vllm" and str(limits) != size):
+                problems.append(f"{r['kind']}/{r['metadata']['name']} ({c['name']}): {article} "
+                                f"server needs {GPU} limits {wanted} (and requests equal to "
+                                f"them)")
     return problems
 
 
-def _serving(cluster: Cluster, url: str) -> Resource | str:
-    """The workload behind an in-cluster ``http://`` URL (a Service, or a StatefulSet's pod
-    behind its headless Service), or why there is none."""
+def _serving(cluster: Cluster, url: str) -> tuple[Resource, Resource] | str:
+    """The workload and the Service behind an in-cluster ``http://`` URL (a Service, or a
+    StatefulSet's pod behind its headless Service), or why there is none."""
     parts = urlsplit(url)
     first, _, rest = (parts.hostname or "").partition(".")
     services, sets = cluster.named("Service"), cluster.named("StatefulSet").values()
@@ -764,23 +863,36 @@ def _serving(cluster: Cluster, url: str) -> Resource | str:
         return f"{url}: no Service {first!r} in the render"
     if parts.port not in {p.get("port") for p in _get(svc, "spec", "ports", default=[])}:
         return f"{url}: Service {svc['metadata']['name']!r} has no port {parts.port}"
-    return workload
+    return workload, svc
 
 
 def check_inference(cluster: Cluster, config: Config) -> list[str]:
+    """The inference servers in the render are generator.engine's, and the generators reach
+    every one of them (by engine: :func:`_sglang_problems`, :func:`_vllm_problems`)."""
+    gen = config.generator
+    problems = [f"{r['kind']}/{r['metadata']['name']} ({c['name']}): {article} server, but "
+                f"generator.engine is {gen.engine!r}: no generator sends it requests or weights"
+                for engine, article in ENGINES.items() if engine != gen.engine
+                for r, c in servers(cluster, engine)]
+    if gen.engine == "sglang":
+        problems += _sglang_problems(cluster, gen)
+    elif gen.engine == "vllm":
+        problems += _vllm_problems(cluster, gen)
+    return problems
+
+
+def _sglang_problems(cluster: Cluster, gen: GeneratorConfig) -> list[str]:
     """generator.server_urls and router_url reach SGLang servers and the router, whose
     --worker-urls are those servers."""
-    gen = config.generator
-    if gen.engine != "sglang":
-        return []
     problems = []
     for url, module in [*((u, "sglang.launch_server") for u in gen.server_urls),
                         *([(gen.router_url, "sglang_router.launch_router")] if gen.router_url
                           else [])]:
-        workload = _serving(cluster, url)
-        if isinstance(workload, str):
-            problems.append(f"streamrl.toml [generator]: {workload}")
+        found = _serving(cluster, url)
+        if isinstance(found, str):
+            problems.append(f"streamrl.toml [generator]: {found}")
             continue
+        workload = found[0]
         runs = [c for c in containers(workload) if _runs(c, module)]
         if not runs:
             problems.append(f"streamrl.toml [generator]: {url} reaches "
@@ -797,6 +909,121 @@ def check_inference(cluster: Cluster, config: Config) -> list[str]:
     return problems
 
 
+def _vllm_problems(cluster: Cluster, gen: GeneratorConfig) -> list[str]:
+    """Every URL of generator.server_urls is a vLLM server on the port vLLM listens on, and
+    every vLLM server is in server_urls (there is no router: the generators balance over them
+    and reload each version on each), which runs as streamrl's client needs it
+    (:func:`_vllm_server_problems`)."""
+    if not gen.server_urls:
+        return ["streamrl.toml [generator]: engine 'vllm' needs server_urls naming every vLLM "
+                "server: each new version is reloaded on each"]
+    problems, named = [], set()
+    for url in gen.server_urls:
+        found = _serving(cluster, url)
+        if isinstance(found, str):
+            problems.append(f"streamrl.toml [generator]: {found}")
+            continue
+        workload, svc = found
+        where = f"{workload['kind']}/{workload['metadata']['name']}"
+        named.add((where, (urlsplit(url).hostname or "").split(".")[0]))
+        runs = [c for c in containers(workload) if _is_vllm(c)]
+        if not runs:
+            problems.append(f"streamrl.toml [generator]: {url} reaches {where}, which runs no "
+                            f"vLLM server (`vllm serve`)")
+        if runs and workload["kind"] != "StatefulSet" and \
+                _get(workload, "spec", "replicas", default=1) != 1:
+            problems.append(f"streamrl.toml [generator]: {url}: Service "
+                            f"{svc['metadata']['name']!r} balances over the replicas of {where}: "
+                            f"a weight reload would reach one of them; name each server (a "
+                            f"StatefulSet's pods behind a headless Service)")
+        for c in runs:
+            argv = [*c.get("command", []), *c.get("args", [])]
+            listens = flag(argv, "--port") or str(VLLM_PORT)
+            target = _target_port(svc, urlsplit(url).port, c)
+            if str(target) != listens:
+                problems.append(f"streamrl.toml [generator]: {url}: Service "
+                                f"{svc['metadata']['name']!r} sends port {urlsplit(url).port} to "
+                                f"{target}, and vLLM listens on {listens} (--port)")
+    for r in {id(r): r for r, _ in servers(cluster, "vllm")}.values():
+        where, name = f"{r['kind']}/{r['metadata']['name']}", r["metadata"]["name"]
+        pods = ([f"{name}-{i}" for i in range(_get(r, "spec", "replicas", default=1))]
+                if r["kind"] == "StatefulSet" else [])
+        unnamed = [p for p in pods if (where, p) not in named]
+        if unnamed or (not pods and not any(w == where for w, _ in named)):
+            problems.append(f"{where}: vLLM server(s) {unnamed or [name]} in no URL of "
+                            f"generator.server_urls {gen.server_urls}: no generator sends them "
+                            f"requests or weights (one URL per pod, "
+                            f"http://<pod>.<headless Service>:<port>)")
+    for r, c in servers(cluster, "vllm"):
+        problems += _vllm_server_problems(cluster, r, c)
+    return problems
+
+
+def _target_port(svc: Resource, port: int | None, container: dict[str, Any]) -> int | None:
+    """The container port a Service's ``port`` reaches in ``container``."""
+    for entry in _get(svc, "spec", "ports", default=[]):
+        if entry.get("port") == port:
+            target = entry.get("targetPort", port)
+            if isinstance(target, int):
+                return target
+            return next((p.get("containerPort") for p in container.get("ports", [])
+                         if p.get("name") == target), None)
+    return None
+
+
+def _options(argv: Sequence[str]) -> dict[str, str | None]:
+    """``--flag value`` and bare ``--flag`` (None) of a command line."""
+    return {a: (argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None)
+            for i, a in enumerate(argv) if a.startswith("--")}
+
+
+def _vllm_server_problems(cluster: Cluster, owner: Resource,
+                          container: dict[str, Any]) -> list[str]:
+    """The flags and environment streamrl's client needs of every vLLM server
+    (``inference/vllm_server.py``: serve_flags, SERVER_ENVIRONMENT; compose and ``streamrl up``
+    start it with the same), and its worker extension on PYTHONPATH, from a ConfigMap that
+    holds this checkout's ``inference/vllm_ext``."""
+    argv = [*container.get("command", []), *container.get("args", [])]
+    where = f"{owner['kind']}/{owner['metadata']['name']} ({container['name']})"
+    given = {a.partition("=")[0] for a in argv}
+    length = flag(argv, "--max-model-len") or ""
+    problems = [] if length.isdigit() else [
+        f"{where}: no --max-model-len: the batch (--max-num-batched-tokens) must hold the "
+        f"longest sequence, every prefill is whole"]
+    wanted = _options(serve_flags(max_model_len=int(length or 0),
+                                  served_name=flag(argv, "--served-model-name") or "policy"))
+    for name, value in wanted.items():
+        have = flag(argv, name)
+        if name == "--max-num-batched-tokens":
+            if length.isdigit() and not (have and have.isdigit() and int(have) >= int(length)):
+                problems.append(f"{where}: --max-num-batched-tokens {have} below "
+                                f"--max-model-len {length}: with --no-enable-chunked-prefill a "
+                                f"prefill is one batch")
+        elif (name not in given) if value is None else (have != value):
+            problems.append(f"{where}: needs {name}{'' if value is None else ' ' + value}"
+                            f"{'' if have is None else f', not {have!r}'} (streamrl's vLLM "
+                            f"client: inference/vllm_server.py, serve_flags)")
+    env = cluster.env(Process(owner, container))
+    for var, value in SERVER_ENVIRONMENT.items():
+        if env.get(var) != value:
+            problems.append(f"{where}: {var}={env.get(var)!r}, needs {value!r} "
+                            f"(inference/vllm_server.py, SERVER_ENVIRONMENT)")
+    cls = flag(argv, "--worker-extension-cls") or ""
+    module = cls.rpartition(".")[0].replace(".", "/") + ".py"
+    path = (env.get("PYTHONPATH") or "").split(":")
+    sources = [s for s in (mounted_file(cluster, Process(owner, container),
+                                        f"{d.rstrip('/')}/{module}") for d in path if d) if s]
+    if not sources:
+        return [*problems, f"{where}: no directory of PYTHONPATH {':'.join(path)!r} holds "
+                           f"{module} from a ConfigMap: vLLM's workers cannot import {cls}"]
+    name, key = sources[0]
+    text, ours = (cluster.keys("ConfigMap", name) or {}).get(key), VLLM_EXTENSION / module
+    if ours.is_file() and text is not None and text != ours.read_text():
+        problems.append(f"{where}: ConfigMap/{name} {key} is not this checkout's "
+                        f"inference/vllm_ext/{module}: copy it again")
+    return problems
+
+
 def _claim_of(p: Process | tuple[Resource, dict[str, Any]], path: PurePosixPath) -> \
         tuple[str, str, bool] | None:
     """(claim, mountPath, readOnly) of the PVC mount holding ``path`` in a container."""
@@ -810,8 +1037,8 @@ def _claim_of(p: Process | tuple[Resource, dict[str, Any]], path: PurePosixPath)
 
 
 def check_weights(cluster: Cluster, config: Config) -> list[str]:
-    """The learner writes each version where every SGLang server loads it from (the same
-    claim at the same path: the path is what the generators send)."""
+    """The learner writes each version where every SGLang or vLLM server loads it from (the
+    same claim at the same path: the path is what the generators send)."""
     work = PurePosixPath(config.run.path)
     problems = []
     for p in (p for p in _actors(cluster) if p.role == "learner"):
@@ -819,15 +1046,12 @@ def check_weights(cluster: Cluster, config: Config) -> list[str]:
         if mine is None or mine[2]:
             problems.append(f"{p.where}: run.work_dir {work} is on no writable volume claim")
             continue
-        if config.generator.engine != "sglang":
-            continue
-        for r in cluster.resources:
-            for c in (c for c in containers(r) if _runs(c, "sglang.launch_server")):
-                theirs = _claim_of((r, c), work)
-                if theirs is None or theirs[:2] != mine[:2]:
-                    problems.append(f"{r['kind']}/{r['metadata']['name']} ({c['name']}): "
-                                    f"mount claim {mine[0]} at {mine[1]} as the learner does: "
-                                    f"each weight version is loaded from {work}")
+        for r, c in servers(cluster, config.generator.engine):
+            theirs = _claim_of((r, c), work)
+            if theirs is None or theirs[:2] != mine[:2]:
+                problems.append(f"{r['kind']}/{r['metadata']['name']} ({c['name']}): "
+                                f"mount claim {mine[0]} at {mine[1]} as the learner does: "
+                                f"each weight version is loaded from {work}")
     return problems
 
 
