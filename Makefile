@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv vllm demo test test-fast lint typecheck k8s-check clean
+.PHONY: venv vllm demo test test-quick flake-watch lint typecheck k8s-check clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,12 +26,23 @@ vllm:
 demo: venv
 	$(BIN)/streamrl up --config configs/demo.toml --fresh --max-minutes $${MINUTES:-20} --summary-json runs/demo-summary.json
 
-# Two runs: everything in parallel on two workers, then the chaos, Docker fleet and vLLM tests
-# alone (marked serial: the chaos kills come on a clock, so on a loaded machine they only
-# measure the load; a vLLM server's processes made the sandbox tests miss their deadlines).
+# Two parts, each on two pytest-xdist workers: everything but the `serial` tests, then those
+# apart from the rest: the chaos tests on one worker (their kills come on a clock), the Docker
+# fleet and vLLM tests on the other (the fleet tests count what any sandbox backend's sweep
+# reaps; a vLLM server's processes took the cores the sandbox tests' deadlines were set for).
+# Tiers (tests/conftest.py): unit, integration, system, chaos; `make test-quick` runs the
+# first two (a few minutes), `make test` all four. PYTEST_ARGS adds options to every run.
 test: venv vllm
-	$(BIN)/pytest -q --durations=25 -n 2 --dist loadgroup -m "not serial"
-	$(BIN)/pytest -q --durations=10 -p no:xdist -m serial
+	$(BIN)/pytest -q --durations=25 -n 2 --dist loadgroup -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=10 -n 2 --dist loadgroup -m serial $(PYTEST_ARGS)
+
+test-quick: venv
+	$(BIN)/pytest -q --durations=10 -n 2 --dist loadgroup -m "unit or integration" $(PYTEST_ARGS)
+
+# Each test's failure rate over RUNS runs of the tests in TESTS (default: the chaos and Docker
+# fleet files), as JSON (testing/flake_watch.py; exit 1 when any test failed once).
+flake-watch: venv
+	$(BIN)/python -m streamrl.testing.flake_watch --runs $${RUNS:-5} $${TESTS:-tests/chaos tests/sandbox/test_docker_fleet.py}
 
 lint: venv
 	$(BIN)/ruff check streamrl queues protocol runtime config cli actors sandbox learner domains inference testing tests \

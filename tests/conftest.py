@@ -4,15 +4,26 @@ the tests that ask for one), a fresh run namespace per test."""
 from __future__ import annotations
 
 import os
+
+# One torch (OpenMP) thread per test process and per child that inherits this environment,
+# set before torch is first imported. `make test` runs two workers on two cores, each beside
+# the processes its tests start; torch's default (a thread per core) in every one of them
+# oversubscribes the cores, and OpenMP's waiting threads spin: a 330-step fit took 44 s with
+# two processes of two threads at once, 13 s with one thread each.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import torch
 
 from streamrl.protocol.names import Names
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import ClusterProcess, ServerProcess
 from tests.helpers import open_roles, redis_server_for_tests
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # in case a plugin imported torch
 
 
 @pytest.fixture(autouse=True)
@@ -91,11 +102,53 @@ async def roles(client: RedisClient, names: Names) -> AsyncIterator[dict[str, Re
         yield clients
 
 
+# -- tiers: what a test costs (pyproject's markers; `make test-quick` runs the first two) -----
+# Each test gets exactly one of them here, at collection:
+#   chaos        tests/chaos/: real actor processes killed at random, Redis restarted under them
+#   system       marked `system` in its file, or in a file below: it starts processes of its own
+#                (`streamrl up`, torchrun ranks, model servers, Docker containers, compose)
+#   integration  a real Redis (a test's Redis fixture), real sandboxes (tests/sandbox/), or a
+#                real model served in the test's own process (tests/inference/)
+#   unit         the rest: in-process, no service
+TIERS = ("unit", "integration", "system", "chaos")
+_SYSTEM_FILES = (
+    "tests/compose/test_compose.py", "tests/sandbox/test_docker",
+    "tests/learner/test_distributed.py", "tests/learner/test_fsdp.py",
+    "tests/learner/test_gpu_check.py",
+    "tests/inference/test_engine_contract.py", "tests/inference/test_serve_model_signals.py",
+    "tests/inference/test_server_resilience.py", "tests/inference/test_sglang_contract.py",
+    "tests/inference/test_sglang_client.py", "tests/inference/test_weight_sync.py",
+    "tests/inference/test_weight_broadcast.py", "tests/inference/test_learner_broadcast.py",
+    "tests/inference/test_generator_sglang.py", "tests/inference/test_openai_api.py",
+    "tests/actors/test_multiturn_sglang.py", "tests/actors/test_learner_deadline.py",
+    "tests/actors/test_learner_distributed_probe.py", "tests/actors/test_sandbox_isolation.py",
+    "tests/learner/test_model_spec.py", "tests/test_up_restart.py", "tests/ops/test_dlq_out.py",
+    "tests/queues/test_crash.py", "tests/test_xdist_groups.py", "tests/test_flake_watch.py",
+)
+_INTEGRATION_FIXTURES = {"redis_url", "redis_session_url", "client", "roles", "redis_cluster"}
+_INTEGRATION_PATHS = ("tests/sandbox/", "tests/inference/", "tests/domains/test_kinds_",
+                      "tests/domains/test_tools_")
+
+
+def tier_of(path: str, item: pytest.Item) -> str:
+    """The tier of one collected test (``path`` relative to the repository root)."""
+    if path.startswith("tests/chaos/"):
+        return "chaos"
+    if item.get_closest_marker("system") or path.startswith(_SYSTEM_FILES):
+        return "system"
+    if _INTEGRATION_FIXTURES & set(getattr(item, "fixturenames", ())) or path.startswith(
+            _INTEGRATION_PATHS):
+        return "integration"
+    return "unit"
+
+
 # -- parallel runs (pytest-xdist, `make test`: -n 2 --dist loadgroup) ----------------------
 # Tests that share one engine or port run on one worker, one after another: everything that
 # drives the Docker engine (a sandbox's reaper removes ended containers of other owners, the
 # compose test counts the engine's containers), everything on the session's Redis Cluster
-# (one cluster per worker otherwise, three servers each), and the fixed metrics ports.
+# (one cluster per worker otherwise, three servers each), the fixed metrics ports, and the
+# vLLM tests (one server for the contract suite; the others each start their own, so two at
+# once would halve the cores of each).
 _GROUPS = {
     "docker": (
         "tests/actors/test_executor.py", "tests/actors/test_group_dropped_whole.py",
@@ -108,6 +161,10 @@ _GROUPS = {
         "tests/queues/test_shard_admission.py", "tests/test_end_to_end_sharded.py",
     ),
     "ports": ("tests/ops/test_metrics.py",),
+    "vllm": (
+        "tests/inference/test_engine_contract.py", "tests/inference/test_serve_vllm.py",
+        "tests/inference/test_up_vllm.py",
+    ),
 }
 
 
@@ -116,6 +173,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     root = config.rootpath
     for item in items:
         path = item.path.relative_to(root).as_posix()
+        item.add_marker(tier_of(path, item))
         for group, prefixes in _GROUPS.items():
             if path.startswith(prefixes):
                 item.add_marker(pytest.mark.xdist_group(group))

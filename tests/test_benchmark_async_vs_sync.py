@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_both_modes_train_every_step() -> None:
     done = subprocess.run(
         [sys.executable, "benchmarks/async_vs_sync.py", "--json", "--steps", "3",

@@ -29,7 +29,7 @@ def _entries(r: redis.Redis, names: N.Names, stream: str) -> list[bytes]:
     return [f[b"d"] for _, f in r.xrange(names.stream(stream))]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
     run = f"e2e{tmp_path.name[-6:]}".replace("-", "")
     summary_path = tmp_path / "summary.json"

@@ -78,7 +78,7 @@ split = {{ by = "files", train = "train", eval = "validation" }}
     return path
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_three_declared_domains_train_through_the_real_actors(
     redis_url: str, tmp_path: Path
 ) -> None:

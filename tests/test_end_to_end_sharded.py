@@ -40,7 +40,7 @@ def _payloads(client: RedisClient, key: str) -> list[bytes]:
     return [r.payload for r in resolve(client.sync, entries, PayloadLimits()) if r.payload]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_sharded_pipeline_on_cluster_loses_and_duplicates_nothing(
     redis_cluster: ClusterProcess, tmp_path: Path
 ) -> None:

@@ -125,7 +125,7 @@ def _kill_leftovers(pids: dict[int, str]) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_no_child_outlives_up_after_a_second_sigterm(tmp_path: Path) -> None:
     # Given a running `streamrl up` and every process it started
     up, children = _start(tmp_path)
@@ -144,7 +144,7 @@ def test_no_child_outlives_up_after_a_second_sigterm(tmp_path: Path) -> None:
         _kill_leftovers(children)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_no_actor_outlives_a_killed_up(tmp_path: Path) -> None:
     # Given a running `streamrl up` and the actors it started
     up, children = _start(tmp_path)

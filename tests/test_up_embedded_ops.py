@@ -25,7 +25,7 @@ def _streamrl(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=timeout_s)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_report_replay_status_and_dlq_open_a_finished_embedded_run(tmp_path: Path) -> None:
     # Given a finished run of the embedded server (its server stopped with it)
     work = tmp_path / "run"
@@ -69,7 +69,7 @@ def test_without_a_run_the_error_says_what_to_do(tmp_path: Path) -> None:
     assert "STREAMRL_REDIS_URL" in done.stderr and "--config" in done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_up_refuses_a_run_whose_data_another_process_holds(tmp_path: Path) -> None:
     # Given a run's data held by another process (an operator command's server over it)
     work = tmp_path / "run"

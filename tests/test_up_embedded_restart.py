@@ -40,7 +40,7 @@ def _kill_server(work: Path) -> int:
     return pid
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_up_restarts_its_killed_embedded_server_and_the_run_ends_normally(
     tmp_path: Path,
 ) -> None:
@@ -78,7 +78,7 @@ def test_up_restarts_its_killed_embedded_server_and_the_run_ends_normally(
     assert after > before, (before, after)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_ctrl_c_at_the_terminal_stops_the_run_not_its_server_first(tmp_path: Path) -> None:
     # Given a running `up` leading its own process group, as in a terminal
     work, summary = tmp_path / "run", tmp_path / "summary.json"

@@ -21,7 +21,7 @@ from tests.actors.test_role_users_restored import ExternalRedis
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_up_goes_on_after_redis_restarts_without_its_users(tmp_path: Path) -> None:
     redis_server = ExternalRedis(tmp_path / "redis")
     redis_server.start()

@@ -29,7 +29,7 @@ def _up(work: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict]
     return proc, json.loads(summary.read_text())
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_up_resumes_a_stopped_run_and_fresh_starts_over(tmp_path: Path) -> None:
     work = tmp_path / "run"
     planted = work / "left-over"
@@ -63,7 +63,7 @@ def test_fresh_is_refused_with_an_external_redis(tmp_path: Path) -> None:
     assert tmp_path.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_up_stops_when_an_actor_cannot_start(tmp_path: Path) -> None:
     # Given a run whose latest checkpoint is unreadable: the learner exits at every start
     work = tmp_path / "run"

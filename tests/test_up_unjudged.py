@@ -26,7 +26,7 @@ def _broken_harbor(root: Path) -> Path:
     return write_harbor_jsonl(root, root / "broken.jsonl")
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_crashing_test_sh_is_never_trained_and_quarantines_its_domain(
     redis_url: str, tmp_path: Path
 ) -> None:

@@ -235,7 +235,7 @@ async def test_an_agent_past_its_wall_clock_is_killed_and_scores_zero(
             registry._instances.pop(name, None)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_up_runs_agent_episodes_against_serve_model(redis_url: str, tmp_path: Path) -> None:
     """The whole path under ``streamrl up``: serve-model (``up.serve_models``), the
     executor's endpoint over it (the SGLang client), the scripted agent with the fix, the

@@ -97,7 +97,7 @@ async def test_feedback_episode_rewards_masks_and_budgets_through_the_actors(
     assert (batch.old_logprobs[batch.loss_mask == 0] == 0).all()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_code_with_feedback_trains_with_the_tiny_model(redis_url: str, tmp_path: Path) -> None:
     overrides = {
         "scheduler.domains": '["code"]', "scheduler.group_size": "2",

@@ -168,7 +168,7 @@ async def _run(ctx: ActorContext, vctx: ActorContext, nursery: trio.Nursery) -> 
     await nursery.start(generate)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_failing_and_hanging_domains_are_quarantined_and_the_rest_keeps_its_rate(
     client: RedisClient, names: N.Names, roles: dict[str, RedisClient], redis_url: str,
     tmp_path: Path,

@@ -68,7 +68,7 @@ async def _step(client: RedisClient, names: N.Names, version: int) -> None:
             await trio.sleep(0.05)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_eval_rounds_at_zero_and_every_k_versions_across_a_restart(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:

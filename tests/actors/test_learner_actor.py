@@ -214,7 +214,7 @@ async def test_groups_pending_on_the_learner_but_never_received_are_taken_back(
     assert pending["pending"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize(("groups_per_step", "good", "trained"), [(1, 2, [1, 1]), (2, 3, [1, 2])])
 async def test_a_group_that_fails_the_step_is_dead_lettered_alone_and_the_rest_trained(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path,

@@ -30,7 +30,7 @@ from streamrl.testing.messages import make_trajectory
 from tests.actors.test_learner_torchrun import ROOT, _groups, _overrides
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_fsdp_learner_publishes_what_one_process_would_and_resumes(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:
@@ -74,7 +74,7 @@ async def test_fsdp_learner_publishes_what_one_process_would_and_resumes(
     assert all(s["exp_avg_sq"].abs().sum() > 0 for s in trainer.optimizer.state.values())
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_fsdp_learner_continues_a_run_saved_without_shards(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:
@@ -114,7 +114,7 @@ async def _stop_torchrun(proc: trio.Process) -> None:
     proc.kill()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_fsdp_learner_finishes_a_step_whose_ranks_differ_in_prefix(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:

@@ -83,7 +83,7 @@ async def test_a_batch_without_signal_publishes_nothing_and_is_counted(
     assert "no signal 2" in monitor.progress_line()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_fsdp_ranks_skip_a_step_without_signal_together(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:

@@ -32,7 +32,7 @@ def redis_url(redis_cluster: ClusterProcess) -> str:
     return redis_cluster.url
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_learner_dies_between_announcing_and_acknowledging(
     client: RedisClient, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

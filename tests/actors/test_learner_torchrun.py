@@ -44,7 +44,7 @@ def _overrides(run: str, redis_url: str, work: Path) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_two_rank_learner_publishes_what_one_process_would(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:

@@ -472,7 +472,7 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_an_executor_process_killed_mid_turn(
     client: RedisClient, names: N.Names, redis_url: str, tokenizer: Any
 ) -> None:

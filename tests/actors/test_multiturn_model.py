@@ -29,7 +29,7 @@ from streamrl.queues.codec import decode
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_terminal_domain_trains_with_the_tiny_model(redis_url: str, tmp_path: Path) -> None:
     run = f"mt{tmp_path.name[-6:]}".replace("-", "")
     summary_path = tmp_path / "summary.json"

@@ -21,7 +21,7 @@ from tests.actors.test_multiturn import executor
 from tests.domains.test_terminal import item_of
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_every_turn_of_an_episode_stays_on_its_server(tmp_path: Path) -> None:
     tokenizer: Any = load_tokenizer(resolve_model("tiny"))
     servers = [start_serve_model(tmp_path) for _ in range(2)]

@@ -258,7 +258,7 @@ def test_tools_table_is_checked_at_load() -> None:
         build_domain("code", DomainConfig(tools=ToolsConfig(enabled=True)))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_repo_tasks_with_tools_run_with_the_tiny_model(redis_url: str, tmp_path: Path) -> None:
     write_rows(tmp_path / "data")
     overrides = {

@@ -118,22 +118,23 @@ def describe(pipeline: Pipeline, report: RunReport, chaos: ChaosLog, elapsed: fl
     )
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_sigkill_chaos_loses_and_duplicates_nothing(redis_url: str, tmp_path: Path) -> None:
-    # Given 2,000 training groups through 8 actor processes (2 generators, 2 executors,
+    # Given 1,000 training groups through 8 actor processes (2 generators, 2 executors,
     # 2 verifiers, scheduler, learner) and malformed entries planted in every stream
-    # When a random process is SIGKILLed (and restarted) every 1-3 s, at least 50 times
+    # When a random process is SIGKILLed (and restarted) every 0.5-2 s, at least 30 times
     scenario, pipeline, report, planted, chaos, elapsed = await run_chaos(
-        redis_url, tmp_path / "run", items=2000, min_kills=50, timeout_s=420
+        redis_url, tmp_path / "run", items=1000, min_kills=30, timeout_s=420,
+        interval_s=(0.5, 2.0),
     )
     print(describe(pipeline, report, chaos, elapsed))
     # Then every role was killed, and nothing was lost or done twice
-    assert len(chaos.kills) >= 50
+    assert len(chaos.kills) >= 30
     assert all(n > 0 for n in pipeline.kills_by_role().values()), pipeline.kills_by_role()
     check_run(scenario, pipeline, report, planted)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_sigkill_chaos_on_redis_cluster(
     request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:

@@ -22,7 +22,7 @@ from tests.chaos.test_chaos import describe, run_chaos
 pytestmark = pytest.mark.serial  # alone, after the parallel run (pyproject's markers)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_sigkill_chaos_on_a_sharded_run(
     redis_cluster: ClusterProcess, tmp_path: Path
 ) -> None:

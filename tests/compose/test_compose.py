@@ -48,7 +48,7 @@ from streamrl.protocol.messages import Executed, Rollout, StepMetrics, Task, Wei
 from streamrl.queues.codec import DeadLetter, decode
 from streamrl.testing.wait import wait_until_sync
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.system
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("STREAMRL_IMAGE", "streamrl:offline")

@@ -108,7 +108,7 @@ async def play_round(ctx: ActorContext, client: RedisClient, names: N.Names, rou
     return tasks, seen + len(tasks)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_every_domain_has_an_eval_series_including_general(
     client: RedisClient, names: N.Names, redis_url: str, tmp_path: Path
 ) -> None:

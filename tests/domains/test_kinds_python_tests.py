@@ -140,7 +140,7 @@ def test_humaneval_loads_all_164_problems() -> None:
         PythonTests().check_item(item)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_humaneval_canonical_solutions_pass_in_the_sandbox(box: ProcessSandbox) -> None:
     # Given a sample of the real HumanEval problems and their canonical solutions
     items = random.Random(16).sample(load_humaneval(), 20)

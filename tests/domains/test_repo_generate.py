@@ -38,7 +38,7 @@ def test_every_bug_of_every_template_checks_out() -> None:
     assert check_rows(rows) == []
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_every_generated_instance_checks_out() -> None:
     sets = generate(0)
     assert check_rows(sets["train"] + sets["eval"]) == []

@@ -32,7 +32,7 @@ def vllm_processes(session: int) -> list[int]:
     return alive
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.serial  # with the other vLLM tests, alone (test_engine_contract.py)
 @pytest.mark.parametrize("ending", ["SIGTERM", "SIGKILL"])
 def test_serve_vllm_takes_the_server_down_with_it(tmp_path: Path, ending: str) -> None:

@@ -78,7 +78,7 @@ def router(serve_models: Callable[[int], list[ServeModel]], tmp_path: Path
         process.wait(10)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 async def test_router_balances_and_carries_updates_and_interruptions(
     router: tuple[str, list[ServeModel]], tiny_dir: Path, tmp_path: Path
 ) -> None:

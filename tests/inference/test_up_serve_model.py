@@ -11,7 +11,7 @@ import pytest
 from tests.up_run import run_up
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("weight_sync", ["disk", "broadcast"])
 def test_up_starts_serve_model_and_the_generator_uses_it(
     redis_url: str, tmp_path: Path, weight_sync: str

@@ -13,7 +13,7 @@ from tests.inference.conftest import require_vllm
 from tests.up_run import run_up
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.serial  # with the other vLLM tests, alone (test_engine_contract.py)
 def test_up_starts_vllm_and_the_generator_uses_it(redis_url: str, tmp_path: Path) -> None:
     require_vllm()

@@ -113,7 +113,7 @@ def _letter(stream: str, payload: bytes, error: str) -> dict[str, bytes | str]:
     return {"d": encode(letter), "error": error}
 
 
-@pytest.mark.slow  # eight CLI processes
+@pytest.mark.system  # eight CLI processes
 async def test_admin_runs_status_dlq_and_replay_on_its_run(
     client: RedisClient,
     run_names: N.Names,
@@ -139,7 +139,7 @@ def cluster_run(
         client.close()
 
 
-@pytest.mark.slow  # a 3-node cluster, eight CLI processes
+@pytest.mark.system  # a 3-node cluster, eight CLI processes
 async def test_admin_runs_status_dlq_and_replay_on_a_redis_cluster(
     redis_cluster: ClusterProcess,
     cluster_run: tuple[RedisClient, N.Names, Config, Credentials],

@@ -106,7 +106,7 @@ class Lines:
         raise AssertionError(f"no line with {text!r} in:\n" + "".join(self.lines[-60:]))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_up_scales_the_bottleneck_up_and_back_down_and_loses_nothing(
     redis_url: str, tmp_path: Path
 ) -> None:

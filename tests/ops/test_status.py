@@ -117,8 +117,10 @@ def test_status_fails_fast_when_redis_is_down(tmp_path: Path) -> None:
     assert took < 15, took
 
 
-def test_status_without_url_is_a_clear_error() -> None:
-    done = _cli("status", "--set", "run.redis_url=")
+def test_status_without_url_is_a_clear_error(tmp_path: Path) -> None:
+    # (a work_dir of its own: with none given, a finished embedded run in the checkout's
+    # runs/ would be opened, which is what status should do there)
+    done = _cli("status", "--set", "run.redis_url=", "--set", f"run.work_dir={tmp_path}")
     assert done.returncode == 2 and "run.redis_url is empty" in done.stderr
 
 

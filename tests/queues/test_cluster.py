@@ -335,7 +335,7 @@ async def test_node_restart_keeps_queued_work_and_scripts_reload(
     assert await _pending(client, names.stream(N.TASKS), "generator") == 0
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_pipeline_end_to_end_on_cluster(redis_cluster: ClusterProcess, tmp_path: Path) -> None:
     # Given the whole pipeline (real actor processes, tiny model) pointed at the cluster
     run = f"e2ec{uuid.uuid4().hex[:6]}"
