@@ -48,6 +48,14 @@ def _domain_declarations_isolated() -> Iterator[None]:
         os.environ[ENV] = declared
 
 
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    """torch's thread count as it was before the test (for tests that set their own)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def redis_session_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis: the one CI started ($STREAMRL_TEST_REDIS_URL), else one started here
@@ -78,13 +86,19 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterP
 
 
 @pytest.fixture
-def redis_url(redis_session_url: str) -> str:
+def redis_url(request: pytest.FixtureRequest, redis_session_url: str) -> str:
+    """The session's Redis; the session's Redis Cluster in a module marked ``on_cluster``."""
+    if request.node.get_closest_marker("on_cluster"):
+        return str(request.getfixturevalue("redis_cluster").url)
     return redis_session_url
 
 
 @pytest.fixture
-def names() -> Names:
-    return Names(run=f"t{uuid.uuid4().hex[:10]}")
+def names(request: pytest.FixtureRequest) -> Names:
+    """A fresh run; of ``shards`` shards in a module marked ``on_cluster(shards=N)``."""
+    marker = request.node.get_closest_marker("on_cluster")
+    shards = int(marker.kwargs.get("shards", 1)) if marker else 1
+    return Names(run=f"t{uuid.uuid4().hex[:10]}", shards=shards)
 
 
 @pytest.fixture
@@ -148,7 +162,9 @@ def tier_of(path: str, item: pytest.Item) -> str:
 # compose test counts the engine's containers), everything on the session's Redis Cluster
 # (one cluster per worker otherwise, three servers each), the fixed metrics ports, and the
 # vLLM tests (one server for the contract suite; the others each start their own, so two at
-# once would halve the cores of each).
+# once would halve the cores of each). Every other file is a group of its own: its module-scoped
+# fixtures (a trained model, torchrun ranks, a server) are then built once, not on each worker
+# that got some of its tests (they were, twice, for 15-70 s each).
 _GROUPS = {
     "docker": (
         "tests/actors/test_executor.py", "tests/actors/test_group_dropped_whole.py",
@@ -174,7 +190,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         path = item.path.relative_to(root).as_posix()
         item.add_marker(tier_of(path, item))
-        for group, prefixes in _GROUPS.items():
-            if path.startswith(prefixes):
-                item.add_marker(pytest.mark.xdist_group(group))
-                break
+        group = next((g for g, prefixes in _GROUPS.items() if path.startswith(prefixes)), path)
+        item.add_marker(pytest.mark.xdist_group(group))

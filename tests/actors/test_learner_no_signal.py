@@ -6,8 +6,6 @@ do teach. Real Redis, the tiny model; the FSDP case under torchrun with 2 gloo r
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import msgspec
@@ -26,7 +24,8 @@ from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
-from tests.actors.test_learner_torchrun import ROOT, _overrides
+from tests.actors.test_learner_torchrun import _overrides
+from tests.torchrun import learner_ranks
 
 
 def _group(rewards: list[float]) -> bytes:
@@ -91,16 +90,9 @@ async def test_fsdp_ranks_skip_a_step_without_signal_together(
     await _publish(client, names)
     overrides = [*_overrides(names.run, redis_url, tmp_path), "learner.max_steps=1",
                  "learner.parallelism=fsdp"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     # When it runs to its one step, Then both ranks end (no rank waits in a collective the
     # other skipped) and only the step with signal is published
-    with trio.fail_after(240):
-        proc = await trio.run_process(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-             "-m", "streamrl.actors.learner", *[f"--set={o}" for o in overrides]],
-            cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False,
-        )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    await learner_ranks(overrides, deadline_s=240)
     assert await _published(client, names) == [1]
     assert await counted(client, names, "no_signal") == 2
 

@@ -18,18 +18,13 @@ from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, WeightsPublished
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
-from streamrl.queues.server import ClusterProcess
 from streamrl.queues.streams import Producer, StreamConsumer
 from streamrl.runtime.context import ActorContext
 from tests.actors.helpers import ONE_TINY_STEP, Died, contains_died, group
 from tests.helpers import run_config
 
 SHARDS = 3
-
-
-@pytest.fixture
-def redis_url(redis_cluster: ClusterProcess) -> str:
-    return redis_cluster.url
+pytestmark = pytest.mark.on_cluster(shards=3)  # redis_url, names: tests/conftest.py
 
 
 @pytest.mark.system

@@ -4,8 +4,6 @@ publishes equal those of the single-process learner on the same groups."""
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
+from tests.torchrun import learner_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,14 +56,7 @@ async def test_two_rank_learner_publishes_what_one_process_would(
     solo_cfg = load_config(None, _overrides(solo.run, redis_url, tmp_path / "solo"))
     with trio.fail_after(120):
         await serve(ActorContext(solo_cfg, client, solo))
-    args = [f"--set={o}" for o in _overrides(multi.run, redis_url, tmp_path / "multi")]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = await trio.run_process(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "streamrl.actors.learner", *args],
-        cwd=ROOT, env=env, capture_stdout=True, capture_stderr=True, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    await learner_ranks(_overrides(multi.run, redis_url, tmp_path / "multi"), deadline_s=180)
     # Then the two-rank run published versions 1 and 2 (rank 0 only: once each)
     rows = await client.call(client.sync.xrange, multi.stream(N.WEIGHTS))
     assert [decode(f[b"d"], WeightsPublished).version for _, f in rows] == [1, 2]

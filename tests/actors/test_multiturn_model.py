@@ -8,7 +8,6 @@ trajectories reach the learner and a step is trained on them.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -22,20 +21,14 @@ import torch
 from streamrl.learner.batch import build_batch
 from streamrl.learner.train import TrainConfig, Trainer, token_logprobs
 from streamrl.models import load_model, resolve_model
-from streamrl.protocol import names as N
-from streamrl.protocol.messages import StepMetrics, Trajectory
-from streamrl.queues.codec import decode
+from tests.up_run import run_up
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.system
 def test_terminal_domain_trains_with_the_tiny_model(redis_url: str, tmp_path: Path) -> None:
-    run = f"mt{tmp_path.name[-6:]}".replace("-", "")
-    summary_path = tmp_path / "summary.json"
-    overrides = {
-        "run.name": run,
-        "run.work_dir": str(tmp_path / "run"),
+    done = run_up(redis_url, tmp_path, {
         "scheduler.domains": '["terminal"]',
         "scheduler.group_size": "2",
         "scheduler.max_new_tokens": "12",
@@ -44,23 +37,12 @@ def test_terminal_domain_trains_with_the_tiny_model(redis_url: str, tmp_path: Pa
         "domain.terminal.max_turns": "2",
         "learner.max_steps": "1",
         "learner.groups_per_step": "1",
-    }
-    sets = [arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")]
-    proc = subprocess.run(
-        [sys.executable, "-m", "streamrl", "up", "--config", "configs/tiny.toml", *sets,
-         "--max-minutes", "5", "--summary-json", str(summary_path)],
-        cwd=REPO,
-        env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin", "HOME": str(Path.home())},
-        capture_output=True, text=True, timeout=420,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads(summary_path.read_text())
-    assert summary["steps"] >= 1 and summary["dead_letters"] == 0
+    }, prefix="mt")
+    run = done.run
+    assert done.summary["steps"] >= 1 and done.summary["dead_letters"] == 0
 
     r = redis.Redis.from_url(redis_url)
-    names = N.Names(run)
-    trajectories = [decode(f[b"d"], Trajectory)
-                    for _, f in r.xrange(names.stream(N.TRAJECTORIES))]
+    trajectories = done.trajectories()
     assert trajectories
     for t in trajectories:
         ep = t.rollout.task.episode
@@ -77,7 +59,7 @@ def test_terminal_domain_trains_with_the_tiny_model(redis_url: str, tmp_path: Pa
     shown = subprocess.run(
         [sys.executable, "-m", "streamrl", "replay", "show", "--episode", t.episode_id,
          "--config", "configs/tiny.toml", "--set", f"run.name={run}",
-         "--set", f"run.work_dir={tmp_path / 'run'}", "--set", "auth.enabled=false",
+         "--set", f"run.work_dir={done.work_dir}", "--set", "auth.enabled=false",
          "--source", "live"],
         cwd=REPO, env={"STREAMRL_REDIS_URL": redis_url, "PATH": "/usr/bin:/bin",
                        "HOME": str(Path.home())},
@@ -93,7 +75,7 @@ def test_terminal_domain_trains_with_the_tiny_model(redis_url: str, tmp_path: Pa
             assert turn.observation.splitlines()[0] in shown.stdout
     # the learner trained a step on them; every role's ACL sufficed (the executor writes the
     # next turn into tasks)
-    metrics = [decode(f[b"d"], StepMetrics) for _, f in r.xrange(names.stream(N.METRICS))]
+    metrics = done.metrics()
     assert metrics and metrics[0].groups >= 1
     refused = [e for e in r.acl_log(count=128) if e["username"].startswith(f"streamrl-{run}-")]
     assert refused == []

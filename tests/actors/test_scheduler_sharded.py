@@ -17,7 +17,6 @@ from streamrl.protocol.messages import Task
 from streamrl.queues import keys as K
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
-from streamrl.queues.server import ClusterProcess
 from streamrl.queues.shards import reserve_counted
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import ensure_group
@@ -25,11 +24,7 @@ from streamrl.runtime.context import ActorContext
 from tests.helpers import run_config
 
 SHARDS = 3
-
-
-@pytest.fixture
-def redis_url(redis_cluster: ClusterProcess) -> str:
-    return redis_cluster.url
+pytestmark = pytest.mark.on_cluster(shards=3)  # redis_url, names: tests/conftest.py
 
 
 async def test_sharded_scheduler_admits_exactly_and_finishes_a_dead_ones_admission(

@@ -3,10 +3,6 @@ one process: uneven shards, an empty shard, and checkpointing + KL reference und
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +15,7 @@ from streamrl.learner.train import StepStats, TrainConfig, Trainer
 from streamrl.models import load_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
+from tests.torchrun import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,21 +72,8 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case, run once by two gloo processes launched by torchrun; each rank saves
     ``<case>-rank<r>.pt``."""
     out = tmp_path_factory.mktemp("ddp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "tests/learner/ddp_worker.py"), str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks([str(ROOT / "tests/learner/ddp_worker.py"), str(out)], deadline_s=180)
     return out
-
-
-@pytest.fixture
-def restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -6,11 +6,6 @@ logits."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +21,7 @@ from streamrl.models import load_model
 from streamrl.protocol.messages import Trajectory
 from streamrl.testing.messages import make_trajectory
 from tests.learner.test_distributed import CASES, fixed_groups
+from tests.torchrun import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 Parallelism = Literal["ddp", "fsdp"]
@@ -85,30 +81,6 @@ def run_pattern_case(name: str, model: Any, parallelism: Parallelism) -> tuple[T
     return trainer, trainer.step(groups)
 
 
-def torchrun_two_ranks(worker: str, out: Path, deadline_s: float) -> None:
-    """``worker`` (under tests/learner) on two gloo ranks; fails the test when they do not
-    finish within ``deadline_s`` (ranks waiting in different collectives wait for ever),
-    after stopping torchrun and its workers."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "tests/learner" / worker), str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        _, err = proc.communicate(timeout=deadline_s)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # torchrun stops its workers (their own sessions)
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            _, err = proc.communicate()
-        pytest.fail(f"{worker}: the ranks did not finish within {deadline_s:.0f} s "
-                    f"(a collective deadlock?); stderr: {err[-2000:]}")  # fmt: skip
-    assert proc.returncode == 0, err[-3000:]
-
-
 def test_fsdp_with_lora_is_refused() -> None:
     """The FSDP snapshot publishes whole models; LoRA's adapters and merge are not wired to it."""
     with pytest.raises(ValueError, match="lora with parallelism ddp"):
@@ -130,13 +102,7 @@ def next_groups() -> list[Trajectory]:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case, run once by two gloo processes under FSDP2 (fsdp_worker.py)."""
     out = tmp_path_factory.mktemp("fsdp")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(ROOT / "tests/learner/fsdp_worker.py"), str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_ranks([str(ROOT / "tests/learner/fsdp_worker.py"), str(out)], deadline_s=180)
     return out
 
 
@@ -145,15 +111,8 @@ def pattern_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case of ``PATTERN_CASES``, run once by two gloo processes under FSDP2
     (fsdp_patterns_worker.py), within a deadline."""
     out = tmp_path_factory.mktemp("fsdp-patterns")
-    torchrun_two_ranks("fsdp_patterns_worker.py", out, deadline_s=150)
+    run_ranks([str(ROOT / "tests/learner/fsdp_patterns_worker.py"), str(out)], deadline_s=150)
     return out
-
-
-@pytest.fixture
-def restore_threads() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -27,7 +26,6 @@ from streamrl.protocol.messages import Trajectory
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode, encode
 from streamrl.queues.payloads import PayloadLimits, resolve
-from streamrl.queues.server import ClusterProcess
 from streamrl.queues.stats import group_state, stream_length
 from streamrl.queues.streams import Producer, StreamConsumer, ensure_group
 from streamrl.runtime.context import ActorContext
@@ -35,16 +33,7 @@ from streamrl.testing.wait import wait_until
 from tests.ops.helpers import config, executed
 
 SHARDS = 3
-
-
-@pytest.fixture
-def redis_url(redis_cluster: ClusterProcess) -> str:
-    return redis_cluster.url
-
-
-@pytest.fixture
-def names() -> N.Names:
-    return N.Names(f"t{uuid.uuid4().hex[:10]}", shards=SHARDS)
+pytestmark = pytest.mark.on_cluster(shards=3)  # redis_url, names: tests/conftest.py
 
 
 def _cli(redis_url: str, run: str, *args: str) -> subprocess.CompletedProcess[str]:

@@ -11,9 +11,6 @@ cross slots, a node restart, and the whole pipeline (``streamrl up``) on the clu
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +31,9 @@ from streamrl.queues.streams import (
     Producer,
     open_stream_consumer,
 )
+from tests.helpers import pending
 from tests.queues import test_crash, test_handoff_batch, test_streams, test_trim_and_limits
+from tests.up_run import run_up
 
 RERUN = (test_streams, test_handoff_batch, test_trim_and_limits, test_crash)
 for _module in RERUN:
@@ -43,12 +42,9 @@ for _module in RERUN:
             assert _name not in globals(), f"{_name} collected twice"
             globals()[_name] = _test
 
-REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def redis_url(redis_cluster: ClusterProcess) -> str:
-    return redis_cluster.url
+pytestmark = pytest.mark.on_cluster  # redis_url: the cluster's (tests/conftest.py)
 
 
 def _port(client: RedisClient, key: str) -> int:
@@ -64,10 +60,6 @@ def _run_where(client: RedisClient, ok: Callable[[N.Names], bool]) -> N.Names:
         if ok(names):
             return names
     raise AssertionError("no run name found")
-
-
-async def _pending(client: RedisClient, key: str, group: str) -> int:
-    return int((await client.call(client.sync.xpending, key, group))["pending"])
 
 
 def test_keys_of_one_handoff_share_a_slot(redis_cluster: ClusterProcess) -> None:
@@ -242,7 +234,7 @@ async def test_shards_on_different_nodes_hand_off_within_each(client: RedisClien
         rollouts = await client.call(client.sync.xrange, shard.stream(N.ROLLOUTS))
         assert sorted(f[b"d"].decode() for _, f in rollouts) == sorted(by_shard[k])
         assert await client.call(client.sync.exists, shard.dedup("gen", by_shard[k][0])) == 1
-        assert await _pending(client, shard.stream(N.TASKS), "generator") == 0
+        assert await pending(client, shard.stream(N.TASKS), "generator") == 0
     assert await client.call(client.sync.exists, names.stream(N.ROLLOUTS)) == 0
 
 
@@ -270,7 +262,7 @@ async def test_sharded_read_never_returns_more_than_asked_and_loses_nothing(
         for d in got:
             await c.complete(Handoff(d.entry_id, ""))
     for k in (0, 1):
-        assert await _pending(client, names.in_shard(k).stream(N.TASKS), "generator") == 0
+        assert await pending(client, names.in_shard(k).stream(N.TASKS), "generator") == 0
 
 
 async def test_cross_slot_handoff_is_two_idempotent_steps(client: RedisClient) -> None:
@@ -300,7 +292,7 @@ async def test_cross_slot_handoff_is_two_idempotent_steps(client: RedisClient) -
     assert await client.call(client.sync.xlen, names.stream(N.WEIGHTS)) == 1
     assert await client.call(client.sync.xlen, names.stream(N.METRICS)) == 1
     for k in (0, 1):
-        assert await _pending(client, names.in_shard(k).stream(N.TRAJECTORIES), "learner") == 0
+        assert await pending(client, names.in_shard(k).stream(N.TRAJECTORIES), "learner") == 0
     # and publish_once refuses keys of different slots outright (also on a single server)
     with pytest.raises(ValueError, match="one hash slot"):
         await Producer(client, names).publish_once(
@@ -332,47 +324,17 @@ async def test_node_restart_keeps_queued_work_and_scripts_reload(
             Handoff(again.entry_id, names.dedup("g", "b"), [(names.stream("out"), b"B")])
         )
     assert await client.call(client.sync.xlen, names.stream("out")) == 2
-    assert await _pending(client, names.stream(N.TASKS), "generator") == 0
+    assert await pending(client, names.stream(N.TASKS), "generator") == 0
 
 
 @pytest.mark.system
 def test_pipeline_end_to_end_on_cluster(redis_cluster: ClusterProcess, tmp_path: Path) -> None:
     # Given the whole pipeline (real actor processes, tiny model) pointed at the cluster
-    run = f"e2ec{uuid.uuid4().hex[:6]}"
-    summary_path = tmp_path / "summary.json"
     # When: two learner steps, then the final evaluation
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "streamrl.cli.main",
-            "up",
-            "--config",
-            "configs/tiny.toml",
-            "--set",
-            f"run.name={run}",
-            "--set",
-            f"run.work_dir={tmp_path / 'run'}",
-            "--set",
-            "learner.max_steps=2",
-            "--max-minutes",
-            "6",
-            "--summary-json",
-            str(summary_path),
-        ],
-        cwd=REPO,
-        env={
-            "STREAMRL_REDIS_URL": redis_cluster.url,
-            "PATH": "/usr/bin:/bin",
-            "HOME": str(Path.home()),
-        },
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = run_up(redis_cluster.url, tmp_path, {"learner.max_steps": "2"}, prefix="e2ec",
+                  max_minutes=6, timeout_s=600)
+    run, summary = done.run, done.summary
     # Then it completed: two policy versions, both evaluations, no dead letters
-    summary = json.loads(summary_path.read_text())
     assert summary["steps"] >= 2 and summary["policy_version"] >= 2
     assert summary["eval_reward_before"] is not None and summary["eval_reward_after"] is not None
     assert summary["dead_letters"] == 0

@@ -21,11 +21,7 @@ from streamrl.queues.streams import (
     Producer,
     open_stream_consumer,
 )
-
-
-async def _pending(client: RedisClient, key: str, group: str) -> int:
-    info = await client.call(client.sync.xpending, key, group)
-    return int(info["pending"])
+from tests.helpers import pending
 
 
 async def _payloads(client: RedisClient, key: str) -> list[bytes]:
@@ -50,7 +46,7 @@ async def test_batch_with_duplicates_publishes_only_new_and_acks_all(
         await c.complete_many([handoff(d) for d in ds[2:]])
         # Then only b and d are published, and every entry is acknowledged
         assert await _payloads(client, out) == [b"a", b"c", b"b", b"d"]
-        assert await _pending(client, c.stream, c.group) == 0
+        assert await pending(client, c.stream, c.group) == 0
         assert c.statistics_counts["completed"] == 6
 
 
@@ -69,7 +65,7 @@ async def test_batch_mixes_no_output_many_outputs_and_repeated_streams(
         )
         assert await _payloads(client, rollouts) == [b"1"]
         assert await _payloads(client, evals) == [b"2"]
-        assert await _pending(client, c.stream, c.group) == 0
+        assert await pending(client, c.stream, c.group) == 0
         assert await client.call(client.sync.exists, "") == 0
 
 
@@ -89,7 +85,7 @@ async def test_concurrent_completes_are_split_into_flush_batches(
                 nursery.start_soon(c.complete, h)
         # Then all are published once and acknowledged
         assert sorted(await _payloads(client, out)) == sorted(d.payload for d in ds)
-        assert await _pending(client, c.stream, c.group) == 0
+        assert await pending(client, c.stream, c.group) == 0
 
 
 def test_encoded_commands_are_what_redis_py_sends() -> None:
@@ -114,7 +110,7 @@ async def test_handoff_loads_its_script_again_when_the_server_forgot_it(
         await c.complete(Handoff(b.entry_id, names.dedup("g", "b"), [(out, b"B")]))
         # Then the script was loaded again and applied: published once, acknowledged
         assert await _payloads(client, out) == [b"A", b"B"]
-        assert await _pending(client, c.stream, c.group) == 0
+        assert await pending(client, c.stream, c.group) == 0
 
 
 async def test_oversize_output_in_batch_queues_nothing(client: RedisClient, names: N.Names) -> None:
@@ -132,7 +128,7 @@ async def test_oversize_output_in_batch_queues_nothing(client: RedisClient, name
                 ]
             )
         assert await client.call(client.sync.xlen, out) == 0
-        assert await _pending(client, c.stream, c.group) == 2
+        assert await pending(client, c.stream, c.group) == 2
 
 
 async def test_failed_output_leaves_it_pending_and_unmarked(
@@ -163,7 +159,7 @@ async def test_failed_output_leaves_it_pending_and_unmarked(
         assert again.entry_id == b.entry_id and again.deliveries == 2
         await c.complete(Handoff(again.entry_id, names.dedup("g", "b"), [(broken, b"B")]))
         assert await _payloads(client, broken) == [b"B"]
-        assert await _pending(client, c.stream, c.group) == 0
+        assert await pending(client, c.stream, c.group) == 0
 
 
 async def test_reclaim_reports_delivery_counts_past_own_entries_in_range(

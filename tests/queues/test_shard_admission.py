@@ -32,16 +32,7 @@ from streamrl.queues.streams import (
 )
 
 SHARDS = 3
-
-
-@pytest.fixture
-def redis_url(redis_cluster: ClusterProcess) -> str:
-    return redis_cluster.url
-
-
-@pytest.fixture
-def names() -> N.Names:
-    return N.Names(f"t{uuid.uuid4().hex[:10]}", shards=SHARDS)
+pytestmark = pytest.mark.on_cluster(shards=3)  # redis_url, names: tests/conftest.py
 
 
 def _items(n: int, tag: str = "") -> list[tuple[str, bytes]]:

@@ -8,11 +8,7 @@ from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode
 from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
-
-
-async def _pending(client: RedisClient, key: str, group: str) -> int:
-    info = await client.call(client.sync.xpending, key, group)
-    return int(info["pending"])
+from tests.helpers import pending
 
 
 async def test_handoff_publishes_and_acks(client: RedisClient, names: N.Names) -> None:
@@ -26,7 +22,7 @@ async def test_handoff_publishes_and_acks(client: RedisClient, names: N.Names) -
         await c.complete(Handoff(d.entry_id, names.dedup("gen", "m1"), [(out, b"world")]))
         # Then the output exists once and nothing is pending
         assert await client.call(client.sync.xlen, out) == 1
-        assert await _pending(client, c.stream, c.group) == 0
+        assert await pending(client, c.stream, c.group) == 0
 
 
 async def test_redelivered_message_publishes_once(client: RedisClient, names: N.Names) -> None:
@@ -65,7 +61,7 @@ async def test_dead_letter_keeps_payload_and_reason(client: RedisClient, names: 
     async with open_stream_consumer(client, names, N.TASKS, stage="g") as c:
         [d] = await c.read(1)
         await c.dead_letter(d, "cannot decode")
-        assert await _pending(client, c.stream, c.group) == 0
+        assert await pending(client, c.stream, c.group) == 0
     [(_, fields)] = await client.call(client.sync.xrange, names.stream(N.DEAD))
     letter = decode(fields[b"d"], DeadLetter)
     assert letter.payload == b"\xff\x00junk" and letter.error == "cannot decode"
