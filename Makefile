@@ -65,10 +65,12 @@ typecheck: venv
 	cd $(TYPECHECK) && ../../$(BIN)/mypy --config-file ../../pyproject.toml ../../deploy/kubernetes/check.py
 
 # The Kubernetes manifests (docs/kubernetes.md), rendered and validated offline: the base, then
-# with its optional component (tests/test_kubernetes.py runs the same check, and breaks it)
+# with its optional component, and the vLLM overlay (tests/test_kubernetes.py runs the same
+# checks, and breaks them)
 k8s-check: venv
 	$(BIN)/python deploy/kubernetes/check.py
 	$(BIN)/python deploy/kubernetes/check.py --component deploy/kubernetes/components/archiver
+	$(BIN)/python deploy/kubernetes/check.py deploy/kubernetes/overlays/vllm
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache
