@@ -145,9 +145,10 @@ async def test_a_server_lost_mid_run_falls_back_to_disk(
             # Then the run goes on: the other server serves the last version
             await wait_until(lambda: _all_at(http, urls[:1], "3"), timeout=60)
             nursery.cancel_scope.cancel()
-    # having got version 1 over the group, and the later ones from disk
+    # having got version 1 over the group, and the later ones from disk (at least versions 2
+    # and 3: a reload more when the lost server is noticed late, as in one CI run under load)
     version, updates = await _info(http, urls[0])
-    assert version == "3" and updates["disk"] == 2, updates
+    assert version == "3" and updates["disk"] >= 2 and updates["distributed"] >= 1, updates
     await _serves_saved(http, urls[0], ctx, 3)
     events = [e["event"] for e in logs]
     assert "weight broadcast failed: reloading from disk, syncing by disk from now" in events
