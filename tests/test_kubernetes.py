@@ -311,18 +311,6 @@ BREAKAGES: list[tuple[str, Callable[[Path], None], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("change", "expected"), [(c, e) for _, c, e in BREAKAGES],
-                         ids=[name for name, _, _ in BREAKAGES])
-def test_the_check_names_each_mistake(k8s: ModuleType, copy: Path,
-                                      change: Callable[[Path], None], expected: str) -> None:
-    # Given a copy of the manifests with one mistake
-    change(copy)
-    # When it is checked
-    problems = k8s.check(copy).problems
-    # Then the check fails and says what is wrong
-    assert any(expected in p for p in problems), "\n".join(problems)
-
-
 def _external(directory: Path, url: str, trigger_type: str, addresses: dict[str, str]) -> None:
     """docs/kubernetes.md, "An external Redis", step by step."""
     k = yaml.safe_load((directory / "kustomization.yaml").read_text())
@@ -576,14 +564,18 @@ VLLM_BREAKAGES: list[tuple[str, Callable[[Path], None], str]] = [
 ]
 
 
-@pytest.mark.parametrize(("change", "expected"), [(c, e) for _, c, e in VLLM_BREAKAGES],
-                         ids=[name for name, _, _ in VLLM_BREAKAGES])
-def test_the_check_names_each_vllm_mistake(k8s: ModuleType, copy: Path,
-                                           change: Callable[[Path], None], expected: str) -> None:
-    # Given a copy of the base and the vLLM overlay with one mistake
+CHECKED = [("", b) for b in BREAKAGES] + [("overlays/vllm", b) for b in VLLM_BREAKAGES]
+
+
+@pytest.mark.parametrize(("target", "change", "expected"),
+                         [(t, c, e) for t, (_, c, e) in CHECKED],
+                         ids=[name for _, (name, _, _) in CHECKED])
+def test_the_check_names_each_mistake(k8s: ModuleType, copy: Path, target: str,
+                                      change: Callable[[Path], None], expected: str) -> None:
+    # Given a copy of the manifests (the base, or the base and the vLLM overlay) with one mistake
     change(copy)
-    # When the overlay is checked
-    problems = k8s.check(copy / "overlays" / "vllm").problems
+    # When it (the base, or the overlay) is checked
+    problems = k8s.check(copy / target if target else copy).problems
     # Then the check fails and says what is wrong
     assert any(expected in p for p in problems), "\n".join(problems)
 
