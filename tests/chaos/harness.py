@@ -6,7 +6,8 @@ actor (``python -m streamrl run <role>``) and keeps them running: a process that
 started again, and every exit that the harness did not cause itself is recorded in
 :attr:`ActorProcess.crashes`. While it runs the test may
 
-- kill processes with SIGKILL (:func:`serve_chaos`: a random one every few seconds),
+- kill processes with SIGKILL (:func:`serve_chaos`: a random one holding work, every few
+  dozen entries the pipeline publishes),
 - plant malformed entries in the work streams (:func:`plant_poison`),
 - record what passes through the streams before trimming removes it (:class:`Recorder`),
 
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import redis
 import trio
 
 from streamrl.config.schema import load_config
@@ -325,39 +327,96 @@ async def open_pipeline(scenario: Scenario) -> AsyncIterator[Pipeline]:
 
 @dataclass
 class ChaosLog:
-    kills: list[tuple[float, str]] = field(default_factory=list)
+    kills: list[tuple[int, str]] = field(default_factory=list)
+    """(pipeline hops published when it was killed, process name), in kill order."""
+
+
+CONSUMES = {
+    role: stream for stream, role in N.GROUP_OF_STREAM.items() if stream in PIPELINE_STREAMS
+}
+"""The pipeline stream each consuming role reads (the scheduler reads none of them)."""
+
+
+async def published(client: RedisClient, names: N.Names) -> int:
+    """Entries ever added to the pipeline streams (``entries-added``: trimming does not lower
+    it), summed over the shards: each one is a hop some process finished and acknowledged."""
+    total = 0
+    for layout in names.layouts():
+        for stream in PIPELINE_STREAMS:
+            with contextlib.suppress(redis.ResponseError):  # no such stream yet
+                info = await client.call(client.sync.xinfo_stream, layout.stream(stream))
+                total += int(info["entries-added"])
+    return total
+
+
+async def holding(client: RedisClient, names: N.Names, role: str) -> set[int | str]:
+    """Who among ``role``'s processes holds delivered, unacknowledged entries of the stream
+    it consumes: pids, from consumer names ``host:pid:nonce`` (queues.streams), or the fixed
+    name of a role with one consumer (the learner's ``learner-0``)."""
+    held: set[int | str] = set()
+    for layout in names.layouts():
+        with contextlib.suppress(redis.ResponseError):  # no group yet
+            consumers = await client.call(
+                client.sync.xinfo_consumers,
+                layout.stream(CONSUMES[role]),
+                N.GROUP_OF_STREAM[CONSUMES[role]],
+            )
+            for c in consumers:
+                name = c["name"].decode() if isinstance(c["name"], bytes) else str(c["name"])
+                if int(c["pending"]) > 0:
+                    parts = name.split(":")
+                    held.add(int(parts[-2]) if len(parts) >= 3 and parts[-2].isdigit() else name)
+    return held
+
+
+def _mid_work(actor: ActorProcess, held: set[int | str], replicas: int) -> bool:
+    """``actor`` holds entries: by its pid, or as the one process of its role (fixed name)."""
+    if actor.process is None:
+        return False
+    return actor.process.pid in held or (replicas == 1 and any(isinstance(h, str) for h in held))
 
 
 async def serve_chaos(
     pipeline: Pipeline,
+    client: RedisClient,
     rng: random.Random,
     log: ChaosLog,
     *,
-    interval_s: tuple[float, float] = (1.0, 3.0),
-    min_ready_s: float = 4.0,
-    restart_delay_s: float = 0.2,
+    every_hops: tuple[int, int] = (50, 110),
+    poll_s: float = 0.1,
 ) -> None:
-    """Every ``interval_s`` (uniform) SIGKILL one process: a random role, then a random
-    replica of it, among processes that have been ready (set up, taking work) for at least
-    ``min_ready_s``: a process killed again while it is still loading its model would only
-    test start-up, and one killed before it can take over what its predecessor held
-    (``queues.reclaim_min_idle_ms``, 3 s here) and work on it never moves the run (on a
-    loaded machine 0.5 s let the verifiers' backlog grow for good: each restarted one was
-    killed before it finished anything). Runs until cancelled. The killed process is
-    started again by its :meth:`ActorProcess.serve` loop."""
-    started = time.monotonic()
+    """SIGKILL one process after every ``every_hops`` (uniform) entries published on the
+    pipeline streams: a random role, then a random replica of it among the processes that
+    are ready (logged "actor ready") and, for a consuming role, hold entries they have not
+    acknowledged yet (killed mid-work: what they held must be reclaimed and finished by
+    another). Kills follow the run's progress, never a clock: a run that slows down (a
+    loaded machine, a process loading its model) is killed less often in time, so the kills
+    never outpace what restarted processes can take over, and a run makes the same number of
+    kills on any machine. Runs until cancelled; a killed process is started again by its
+    :meth:`ActorProcess.serve` loop."""
+    names = pipeline.scenario.names
     while True:
-        await trio.sleep(rng.uniform(*interval_s))
-        roles = list(ROLES)
-        rng.shuffle(roles)
-        for role in roles:
-            ready = [a for a in pipeline.by_role(role) if a.ready_for() >= min_ready_s]
-            if ready:
-                victim = rng.choice(ready)
-                await victim.kill()
-                log.kills.append((round(time.monotonic() - started, 1), victim.name))
-                await trio.sleep(restart_delay_s)
-                break
+        target = await published(client, names) + rng.randint(*every_hops)
+        while await published(client, names) < target:
+            await trio.sleep(poll_s)  # the next hop: the poll interval, not a wait for time
+        victim = None
+        while victim is None:  # the first role in a random order with a process mid-work
+            roles = list(ROLES)
+            rng.shuffle(roles)
+            for role in roles:
+                replicas = pipeline.by_role(role)
+                ready = [a for a in replicas if a.ready_for() > 0]
+                if role in CONSUMES:
+                    held = await holding(client, names, role)
+                    ready = [a for a in ready if _mid_work(a, held, len(replicas))]
+                if ready:
+                    victim = rng.choice(ready)
+                    break
+            else:
+                await trio.sleep(poll_s)
+        hops = await published(client, names)
+        await victim.kill()
+        log.kills.append((hops, victim.name))
 
 
 # --------------------------------------------------------------------------- poison
