@@ -221,7 +221,11 @@ class StreamConsumer:
         self._pending_cursor: str | None = "0"  # None once the own pending list is drained
         self._batches: list[_Batch] = []  # hand-offs waiting for serve_flusher, oldest first
         self._flush_wanted = trio.lowlevel.ParkingLot()  # idle flushers wait here
-        self.statistics_counts = {"read": 0, "reclaimed": 0, "completed": 0, "dead": 0}
+        self.statistics_counts = {"read": 0, "reclaimed": 0, "completed": 0, "dead": 0,
+                                  "read_calls": 0, "reclaim_calls": 0}
+        """Entries read, reclaimed, completed, dead-lettered; and the reads of new entries
+        (each one that came back empty blocked ``block_ms``) and the reclaims this consumer
+        made, empty ones included: a test's proof that time passed in the consumer."""
 
     # ------------------------------------------------------------------ setup
     async def ensure_group(self) -> None:
@@ -254,6 +258,7 @@ class StreamConsumer:
         raw = await self._blocking.execute(encode_command(command), interrupt=interrupt)
         entries = _reply_entries(raw)
         self.statistics_counts["read"] += len(entries)
+        self.statistics_counts["read_calls"] += 1
         return await self._deliveries(entries, None)
 
     async def _read_own_pending(self, count: int, after: str) -> list[Delivery]:
@@ -344,6 +349,7 @@ class StreamConsumer:
             start_id="0-0",
             count=count,
         )
+        self.statistics_counts["reclaim_calls"] += 1
         entries = _decode_entries(raw[1])
         if not entries:
             return []

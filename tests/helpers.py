@@ -9,7 +9,9 @@ import subprocess
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -19,6 +21,13 @@ from streamrl.protocol.roles import ROLES, apply_acls
 from streamrl.queues.acl import Credentials, role_url
 from streamrl.queues.client import RedisClient
 from streamrl.queues.server import find_server_binary
+from streamrl.queues.shards import Consumer
+from streamrl.queues.streams import StreamConsumer
+from streamrl.runtime.context import ActorContext
+from streamrl.testing.wait import wait_until
+
+if TYPE_CHECKING:
+    from streamrl.actors.scheduler import Scheduler
 
 
 def run_config(tmp_path: Path, redis_url: str, run: str, *overrides: str) -> Config:
@@ -93,3 +102,46 @@ def rewrite_aof(sync: redis.Redis, timeout_s: float = 30.0) -> None:
 async def pending(client: RedisClient, key: str, group: str) -> int:
     """How many entries of stream ``key`` are pending (delivered, unacknowledged) in ``group``."""
     return int((await client.call(client.sync.xpending, key, group))["pending"])
+
+
+@dataclass
+class WatchedContext(ActorContext):
+    """The real :class:`ActorContext`, keeping the consumer each of its actors opens (by
+    input stream) for the test to read its statistics."""
+
+    opened: dict[str, StreamConsumer] = field(default_factory=dict)
+
+    @asynccontextmanager
+    async def consumer(self, stream: str, stage: str, **kw: Any) -> AsyncIterator[Consumer]:
+        async with super().consumer(stream, stage, **kw) as consumer:
+            assert isinstance(consumer, StreamConsumer), "one shard: one stream consumer"
+            self.opened[stream] = consumer
+            yield consumer
+
+
+async def more_calls(ctx: WatchedContext, stream: str, n: int, call: str = "read_calls",
+                     timeout: float = 30.0) -> None:
+    """Until the consumer of ``stream`` in ``ctx`` has made ``n`` more ``call``s
+    (``read_calls``: reads of new entries, each empty one blocked ``block_ms``;
+    ``reclaim_calls``) than when this is called: the positive event behind a test's claim that
+    nothing more happened in that time."""
+    await wait_until(lambda: stream in ctx.opened, timeout, what=f"no consumer of {stream}")
+    counts = ctx.opened[stream].statistics_counts
+    wanted = counts[call] + n
+    await wait_until(lambda: counts[call] >= wanted, timeout,
+                     what=f"the consumer of {stream} did not make {n} more {call}")
+
+
+async def entry_idle_ms(client: RedisClient, key: str, group: str, entry_id: str) -> int:
+    """How long entry ``entry_id`` of stream ``key`` has been pending in ``group`` since its
+    last delivery, by the server's clock (XPENDING), the one min-idle reclaims go by."""
+    [row] = await client.call(client.sync.xpending_range, key, group, entry_id, entry_id, 1)
+    return int(row["time_since_delivered"])
+
+
+async def scheduler_held(scheduler: Scheduler, timeout: float = 30.0) -> str:
+    """Why ``scheduler`` admits nothing, once its next admission check has found nothing to
+    admit (``blocked``: backlog, limit, staleness, stopped): it admitted all it could."""
+    scheduler.blocked = None  # set again by each check that admits nothing
+    return str(await wait_until(lambda: scheduler.blocked, timeout,
+                                what="the scheduler did not come to a check with nothing to admit"))

@@ -14,6 +14,7 @@ import trio
 from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
+from streamrl.testing.wait import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,8 +54,8 @@ async def test_killed_consumer_work_is_reclaimed(
     settings = ConsumerSettings(reclaim_min_idle_ms=200)
     async with open_stream_consumer(client, names, N.TASKS, stage="g", settings=settings) as c:
         assert await c.read(1) == []  # nothing new: the entry is pending in the dead consumer
-        await trio.sleep(0.3)
-        [d] = await c.reclaim(10)
+        [d] = await wait_until(lambda: c.reclaim(10), 10, what="the dead consumer's entry "
+                               "was not reclaimed")
         assert d.entry_id == entry_id.strip() and d.payload == b"work" and d.deliveries == 2
         await c.complete(Handoff(d.entry_id, names.dedup("g", "x"), [(names.stream("out"), b"r")]))
     info = await client.call(client.sync.xpending, names.stream(N.TASKS), "generator")

@@ -19,13 +19,23 @@ from streamrl.queues.streams import (
     Delivery,
     Handoff,
     Producer,
+    StreamConsumer,
     open_stream_consumer,
 )
-from tests.helpers import pending
+from streamrl.testing.wait import wait_until
+from tests.helpers import entry_idle_ms, pending
 
 
 async def _payloads(client: RedisClient, key: str) -> list[bytes]:
     return [fields[b"d"] for _, fields in await client.call(client.sync.xrange, key)]
+
+
+async def _gone(client: RedisClient, key: str) -> bool:
+    return not await client.call(client.sync.exists, key)
+
+
+async def _idle_past(client: RedisClient, c: StreamConsumer, entry_id: str, ms: int) -> bool:
+    return await entry_idle_ms(client, c.stream, c.group, entry_id) >= ms
 
 
 async def test_batch_with_duplicates_publishes_only_new_and_acks_all(
@@ -150,8 +160,8 @@ async def test_failed_output_leaves_it_pending_and_unmarked(
     assert failed.group_contains(redis.ResponseError, match="WRONGTYPE")
     # Then the first is published and acknowledged; the second is neither, nor marked done
     assert await _payloads(client, out) == [b"A"]
-    await trio.sleep(0.01)  # its dedup key was dropped with a 1 ms expiry
-    assert await client.call(client.sync.exists, names.dedup("g", "b")) == 0
+    await wait_until(  # its dedup key dropped (with a 1 ms expiry)
+        lambda: _gone(client, names.dedup("g", "b")), 10, what="the dedup key was not dropped")
     # and once the key is fixed, its redelivery publishes it
     await client.call(client.sync.delete, broken)
     async with open_stream_consumer(client, names, N.TASKS, stage="g", consumer="c1") as c:
@@ -175,7 +185,8 @@ async def test_reclaim_reports_delivery_counts_past_own_entries_in_range(
         [first] = await a.read(1)
         own = await b.read(98)
         [last] = await a.read(1)
-        await trio.sleep(0.3)
+        await wait_until(lambda: _idle_past(client, a, last.entry_id, 200), 10,
+                         what="a's entries did not pass min-idle")
         await b.heartbeat([d.entry_id for d in own])
         # When b reclaims the idle ones
         taken = await b.reclaim(100)
@@ -207,8 +218,8 @@ async def test_failed_output_drops_dedup_key_within_role_acl(
                 await c.complete(Handoff(d.entry_id, dedup, [(rollouts, b"r")]))
         assert failed.group_contains(redis.ResponseError, match="WRONGTYPE")  # not NOPERM
         # Then its dedup key is gone, so a redelivery will publish
-        await trio.sleep(0.01)
-        assert await client.call(client.sync.exists, names.dedup("generator", "t")) == 0
+        await wait_until(lambda: _gone(client, names.dedup("generator", "t")), 10,
+                         what="the dedup key was not dropped")
     finally:
         generator.close()
         users = [c.user for c in credentials.values()]

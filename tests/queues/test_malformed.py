@@ -4,7 +4,6 @@ two consumers hold at once is dead-lettered once."""
 from __future__ import annotations
 
 import pytest
-import trio
 
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import Executed, Sampling, Task, new_id, now
@@ -12,6 +11,7 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, MessageError, decode, encode
 from streamrl.queues.streams import ConsumerSettings, Producer, open_stream_consumer
 from streamrl.testing.messages import make_trajectory
+from streamrl.testing.wait import wait_until
 
 
 def test_a_message_with_unknown_fields_is_refused() -> None:
@@ -56,8 +56,7 @@ async def test_an_entry_held_by_two_consumers_is_dead_lettered_once(
         open_stream_consumer(client, names, N.EXECUTED, stage="v", settings=settings) as b,
     ):
         [held_by_a] = await a.read(1)
-        await trio.sleep(0.01)
-        [held_by_b] = await b.reclaim(1)
+        [held_by_b] = await wait_until(lambda: b.reclaim(1), 10, what="b did not reclaim it")
         # When both dead-letter it
         await a.dead_letter(held_by_a, "malformed message: a")
         await b.dead_letter(held_by_b, "malformed message: b")

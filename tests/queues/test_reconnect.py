@@ -3,7 +3,6 @@ until it is back, and raised only after the reconnect timeout."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,14 +100,26 @@ async def test_an_event_reader_made_while_redis_is_down_reads_once_it_is_back(
     reader.close()
 
 
-async def test_calls_give_up_after_the_reconnect_timeout(tmp_path: Path) -> None:
-    # Given a Redis that is gone for good
+async def test_calls_give_up_after_the_reconnect_timeout(
+    tmp_path: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    # Given a Redis that is gone for good (the client's backoff on trio's simulated clock:
+    # the refused connections are real, the waits between them take no time)
     server = ServerProcess(data_dir=tmp_path / "redis").start()
     server.stop()
-    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=0.5, backoff_s=0.05))
-    # When a call is made, then it raises the connection error after about the timeout
-    started = time.monotonic()
+    client = RedisClient(server.url, reconnect=Reconnect(timeout_s=30, backoff_s=0.05))
+    tries = 0
+
+    def ping() -> bool:  # (in a worker thread)
+        nonlocal tries
+        tries += 1
+        assert tries < 1000, "the client never gave up"
+        return bool(client.sync.ping())
+
+    # When a call is made, then it raises the connection error once the timeout has passed
+    # since the first failure, after retrying until then
+    started = trio.current_time()
     with pytest.raises(redis.ConnectionError):
-        await client.call(client.sync.ping)
-    assert 0.5 <= time.monotonic() - started < 5
+        await client.call(ping)
+    assert tries > 2 and trio.current_time() - started == pytest.approx(30)
     client.close()

@@ -8,6 +8,7 @@ from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode
 from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
+from streamrl.testing.wait import deadline, wait_until
 from tests.helpers import pending
 
 
@@ -71,10 +72,9 @@ async def test_dead_letter_keeps_payload_and_reason(client: RedisClient, names: 
 async def test_blocking_read_cancels_promptly(client: RedisClient, names: N.Names) -> None:
     settings = ConsumerSettings(block_ms=30_000)
     async with open_stream_consumer(client, names, N.TASKS, stage="g", settings=settings) as c:
-        start = trio.current_time()
-        with trio.move_on_after(0.3):
+        # When the read is cancelled after 0.3 s, then it returns then, not after block_ms
+        with deadline(10, "a cancelled blocking read did not return"), trio.move_on_after(0.3):
             await c.read(1)
-        assert trio.current_time() - start < 2.0
 
 
 async def test_heartbeat_keeps_entry_from_reclaim(client: RedisClient, names: N.Names) -> None:
@@ -89,5 +89,6 @@ async def test_heartbeat_keeps_entry_from_reclaim(client: RedisClient, names: N.
             await trio.sleep(0.15)
             await a.heartbeat([d.entry_id])
         assert await b.reclaim(10) == []
-        await trio.sleep(0.4)
-        assert [x.entry_id for x in await b.reclaim(10)] == [d.entry_id]
+        # and once the heart-beats stop, it is taken over after min-idle
+        taken = await wait_until(lambda: b.reclaim(10), 10, what="the idle entry not reclaimed")
+        assert [x.entry_id for x in taken] == [d.entry_id]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import trio
 
 from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode
 from streamrl.queues.payloads import REF_PREFIX, PayloadLimits, PayloadTooLarge
 from streamrl.queues.streams import ConsumerSettings, Handoff, Producer, open_stream_consumer
+from streamrl.testing.wait import wait_until
 
 NO_TRIM_LOOP = ConsumerSettings(trim_interval_s=0, retain_acked=0)
 SMALL = PayloadLimits(max_bytes=1000, claim_check_bytes=100, blob_ttl_s=600)
@@ -149,7 +149,13 @@ async def test_trim_forgets_idle_consumers_without_pending_work(
         [d] = await gone.read(1)
         await gone.complete(Handoff(d.entry_id, ""))
         await busy.read(1)  # still holds one pending entry
-        await trio.sleep(0.05)
+
+        async def consumers() -> list[dict]:
+            return await client.call(client.sync.xinfo_consumers, trimmer.stream, trimmer.group)
+
+        async def gone_idle() -> bool:  # past forget_consumers_idle_ms, by the server's clock
+            return any(r["name"] == b"gone" and r["idle"] > 1 for r in await consumers())
+
+        await wait_until(gone_idle, 10, what="the consumer done with its work was not idle")
         await trimmer.trim()
-        rows = await client.call(client.sync.xinfo_consumers, trimmer.stream, trimmer.group)
-        assert [r["name"] for r in rows] == [b"busy"]
+        assert [r["name"] for r in await consumers()] == [b"busy"]
