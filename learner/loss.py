@@ -25,6 +25,10 @@ Notation, per completion token t of sample i (all tensors share one shape, e.g. 
 ``w_t`` is the off-policy correction (:func:`importance_weights`; 1 unless
 ``behaviour_logprobs`` is given); the KL term is there only when ``ref_logprobs`` is given.
 
+Supervised fine-tuning (:func:`sft_loss`) is the other objective of the same step: the
+token cross-entropy ``-log pi_theta(token)`` on the trained tokens (the assistant's), reduced
+by the same :func:`aggregate` with the step's normaliser; no ratio, advantage or reference.
+
 Sequences: by default each row is one sequence. A packed row holds several; ``seq_ids``
 (``[B, T]`` integers, the sequence of each column, any value where ``mask`` is 0) then says
 which columns belong together.
@@ -342,4 +346,34 @@ def policy_loss(
             "kl_ref": float((kl * mask).sum() / n),
             "tokens": float(tokens),
         }
+    return loss, stats
+
+
+def sft_loss(
+    new_logprobs: Tensor,
+    mask: Tensor,
+    normalizer: float | Tensor | None = None,
+    aggregation: Aggregation = "token-mean",
+    max_tokens: int | None = None,
+    seq_ids: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """Supervised fine-tuning: the token cross-entropy ``-log pi_theta(token)`` on the
+    tokens where ``mask`` is 1 (an example's assistant and tool-call tokens; never the
+    prompt, tool results or padding), reduced by :func:`aggregate`.
+
+    With ``token-mean`` and the step's trained-token count as ``normalizer`` this is the mean
+    negative log-likelihood per trained token of the whole step, whatever its split into
+    micro-batches and ranks; its gradient in the logits of token t is
+    ``(softmax(z_t) - onehot(y_t)) / normalizer`` (``tests/learner/test_sft_loss.py``).
+
+    Returns ``(loss, stats)`` with the statistics keys of :func:`policy_loss` (no ratio: 1,
+    nothing clipped, no KL) so the step reports both objectives alike; ``tokens`` is this
+    call's trained-token count.
+    """
+    keep = mask.bool()
+    mask = mask.to(new_logprobs.dtype)
+    nll = -torch.where(keep, new_logprobs, 0.0)  # masked columns may hold anything
+    loss = aggregate(nll, mask, aggregation, normalizer, max_tokens, seq_ids)
+    stats = {"clip_frac": 0.0, "ratio_mean": 1.0, "approx_kl": 0.0, "tis_weight_mean": 1.0,
+             "is_clip_frac": 0.0, "kl_ref": 0.0, "tokens": float(mask.sum())}
     return loss, stats

@@ -1,4 +1,6 @@
-"""One optimiser step of GRPO on a list of verified groups.
+"""One optimiser step of GRPO on a list of verified groups, or of supervised fine-tuning on a
+list of examples (``mode="sft"``: the same batches, passes, collectives and normaliser; only
+the loss differs, :func:`learner.loss.sft_loss`).
 
 Guarantees:
 - the new logprobs are the same function the generator used for the behaviour logprobs,
@@ -69,6 +71,7 @@ from streamrl.learner.loss import (
     group_advantages,
     mismatch,
     policy_loss,
+    sft_loss,
 )
 from streamrl.learner.packing import is_packed, model_inputs, pack
 from streamrl.learner.prefix import MIN_SHARED_TOKENS, hidden_states, takes_prefix
@@ -77,6 +80,10 @@ from streamrl.models import load_model
 
 if TYPE_CHECKING:
     from streamrl.protocol.messages import Trajectory
+
+Mode = Literal["rl", "sft"]
+"""What a step trains: ``rl``, the policy loss on verified groups; ``sft``, the token
+cross-entropy on supervised examples (:func:`learner.loss.sft_loss`)."""
 
 
 @dataclass(frozen=True)
@@ -494,17 +501,26 @@ class Trainer:
         if "rng" in state:
             set_rng_state(state["rng"])
 
-    def step(self, trajectories: Sequence[Trajectory], *, apply: bool = True) -> StepStats:
+    def step(
+        self, trajectories: Sequence[Trajectory], *, apply: bool = True, mode: Mode = "rl"
+    ) -> StepStats:
         """One step on ``trajectories`` (already filtered for staleness): one optimiser update,
         or ``updates_per_step`` on its parts. In a distributed run every rank must call it with
         the same trajectories. ``apply=False``: every forward and backward pass and the
         gradient check of the step, but the weights and the optimiser are left as they were
-        (a probe: does this group alone fail?)."""
+        (a probe: does this group alone fail?).
+
+        ``mode="sft"``: each trajectory is a supervised example (:mod:`learner.sft_data`: one
+        sample, its assistant tokens masked in) and the loss is :func:`learner.loss.sft_loss`
+        at temperature 1; no group is dropped for lack of signal, and the RL terms (KL
+        reference, recomputed anchors, entropy bonus) are not computed."""
         cfg = self.config
+        sft = mode == "sft"
         started = time.perf_counter()
         all_rewards = [r for t in trajectories for r in t.rewards]
         reward_mean = sum(all_rewards) / max(len(all_rewards), 1)
-        groups = [t for t in trajectories if has_signal(t) or not cfg.drop_zero_advantage]
+        keep_all = sft or not cfg.drop_zero_advantage
+        groups = [t for t in trajectories if keep_all or has_signal(t)]
         dropped = len(trajectories) - len(groups)
         if not groups:
             return StepStats(
@@ -522,16 +538,16 @@ class Trainer:
                 length_penalty_tokens=cfg.length_penalty_tokens,
             )  # fmt: skip
             kl_sum = 0.0
-            if cfg.kl_in_reward and cfg.kl_coef > 0:
+            if cfg.kl_in_reward and cfg.kl_coef > 0 and not sft:
                 full, kl_sum = self._kl_in_reward(full, [len(t.rewards) for t in part])
             parts.append((full, len(part), kl_sum))
         # With recomputed logprobs every part's anchor is taken before the first update (PPO's
         # pi_old), not at the weights the earlier parts left.
         anchors = ([self._anchor_logprobs(full) for full, _, _ in parts]
-                   if cfg.recompute_old_logprobs else [None] * len(parts))
+                   if cfg.recompute_old_logprobs and not sft else [None] * len(parts))
         updates = [
             self.step_batch(full, reward_mean=reward_mean, groups=n, dropped_groups=dropped,
-                            apply=apply, kl_ref_sum=kl_sum, anchors=anchor)
+                            apply=apply, kl_ref_sum=kl_sum, anchors=anchor, mode=mode)
             for (full, n, kl_sum), anchor in zip(parts, anchors, strict=True)
         ]  # fmt: skip
         return _merge(updates, time.perf_counter() - started)
@@ -621,12 +637,15 @@ class Trainer:
         apply: bool = True,
         kl_ref_sum: float = 0.0,
         anchors: list[Tensor] | None = None,
+        mode: Mode = "rl",
     ) -> StepStats:
         """One optimiser step on an already built batch (the whole batch on every rank);
         ``apply=False``: the gradient only (see :meth:`step`). ``kl_ref_sum``: the KL
         KL-in-reward took out of the rewards (reported as ``kl_ref``). ``anchors``: with
         ``recompute_old_logprobs``, the PPO anchor of each of :meth:`_passes`' micro-batches
-        taken earlier (:meth:`_anchor_logprobs`); None: taken now, before the update."""
+        taken earlier (:meth:`_anchor_logprobs`); None: taken now, before the update.
+        ``mode``: the objective (:meth:`step`); the normaliser, passes and collectives are
+        the same for both."""
         cfg = self.config
         started = time.perf_counter() if started is None else started
         total_tokens = full.loss_mask.sum().to(cfg.device)  # of the whole batch, every rank
@@ -638,7 +657,7 @@ class Trainer:
         norm_tokens = cfg.aggregation_tokens or max(int(per_sample.max()), 1)
         clip_high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
         plan = self._passes(full)
-        if cfg.recompute_old_logprobs and anchors is None:
+        if cfg.recompute_old_logprobs and anchors is None and mode == "rl":
             anchors = self._anchor_logprobs(full)
 
         # Forward/backward per micro-batch of this rank's shard; each divides by the whole
@@ -655,7 +674,7 @@ class Trainer:
                 weight = 1.0 if i < plan.real else 0.0
                 mb_sums, mb_extremes = self._micro_step(
                     mb.to(cfg.device), normalizer, clip_high, weight, norm_tokens,
-                    None if anchors is None else anchors[i], plan.prefix[i],
+                    None if anchors is None else anchors[i], plan.prefix[i], mode,
                 )
                 sums += mb_sums
                 extremes = torch.maximum(extremes, mb_extremes)
@@ -721,15 +740,66 @@ class Trainer:
     def _micro_step(
         self, mb: Batch, normalizer: Tensor, clip_high: float, weight: float = 1.0,
         norm_tokens: int | None = None, anchor: Tensor | None = None, prefix: int = 0,
+        mode: Mode = "rl",
     ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Forward + backward of one micro-batch; returns its token-weighted statistic sums
         and ``[-min, max]`` of its train-vs-rollout ratio. ``normalizer``: the step's token
         (token-mean) or sequence count. ``weight`` 0 is a padding micro-batch: it takes part
         in DDP's backward passes with a zero gradient and adds nothing to the statistics.
-        ``prefix``: the pass's ``shared_prefix`` (:meth:`_passes`)."""
+        ``prefix``: the pass's ``shared_prefix`` (:meth:`_passes`). ``mode="sft"``: the
+        token cross-entropy at temperature 1 (no ratio: no train-vs-rollout mismatch)."""
+        cfg = self.config
+        sft = mode == "sft"
+        seq_ids = _sequence_ids(mb)
+        if sft:
+            new_logprobs, entropy = self._forward(mb, 1.0, False, prefix)
+            loss, stats = sft_loss(new_logprobs, mb.loss_mask, normalizer, cfg.aggregation,
+                                   norm_tokens, seq_ids)  # fmt: skip
+        else:
+            loss, stats, new_logprobs, entropy = self._policy_loss(
+                mb, normalizer, clip_high, norm_tokens, anchor, prefix, seq_ids
+            )
+        # DDP and FSDP average the gradients over ranks; the loss is already normalised by the
+        # whole batch's tokens, so scaling by the world size makes the average the batch's sum.
+        (loss * (weight * dist_util.world_size())).backward()
+        if weight == 0:
+            return torch.zeros(_SUMS, dtype=torch.float64), torch.full((2,), -math.inf)
+        n = stats["tokens"]
+        # the trainer's logprobs before the update against the generator's (behaviour)
+        rollout_mask = torch.zeros_like(mb.loss_mask) if sft else mb.loss_mask
+        mis = mismatch(new_logprobs, mb.old_logprobs, rollout_mask).cpu()
+        sums = torch.tensor(
+            [loss.item(), stats["clip_frac"] * n, stats["ratio_mean"] * n,
+             stats["approx_kl"] * n, stats["kl_ref"] * n,
+             float((entropy.detach() * mb.loss_mask).sum()), stats["is_clip_frac"] * n,
+             float(mis[0]), float(mis[1]), float(mis[2])],
+            dtype=torch.float64,
+        )  # fmt: skip
+        return sums, torch.stack([-mis[3], mis[4]]).to(torch.float64)
+
+    def _forward(
+        self, mb: Batch, temperature: float | None, entropy_grad: bool, prefix: int
+    ) -> tuple[Tensor, Tensor]:
+        """The policy's logprobs and entropies of ``mb`` with the graph, through the wrapper
+        that owns the gradient's collectives (FSDP's root gathers the weights, DDP's forward
+        arms the all-reduce), else the plain model."""
         cfg = self.config
         chunk = cfg.logprob_chunk_tokens
-        bonus = cfg.entropy_coef > 0  # the entropy needs a gradient only for the bonus
+        with _autocast(cfg):
+            if self.fsdp is not None:
+                return self.fsdp(mb, temperature, chunk, entropy_grad, prefix)
+            if self.ddp is not None:
+                return self.ddp(mb, temperature, chunk, entropy_grad, prefix)
+            return token_logprobs_and_entropy(self.model, mb, temperature, chunk, entropy_grad,
+                                              prefix)  # fmt: skip
+
+    def _policy_loss(
+        self, mb: Batch, normalizer: Tensor, clip_high: float, norm_tokens: int | None,
+        anchor: Tensor | None, prefix: int, seq_ids: Tensor | None,
+    ) -> tuple[Tensor, dict[str, float], Tensor, Tensor]:  # fmt: skip
+        """The RL loss of one micro-batch (:func:`learner.loss.policy_loss` with the config's
+        menu), its statistics, and the policy's logprobs and entropies it was taken on."""
+        cfg = self.config
         old, behaviour = mb.old_logprobs, None
         ref = None
         with torch.no_grad(), _autocast(cfg):
@@ -737,15 +807,8 @@ class Trainer:
                 old, behaviour = anchor, old
             if cfg.kl_coef > 0 and not cfg.kl_in_reward:  # (KL-in-reward took it before)
                 ref = self._reference_logprobs(mb, prefix)
-        with _autocast(cfg):
-            if self.fsdp is not None:  # through the root's forward: it gathers its weights
-                new_logprobs, entropy = self.fsdp(mb, cfg.temperature, chunk, bonus, prefix)
-            elif self.ddp is not None:  # through DDP's forward: it arms the gradient all-reduce
-                new_logprobs, entropy = self.ddp(mb, cfg.temperature, chunk, bonus, prefix)
-            else:
-                new_logprobs, entropy = token_logprobs_and_entropy(
-                    self.model, mb, cfg.temperature, chunk, bonus, prefix
-                )
+        # the entropy needs a gradient only for the bonus
+        new_logprobs, entropy = self._forward(mb, cfg.temperature, cfg.entropy_coef > 0, prefix)
         loss, stats = policy_loss(
             new_logprobs,
             old,
@@ -767,24 +830,9 @@ class Trainer:
             is_low=cfg.is_low,
             entropy=entropy,
             entropy_coef=cfg.entropy_coef,
-            seq_ids=_sequence_ids(mb),
+            seq_ids=seq_ids,
         )
-        # DDP and FSDP average the gradients over ranks; the loss is already normalised by the
-        # whole batch's tokens, so scaling by the world size makes the average the batch's sum.
-        (loss * (weight * dist_util.world_size())).backward()
-        if weight == 0:
-            return torch.zeros(_SUMS, dtype=torch.float64), torch.full((2,), -math.inf)
-        n = stats["tokens"]
-        # the trainer's logprobs before the update against the generator's (behaviour)
-        mis = mismatch(new_logprobs, mb.old_logprobs, mb.loss_mask).cpu()
-        sums = torch.tensor(
-            [loss.item(), stats["clip_frac"] * n, stats["ratio_mean"] * n,
-             stats["approx_kl"] * n, stats["kl_ref"] * n,
-             float((entropy.detach() * mb.loss_mask).sum()), stats["is_clip_frac"] * n,
-             float(mis[0]), float(mis[1]), float(mis[2])],
-            dtype=torch.float64,
-        )  # fmt: skip
-        return sums, torch.stack([-mis[3], mis[4]]).to(torch.float64)
+        return loss, stats, new_logprobs, entropy
 
 
 _SUMS = 10
