@@ -26,6 +26,15 @@ complete are still pending and are trained again (that step never happened). The
 episode twice in one batch (a duplicate published after Redis lost a dedup key) is trained
 once.
 
+Supervised fine-tuning (``learner.mode = "sft"``): the learner does not read ``trajectories``;
+each step takes the next ``learner.sft.examples_per_step`` positions of its data set's
+order (:mod:`learner.sft_data`: a function of the seed and the examples) and trains them
+with the token cross-entropy, then checkpoints, publishes and announces the version exactly
+as an RL step does. The ledger line of step N lists its examples' ids, which carry their
+positions, so a restarted learner continues at the position after the last one its ledger
+holds: every position is trained exactly once, in order, across crashes (a step that crashed
+before its weights were complete is cut from the ledger and taken again).
+
 Sharded runs (``queues.shards`` > 1): the learner consumes ``trajectories`` in every shard
 (one consumer name, ``learner-0``, in each, so a restart drains its own pending entries
 everywhere). ``weights`` and ``metrics`` are run-global, so a step's announcement and the
@@ -68,9 +77,10 @@ from streamrl.learner.checkpoint import (
     save_state_dict,
 )
 from streamrl.learner.lora import LoraExport, LoraSettings
-from streamrl.learner.train import StepStats, TrainConfig, Trainer, rng_state
+from streamrl.learner.sft_data import SFTData, load_sft_data, next_position
+from streamrl.learner.train import Mode, StepStats, TrainConfig, Trainer, rng_state
 from streamrl.learner.weights import latest_version, save_weights, version_dir
-from streamrl.models import resolve_model
+from streamrl.models import load_tokenizer, model_limits, resolve_model, vocab_size
 from streamrl.protocol import names as N
 from streamrl.protocol.admission import run_drained
 from streamrl.protocol.messages import (
@@ -182,10 +192,31 @@ def open_trainer(config: Config) -> tuple[Trainer, int, bool]:
     return trainer, version, state is not None
 
 
-def distributed_step(trainer: Trainer, trajectories: list[Trajectory]) -> StepStats:
+def distributed_step(
+    trainer: Trainer, trajectories: list[Trajectory], mode: Mode = "rl"
+) -> StepStats:
     """Rank 0's step: send the groups to the other ranks (a no-op alone), then step."""
     dist_util.broadcast_payloads([encode(t) for t in trajectories])
-    return trainer.step(trajectories)
+    return trainer.step(trajectories, mode=mode)
+
+
+def open_sft_data(config: Config) -> SFTData:
+    """The examples of ``learner.sft`` rendered with the model's tokenizer: ids within its
+    vocabulary, at most ``max_tokens`` (default: its positions) each. Raises
+    :class:`learner.sft_data.RowError` naming the first bad row (unless ``skip_bad_rows``)."""
+    cfg = config.learner.sft
+    model_dir = resolve_model(config.model.spec)
+    positions = model_limits(config.model.spec)[1]
+    data = load_sft_data(
+        cfg.data, load_tokenizer(model_dir), vocab=vocab_size(model_dir),
+        max_tokens=min(cfg.max_tokens or positions, positions), split=cfg.split,
+        seed=config.run.seed * 1_000_003 + cfg.seed, skip_bad_rows=cfg.skip_bad_rows,
+    )  # fmt: skip
+    for why in data.refused:
+        log.warning("sft row left out", reason=why[:500])
+    log.info("sft data", data=cfg.data, examples=len(data.examples), refused=len(data.refused),
+             fingerprint=data.fingerprint)  # fmt: skip
+    return data
 
 
 def follow(config: Config) -> int:
@@ -198,7 +229,7 @@ def follow(config: Config) -> int:
     optimizer = trainer.optimizer if config.learner.checkpoint_optimizer else None
     steps = 0
     while payloads := dist_util.broadcast_payloads(None):
-        stats = trainer.step([decode(p, Trajectory) for p in payloads])
+        stats = trainer.step([decode(p, Trajectory) for p in payloads], mode=config.learner.mode)
         if stats.skipped and not config.learner.step_without_signal:
             continue  # no signal: rank 0 publishes nothing, so takes no snapshot either
         if snapshot is not None:
@@ -221,6 +252,9 @@ class Learner:
         self.base_dir = resolve_model(ctx.config.model.spec)
         self.trainer, self.version, self.resumed_optimizer = open_trainer(ctx.config)
         self.ledger = Ledger.open(self.root, self.version)
+        self.sft = open_sft_data(ctx.config) if self.cfg.mode == "sft" else None
+        self.sft_position = next_position(self.ledger.consumed, self.sft) if self.sft else 0
+        """The first position of the SFT data set's order not trained yet."""
         self.dropped_stale = 0
         self.snapshot: Snapshot | fsdp.ShardedSnapshot | None = None
         self.collecting = self.version
@@ -281,10 +315,15 @@ class Learner:
         task_status.started()
         log.info(
             "learner ready",
+            mode=self.cfg.mode,
             policy_version=self.version,
             trained_groups=len(self.ledger.consumed),
             resumed_optimizer=self.resumed_optimizer,
+            **({"sft_position": self.sft_position} if self.sft else {}),
         )
+        if self.sft is not None:
+            await self._train_sft(self.sft)
+            return
         # Step N+1 runs while step N's checkpoint is written and announced (from a snapshot
         # of the weights); at most one step is being published at a time, in order. The
         # groups of step N+1 are collected while step N trains (``_prefetch``).
@@ -320,12 +359,37 @@ class Learner:
                 self.version += 1
                 published = trio.Event()
                 nursery.start_soon(
-                    self._publish_step, batch, stats, waited, self.version, state, published
+                    self._publish_step, [h.message for h in batch], [h.entry_id for h in batch],
+                    stats, waited, self.version, state, published,
                 )
 
+    async def _train_sft(self, data: SFTData) -> None:
+        """Take a step on each next ``examples_per_step`` positions of the SFT data set,
+        publishing each step while the next one trains, until ``max_steps``. A step that
+        raises stops the learner (the rows were checked at start: it is our failure); its
+        restart takes the same positions again."""
+        published = trio.Event()
+        published.set()
+        n = self.cfg.sft.examples_per_step
+        async with trio.open_nursery() as nursery:
+            while not self.cfg.max_steps or self.version < self.cfg.max_steps:
+                examples = data.trajectories(self.sft_position, n, self.version)
+                stats = await self._step(examples)
+                self.sft_position += n
+                await published.wait()  # the shadow model is free again
+                state = await trio.to_thread.run_sync(self._snapshot)
+                self.version += 1
+                published = trio.Event()
+                nursery.start_soon(self._publish_step, examples, [], stats, 0.0, self.version,
+                                   state, published)  # fmt: skip
+
     async def _step(self, trajectories: list[Trajectory]) -> StepStats:
-        step = distributed_step if self.distributed else Trainer.step
-        return await self._watched(partial(step, self.trainer, trajectories), len(trajectories))
+        mode = self.cfg.mode
+        if self.distributed:
+            work = partial(distributed_step, self.trainer, trajectories, mode)
+        else:
+            work = partial(self.trainer.step, trajectories, mode=mode)
+        return await self._watched(work, len(trajectories))
 
     @property
     def probe(self) -> Callable[[Trajectory], Awaitable[None]] | None:
@@ -484,20 +548,22 @@ class Learner:
 
     async def _publish_step(
         self,
-        batch: Batch,
+        trajectories: list[Trajectory],
+        entry_ids: list[str],
         stats: StepStats,
         waited: float,
         version: int,
         state: dict[str, Any] | None,
         done: trio.Event,
     ) -> None:
+        """Checkpoint, announce and acknowledge one step: its groups (``entry_ids``: their
+        entries in ``trajectories``; none for SFT examples)."""
         record = StepRecord(
             version=version,
-            episode_ids=[h.message.episode_id for h in batch],
-            trajectory_ids=[h.message.id for h in batch],
-            entry_ids=[h.entry_id for h in batch],
+            episode_ids=[t.episode_id for t in trajectories],
+            trajectory_ids=[t.id for t in trajectories],
+            entry_ids=entry_ids,
         )
-        trajectories = [h.message for h in batch]
         staleness = [self.staleness.staleness(t, version - 1) for t in trajectories]
         metrics = StepMetrics(
             id=new_id(),
@@ -507,7 +573,7 @@ class Learner:
             loss=stats.loss,
             grad_norm=stats.grad_norm,
             reward_mean=stats.reward_mean,
-            groups=len(batch),
+            groups=len(trajectories),
             samples=sum(len(t.rewards) for t in trajectories),
             tokens=stats.tokens,
             dropped_stale=self.dropped_stale,

@@ -686,7 +686,39 @@ class LoraConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True)
                 "client does not call /load_lora_adapter); use 'merged'")
 
 
+class SFTConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[learner.sft]``: the data set of ``learner.mode = "sft"`` (learner/sft_data.py; the
+    row formats in docs/learner.md)."""
+
+    data: str = ""
+    """A ``.jsonl`` (gzip-compressed or not) or ``.parquet`` file, a directory of them, or a
+    ``datasets`` data set saved with ``save_to_disk``; ``package:<name>/<path>``: a file an
+    installed package ships. Rows: chat rows (OpenAI messages with tool calls, rendered with
+    the model's chat template; assistant tokens trained) or token rows (``streamrl replay
+    export --sft``)."""
+    split: str = ""
+    """The split of a saved ``datasets`` DatasetDict (empty: the data set is not a dict)."""
+    examples_per_step: PosInt = 8
+    """Examples per learner step (one published weight version)."""
+    max_tokens: NonNegInt = 0
+    """Refuse examples of more tokens, prompt included (0: the model's maximum positions)."""
+    skip_bad_rows: bool = False
+    """Leave out (and log) the rows that cannot be rendered or do not fit; false: the first
+    such row stops the learner at start, named (file and row)."""
+    seed: int = 0
+    """Order of the examples: one permutation per pass over the data set from this seed and
+    run.seed."""
+
+
 class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    mode: Literal["rl", "sft"] = "rl"
+    """What the learner trains: "rl", the policy loss (objective) on the verified groups of
+    the trajectories stream; "sft", the token cross-entropy on the assistant tokens of the
+    examples of [learner.sft], in order, examples_per_step a step (the trajectories stream is
+    not read). Both take the same steps otherwise: packing, micro-batches, FSDP2, LoRA,
+    checkpoints and published versions (docs/learner.md)."""
+    sft: SFTConfig = msgspec.field(default_factory=SFTConfig)
+    """The supervised data set of mode = "sft"."""
     groups_per_step: PosInt = 4
     """Verified groups per step (one published weight version)."""
     updates_per_step: PosInt = 1
@@ -824,6 +856,8 @@ class LearnerConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     another rank skipped waits for ever, and this is how it shows. 0: off."""
 
     def __post_init__(self) -> None:
+        if self.mode == "sft" and not self.sft.data:
+            raise ValueError("learner.mode = 'sft' needs learner.sft.data")
         steps = self.lr_decay_steps or self.max_steps * self.updates_per_step
         if self.lr_decay == "cosine" and steps <= self.warmup_steps:
             raise ValueError("learner.lr_decay = 'cosine' needs lr_decay_steps (or max_steps) "
