@@ -62,6 +62,10 @@ def add_ops_parsers(sub: Any, common: Callable[[argparse.ArgumentParser], None])
     replay.add_argument("--step", type=int, help="retrain: the recorded step to reproduce")
     replay.add_argument("--jsonl", help="export: JSONL path")
     replay.add_argument("--parquet", help="export: Parquet path")
+    replay.add_argument("--sft", help="export: SFT data set path (JSONL token rows of the "
+                        "training samples with reward >= --sft-min-reward)")
+    replay.add_argument("--sft-min-reward", type=float,
+                        help="export --sft: a sample's own reward at least")
     replay.add_argument("--json", action="store_true")
     common(replay)
 

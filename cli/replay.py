@@ -19,7 +19,9 @@ rescore, retrain or export them.
   training config; loss and gradient norm are compared with the step's recorded metrics.
   Both are computed before the optimiser step, so the optimiser state does not matter;
 - ``export``: JSONL (one decoded trajectory per line, token arrays as lists) and Parquet
-  (the archive's columns).
+  (the archive's columns); ``--sft FILE --sft-min-reward X``: rejection sampling / expert
+  iteration, every sample of a selected training group whose own reward is at least X, as a
+  token row of an SFT data set (:func:`sft_rows`; ``learner.mode = "sft"`` trains on it).
 Reads only; never acknowledges or changes a stream. On a sharded run (``queues.shards``)
 the live streams of every shard are read; their entry ids are shown shard-qualified
 (``<shard>:<entry id>``, as the archive stores them) and ``--from-id``/``--to-id`` bound the
@@ -32,7 +34,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,7 @@ from streamrl.protocol.messages import (
     Trajectory,
     bytes_to_floats,
     bytes_to_ids,
+    training_task,
 )
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import MessageError, decode
@@ -415,6 +418,39 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
 
 
+def sft_rows(found: Iterable[Found], min_reward: float) -> Iterator[dict[str, Any]]:
+    """The samples of training groups whose own reward is at least ``min_reward``, as token
+    rows of an SFT data set (:mod:`learner.sft_data`): the prompt and the completion exactly
+    as the policy saw and sampled them, with the completion's mask (a multi-turn episode's
+    observations 0). Left out: held-out groups (evaluation), groups the verifier did not
+    judge, and samples cut at their token limit (they would teach the model not to stop)."""
+    for f in found:
+        t = f.trajectory
+        if f.unjudged or training_task(t) is None:
+            continue
+        prompt = bytes_to_ids(t.rollout.prompt_ids).tolist()
+        for i, (sample, reward) in enumerate(zip(t.rollout.samples, t.rewards, strict=True)):
+            if reward < min_reward or sample.finish_reason == "length":
+                continue
+            tokens = bytes_to_ids(sample.tokens).tolist()
+            yield {
+                "id": f"{t.id}-{i}", "prompt_ids": prompt, "completion_ids": tokens,
+                "mask": list(sample.mask) if sample.mask else [1] * len(tokens),
+                "reward": reward, "domain": t.rollout.task.domain,
+                "item_id": t.rollout.task.item_id, "episode_id": t.episode_id,
+                "weight_version": sample.weight_version,
+            }  # fmt: skip
+
+
+def export_sft(found: list[Found], path: Path, min_reward: float) -> int:
+    """:func:`sft_rows` of ``found`` as JSONL at ``path``; how many rows."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = list(sft_rows(found, min_reward))
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return len(rows)
+
+
 def export(found: list[Found], jsonl: Path | None, parquet: Path | None) -> None:
     if jsonl is not None:
         jsonl.parent.mkdir(parents=True, exist_ok=True)
@@ -451,6 +487,8 @@ async def run_replay(
     live = client if args.source in ("live", "both") else None
     use_archive = archive if args.source in ("archive", "both") else None
     query = query_from_args(args)
+    if args.action == "export" and args.sft:
+        query = replace(query, streams=(N.TRAJECTORIES,))  # never a held-out group
     if args.action == "retrain":
         if args.step is None:
             print("streamrl replay retrain: --step N is required", file=sys.stderr)
@@ -484,9 +522,21 @@ async def run_replay(
         print(f"{len(changes)} of {scored} rewards changed in {len(found)} groups")
         return 0
     if args.action == "export":
-        if not args.jsonl and not args.parquet:
-            print("streamrl replay export: give --jsonl and/or --parquet", file=sys.stderr)
+        sft = args.sft
+        if not args.jsonl and not args.parquet and not sft:
+            print("streamrl replay export: give --jsonl, --parquet and/or --sft",
+                  file=sys.stderr)
             return 2
+        if sft:
+            if args.sft_min_reward is None:
+                print("streamrl replay export --sft: give --sft-min-reward (a sample's own "
+                      "reward at least)", file=sys.stderr)
+                return 2
+            written = export_sft(found, Path(sft), args.sft_min_reward)
+            print(f"exported {written} SFT rows (samples with reward >= {args.sft_min_reward:g}) "
+                  f"from {len(found)} trajectories")
+            if not args.jsonl and not args.parquet:
+                return 0
         export(found, Path(args.jsonl) if args.jsonl else None,
                Path(args.parquet) if args.parquet else None)
         print(f"exported {len(found)} trajectories")
