@@ -129,7 +129,8 @@ _SYSTEM_FILES = (
     "tests/compose/test_compose.py", "tests/sandbox/test_docker",
     "tests/learner/test_distributed.py", "tests/learner/test_fsdp.py",
     "tests/learner/test_gpu_check.py",
-    "tests/inference/test_engine_contract.py", "tests/inference/test_serve_model_signals.py",
+    "tests/inference/test_engine_contract.py", "tests/inference/test_vllm_restart.py",
+    "tests/inference/test_serve_model_signals.py",
     "tests/inference/test_server_resilience.py", "tests/inference/test_sglang_contract.py",
     "tests/inference/test_sglang_client.py", "tests/inference/test_weight_sync.py",
     "tests/inference/test_weight_broadcast.py", "tests/inference/test_learner_broadcast.py",
@@ -156,15 +157,17 @@ def tier_of(path: str, item: pytest.Item) -> str:
     return "unit"
 
 
-# -- parallel runs (pytest-xdist, `make test`: -n 2 --dist loadgroup) ----------------------
+# -- parallel runs (pytest-xdist, `make test`: --dist loadgroup) -------------------------
 # Tests that share one engine or port run on one worker, one after another: everything that
 # drives the Docker engine (a sandbox's reaper removes ended containers of other owners, the
 # compose test counts the engine's containers), everything on the session's Redis Cluster
-# (one cluster per worker otherwise, three servers each), the fixed metrics ports, and the
-# vLLM tests (one server for the contract suite; the others each start their own, so two at
-# once would halve the cores of each). Every other file is a group of its own: its module-scoped
-# fixtures (a trained model, torchrun ranks, a server) are then built once, not on each worker
-# that got some of its tests (they were, twice, for 15-70 s each).
+# in the parallel part (one cluster per worker otherwise, three servers each), and the fixed
+# metrics ports. Every other file is a group of its own: its module-scoped fixtures (a
+# trained model, torchrun ranks, a server) are then built once, not on each worker that got
+# some of its tests (they were, twice, for 15-70 s each). In the serial part (four workers)
+# each chaos file and each vLLM file is a group of its own: the chaos tests kill on the
+# pipeline's events, not on a clock, and use about 0.7 of a core each, so they and the vLLM
+# server starts overlap (a chain of them on one worker was the serial part's whole length).
 _GROUPS = {
     "docker": (
         "tests/actors/test_executor.py", "tests/actors/test_group_dropped_whole.py",
@@ -172,15 +175,11 @@ _GROUPS = {
     ),
     "cluster": (
         "tests/actors/test_learner_sharded.py", "tests/actors/test_scheduler_sharded.py",
-        "tests/chaos/", "tests/ops/test_admin_role.py", "tests/ops/test_sharded_ops.py",
+        "tests/ops/test_admin_role.py", "tests/ops/test_sharded_ops.py",
         "tests/queues/test_acl.py", "tests/queues/test_cluster.py",
         "tests/queues/test_shard_admission.py", "tests/test_end_to_end_sharded.py",
     ),
     "ports": ("tests/ops/test_metrics.py",),
-    "vllm": (
-        "tests/inference/test_engine_contract.py", "tests/inference/test_serve_vllm.py",
-        "tests/inference/test_up_vllm.py",
-    ),
 }
 
 
