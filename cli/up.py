@@ -81,7 +81,21 @@ CRASH_LOOP_EXITS = 5
 CRASH_LOOP_S = 60.0
 """A child that exits this many times in a row, each within this many seconds of starting,
 is not started again and ``streamrl up`` ends with an error (a bad checkpoint, config or
-environment), rather than restarting it for the rest of the run."""
+environment), rather than restarting it for the rest of the run (the defaults of
+``up.crash_loop_exits`` and ``up.crash_loop_s``)."""
+
+
+@dataclass(frozen=True)
+class CrashLoop:
+    """When restarting a child stops: ``exits`` in a row, each within ``within_s`` of its
+    start (``up.crash_loop_exits``, ``up.crash_loop_s``)."""
+
+    exits: int = CRASH_LOOP_EXITS
+    within_s: float = CRASH_LOOP_S
+
+    @classmethod
+    def of(cls, config: Config) -> CrashLoop:
+        return cls(config.up.crash_loop_exits, config.up.crash_loop_s)
 
 RESTART_BACKOFF = Backoff(first_s=1.0, max_s=30.0)
 """The wait before restarting a child that died (the n-th exit in a row within
@@ -103,6 +117,7 @@ class Child:
     """Why this child is no longer restarted (a crash loop); empty while it is kept up."""
     pass_fds: tuple[int, ...] = ()  # the lifeline's read end (runtime/lifeline.py)
     backoff: Backoff = RESTART_BACKOFF
+    crash_loop: CrashLoop = CrashLoop()
     nice: int = 0
     """Its nice value (``up.decode_nice`` for the decoding processes): its own and its
     session's (runtime/priority.py)."""
@@ -116,9 +131,9 @@ class Child:
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Keep the process running (restart after a backoff when it dies) until stopped,
         until it exits 0 (``finished``: done with its work), or until it has died
-        ``CRASH_LOOP_EXITS`` times in a row soon after starting (``gave_up``)."""
+        ``crash_loop.exits`` times in a row soon after starting (``gave_up``)."""
         started = False
-        restarts = Retrying(self.backoff)  # its failures: exits in a row within CRASH_LOOP_S
+        restarts = Retrying(self.backoff)  # its failures: exits in a row, each soon after start
         while not self.stopping:
             with self.log_path.open("ab") as logf:
                 self.process = await trio.lowlevel.open_process(
@@ -144,13 +159,13 @@ class Child:
                 self.finished = True
                 log.info("actor finished", actor=self.name, log=str(self.log_path))
                 return
-            if time.monotonic() - born >= CRASH_LOOP_S:
+            if time.monotonic() - born >= self.crash_loop.within_s:
                 restarts.reset()  # it ran: a new failure, not a crash loop
             delay = restarts.failed()
-            if restarts.failures >= CRASH_LOOP_EXITS:  # it cannot start: restarting won't help
+            if restarts.failures >= self.crash_loop.exits:  # it cannot start: restarting won't help
                 self.gave_up = (
                     f"{self.name} exited {restarts.failures} times in a row within "
-                    f"{CRASH_LOOP_S:.0f} s of starting (last exit code {code}); "
+                    f"{self.crash_loop.within_s:.0f} s of starting (last exit code {code}); "
                     f"its log: {self.log_path}"
                 )
                 log.error("actor crash loop, not restarted", actor=self.name, code=code,
@@ -225,7 +240,8 @@ def _serve_models(config: Config) -> tuple[Config, list[Child]]:
 
     servers = [
         Child(name, i, argv(port), env, run_dir / "logs" / f"{name}-{i}.log",
-              health_url=url + "/health", nice=config.up.decode_nice)
+              health_url=url + "/health", nice=config.up.decode_nice,
+              crash_loop=CrashLoop.of(config))
         for i, (port, url) in enumerate(zip(ports, urls, strict=True))
     ]
     generator = msgspec.structs.replace(config.generator, engine="vllm" if vllm else "sglang",
@@ -281,7 +297,7 @@ def _child(config: Config, config_file: Path, credentials: Mapping[str, Credenti
     log_path = config.run.path / "logs" / f"{actor}-{index}.log"
     env = child_environment(config, os.environ, actor, config.run.redis_url, credentials)
     decodes = actor == "generator" and config.generator.engine == "transformers"
-    return Child(actor, index, argv, env, log_path,
+    return Child(actor, index, argv, env, log_path, crash_loop=CrashLoop.of(config),
                  nice=config.up.decode_nice if decodes else 0)
 
 
@@ -411,32 +427,34 @@ async def _open_redis(config: Config) -> AsyncIterator[str]:
             print(f"streamrl: embedded Redis ({binary}{allocator}) on 127.0.0.1:{server.port} "
                   "(AOF, password)", flush=True)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_serve_embedded, server)
+                nursery.start_soon(_serve_embedded, server, RESTART_BACKOFF,
+                                   CrashLoop.of(config))
                 yield server.url
                 nursery.cancel_scope.cancel()
         finally:
             server.stop()
 
 
-async def _serve_embedded(server: ServerProcess, backoff: Backoff = RESTART_BACKOFF) -> None:
+async def _serve_embedded(server: ServerProcess, backoff: Backoff = RESTART_BACKOFF,
+                          crash_loop: CrashLoop = CrashLoop()) -> None:
     """Whenever the embedded server exits (killed, crashed), start it again on its own data
     with the same port and password, after the children's backoff: the actors ride it out on
     their reconnect policy, and what the AOF holds (all but about the last second of writes)
-    is kept. A server that exits ``CRASH_LOOP_EXITS`` times in a row, each within
-    ``CRASH_LOOP_S`` of starting, ends the run (SystemExit naming its log)."""
+    is kept. A server that exits ``crash_loop.exits`` times in a row, each within
+    ``crash_loop.within_s`` of starting, ends the run (SystemExit naming its log)."""
     restarts = Retrying(backoff)
     while True:
         process = server.process
         assert process is not None
         born = time.monotonic()
         code = await trio.to_thread.run_sync(process.wait, abandon_on_cancel=True)
-        if time.monotonic() - born >= CRASH_LOOP_S:
+        if time.monotonic() - born >= crash_loop.within_s:
             restarts.reset()  # it ran: a new failure, not a crash loop
         delay = restarts.failed()
         log_file = server.data_dir / "server.log"
-        if restarts.failures >= CRASH_LOOP_EXITS:
+        if restarts.failures >= crash_loop.exits:
             raise SystemExit(f"streamrl up: the embedded Redis exited {restarts.failures} "
-                             f"times in a row within {CRASH_LOOP_S:.0f} s of starting (last "
+                             f"times in a row within {crash_loop.within_s:.0f} s of starting (last "
                              f"exit code {code}); its log: {log_file}")
         log.warning("embedded redis exited, restarting", code=code, log=str(log_file))
         print(f"streamrl: embedded Redis exited (code {code}); restarting it on its data in "

@@ -887,6 +887,13 @@ class UpConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     decodes faster: benchmarks/engines.py)."""
     progress_interval_s: PosFloat = 10.0
     """How often ``up`` prints a progress line (policy version, reward, queues)."""
+    crash_loop_exits: Annotated[int, Meta(ge=1)] = 5
+    """A child (an actor, a model server, the embedded Redis) that exits this many times in
+    a row, each within ``crash_loop_s`` of starting, is not started again and ``up`` ends
+    with an error naming its log (a bad checkpoint, config or environment), instead of
+    restarting it for the rest of the run. Restarts wait 1, 2, 4 ... s (up to 30, jittered)."""
+    crash_loop_s: PosFloat = 60.0
+    """An exit this long after its start or later counts as a new failure, not a crash loop."""
     decode_nice: Annotated[int, Meta(ge=0, le=19)] = 0
     """Nice value of the processes that decode: the generators (in-process engine), or the
     serve-model processes with ``serve_models`` > 0; their sessions' too, which is what
