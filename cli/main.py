@@ -4,6 +4,7 @@
     streamrl run {scheduler,generator,executor,verifier,learner} --config FILE
     streamrl status --config FILE [--json] [--watch] [--top N | --all]
     streamrl dlq|replay|report|domains ... (see cli/ops.py)
+    streamrl coldstart --config FILE --out ROWS.jsonl [--domain repo] [--episodes N]
     streamrl acl apply --config FILE
     streamrl serve-model --model tiny|smollm2|DIR --port P [--host 127.0.0.1]
     streamrl serve-vllm --model tiny|smollm2|DIR --port P [--host 127.0.0.1]
@@ -25,6 +26,7 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
+from streamrl.cli.coldstart import add_coldstart_parser, run_coldstart
 from streamrl.cli.ops import OPS_COMMANDS, add_ops_parsers, open_run_redis, run_ops_command
 from streamrl.config.schema import ENV_REDIS_URL, Config, ConfigError, load_config, to_dict
 from streamrl.queues.client import RedisURL
@@ -184,6 +186,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="domains shown: the N with the largest backlog, then failures")
     status.add_argument("--all", action="store_true", help="show every domain")
     add_ops_parsers(sub, common)
+    add_coldstart_parser(sub, common)
     show = sub.add_parser("config", help="print the merged config as JSON")
     common(show)
     sub.add_parser("config-doc", help="print the configuration reference (docs/configuration.md)")
@@ -277,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in OPS_COMMANDS:
         configure_logging(actor=args.command, level="warning")
         return run_ops_command(args, config)
+    if args.command == "coldstart":
+        configure_logging(actor="coldstart", level="warning")
+        return run_coldstart(args, config)
     if args.command == "acl":
         return trio.run(apply_acl, config)
     if args.command == "up":
