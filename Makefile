@@ -40,7 +40,7 @@ demo: venv
 # first two (a few minutes), `make test` all four. PYTEST_ARGS adds options to every run.
 test: venv vllm
 	$(BIN)/pytest -q --durations=25 -n 3 --dist loadgroup -m "not serial" $(PYTEST_ARGS)
-	$(BIN)/pytest -q --durations=10 -n 4 --dist loadgroup -m serial $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=10 -n 2 --dist loadgroup -m serial $(PYTEST_ARGS)
 
 test-quick: venv
 	$(BIN)/pytest -q --durations=10 -n 3 --dist loadgroup -m "unit or integration" $(PYTEST_ARGS)

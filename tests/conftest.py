@@ -164,10 +164,9 @@ def tier_of(path: str, item: pytest.Item) -> str:
 # in the parallel part (one cluster per worker otherwise, three servers each), and the fixed
 # metrics ports. Every other file is a group of its own: its module-scoped fixtures (a
 # trained model, torchrun ranks, a server) are then built once, not on each worker that got
-# some of its tests (they were, twice, for 15-70 s each). In the serial part (four workers)
-# each chaos file and each vLLM file is a group of its own: the chaos tests kill on the
-# pipeline's events, not on a clock, and use about 0.7 of a core each, so they and the vLLM
-# server starts overlap (a chain of them on one worker was the serial part's whole length).
+# some of its tests (they were, twice, for 15-70 s each). In the serial part each chaos file
+# and each vLLM file is a group of its own, so the two workers share them out as they free
+# up (a chain of all the vLLM tests on one worker was the serial part's whole length).
 _GROUPS = {
     "docker": (
         "tests/actors/test_executor.py", "tests/actors/test_group_dropped_whole.py",
