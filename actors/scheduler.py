@@ -17,6 +17,8 @@ Admission guarantees:
   the learner's first step does not wait for the whole first round (a scheduler restarted
   during a round counts that round's tasks as backlog);
 - limit: at most ``max_train_groups`` training groups per run (0: no limit);
+- supervised runs: none while ``learner.mode = "sft"`` (the learner trains on its data set;
+  the held-out rounds go on, so the run is evaluated as it learns);
 - the staleness and limit bounds are exact: tasks and the counter move together in one
   compare-and-set script, which adds nothing when replayed or when the counter has moved;
   each count in D is written by the atomic hand-off that causes it, under its dedup key
@@ -379,6 +381,9 @@ class Scheduler:
         admitted = state.admitted
         if state.stopped:
             self.blocked = "stopped"
+            return 0, admitted
+        if c.config.learner.mode == "sft":  # it trains on its data set: held-out rounds only
+            self.blocked = "sft"
             return 0, admitted
         by_staleness = staleness_room(state, version, c.staleness())
         limit = self.cfg.max_train_groups

@@ -52,8 +52,9 @@ except ImportError:  # pragma: no cover - exercised only without the dependency
 
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16)
 REWARD_BUCKETS = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
-BLOCKED_REASONS = ("staleness", "limit", "backlog", "stopped")
-"""Why admission is at zero (:func:`record_admission`), one gauge series each."""
+BLOCKED_REASONS = ("staleness", "limit", "backlog", "stopped", "sft")
+"""Why admission is at zero (:func:`record_admission`), one gauge series each ("sft": the
+learner trains on its data set, ``learner.mode = "sft"``, and takes no training groups)."""
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
