@@ -74,6 +74,15 @@ class Recording:
         return out  # type: ignore[no-any-return]
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 @pytest.fixture
 def agent_domains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """Two declared domains over the same repository task: the agent with the fix, and the
@@ -200,9 +209,9 @@ async def test_an_agent_past_its_wall_clock_is_killed_and_scores_zero(
 ) -> None:
     agents, _ = runner
     write_rows(tmp_path / "data")
-    marker = tmp_path / "still-running"
+    marker, pid_file = tmp_path / "still-running", tmp_path / "slow.pid"
     tables = {"agent_slow_test": table(tmp_path / "data", agent=AgentConfig(
-        command=["sh", "-c", f"sleep 5; touch {marker}"], timeout_s=1)),
+        command=["sh", "-c", f"echo $$ >> {pid_file}; sleep 5; touch {marker}"], timeout_s=1)),
               "agent_crash_test": table(tmp_path / "data", agent=AgentConfig(
                   command=["sh", "-c", "(sleep 37; touch marker) & exit 3"]))}
     monkeypatch.delenv(ENV, raising=False)
@@ -226,8 +235,11 @@ async def test_an_agent_past_its_wall_clock_is_killed_and_scores_zero(
                 assert not agents.sessions._sessions  # every endpoint session dropped
                 # nothing the agent started outlives it
                 assert not [d for d in descendants() if "sleep" in d.cmdline]
-        await trio.sleep(5)
-        assert not marker.exists()  # the killed agent did not go on
+        # the killed agents' shells, which would have touched the marker after their sleep,
+        # are gone: the killed agent cannot go on
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert pids and not [p for p in pids if _alive(p)], pids
+        assert not marker.exists()
     finally:
         await sandboxes.aclose()
         for name in tables:

@@ -154,7 +154,8 @@ async def test_replayed_verifier_handoffs_count_once_and_admission_stays_in_boun
                     nursery.cancel_scope.cancel()
         finally:
             replaying.close()
-        await trio.sleep(0.1)
+        taken = len(samples)  # and the watcher samples what is left after both replicas
+        await wait_until(lambda: len(samples) >= taken + 2, 10, what="no sample taken after")
         watch.cancel_scope.cancel()
 
     # Then at no sample did admission pass the exact bound (D: the 2 skipped groups)

@@ -49,7 +49,7 @@ async def _scheduler_saw(client: RedisClient, names: N.Names, version: int) -> N
             for t in await _tasks(client, names)
         )
 
-    await wait_until(saw, timeout=30)
+    await wait_until(saw, timeout=30, what=f"the scheduler did not act on version {version}")
 
 
 async def _step(client: RedisClient, names: N.Names, version: int) -> None:
@@ -60,12 +60,11 @@ async def _step(client: RedisClient, names: N.Names, version: int) -> None:
         weight_versions=version - 1, policy_version=version - 1,
     )
     await Producer(client, names).publish(N.TRAJECTORIES, [encode(g)])
-    with trio.fail_after(60):
-        while True:
-            rows = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
-            if any(decode(f[b"d"], WeightsPublished).version == version for _, f in rows):
-                return
-            await trio.sleep(0.05)
+    async def announced() -> bool:
+        rows = await client.call(client.sync.xrange, names.stream(N.WEIGHTS))
+        return any(decode(f[b"d"], WeightsPublished).version == version for _, f in rows)
+
+    await wait_until(announced, 60, what=f"the learner did not announce version {version}")
 
 
 @pytest.mark.system
@@ -106,8 +105,7 @@ async def test_eval_rounds_at_zero_and_every_k_versions_across_a_restart(
         # When the scheduler is restarted at version 4 (the round of version 3 was already
         # published): no round at its start ...
         async with trio.open_nursery() as nursery:
-            await nursery.start(Scheduler(ctx).serve)
-            await trio.sleep(0.5)  # a few of its reads
+            await nursery.start(Scheduler(ctx).serve)  # started: its start-up check is done
             assert await _rounds(client, names) == expected
             # ... and the cadence goes on from the last round: 6, then 9
             for v in range(5, 10):

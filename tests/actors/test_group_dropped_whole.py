@@ -32,9 +32,8 @@ from streamrl.protocol.messages import (
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.streams import FIELD, Producer
-from streamrl.runtime.context import ActorContext
 from streamrl.testing.wait import wait_until
-from tests.helpers import run_config
+from tests.helpers import WatchedContext, more_calls, run_config
 
 
 def _train_rollout(domain: str, text: str) -> Rollout:
@@ -85,7 +84,7 @@ async def test_group_whose_sandbox_stays_unavailable_is_dropped_whole(
         "queues.heartbeat_interval_s=0.3",
         "queues.block_ms=100",
     )
-    ctx = ActorContext(config, client, names)
+    ctx = WatchedContext(config, client, names)
     broken = _train_rollout("code", "```python\ndef f(*a):\n    return 0\n```")
     healthy = _train_rollout("arith", "```python\nprint(1)\n```")
     await Producer(client, names).publish_counted(  # both admitted (the admission record)
@@ -106,7 +105,7 @@ async def test_group_whose_sandbox_stays_unavailable_is_dropped_whole(
             await nursery.start(executor_serve, ctx)
             await nursery.start(verifier_serve, ctx)
             await wait_until(both_out, timeout=45, interval=0.1)
-            await trio.sleep(1.0)  # a few more reclaims: nothing comes back
+            await more_calls(ctx, N.ROLLOUTS, 3, "reclaim_calls")  # nothing comes back
             nursery.cancel_scope.cancel()
 
     # Then it was dead-lettered once, after max_deliveries (2) deliveries and one more,

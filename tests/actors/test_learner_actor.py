@@ -24,7 +24,7 @@ from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
 from streamrl.testing.wait import wait_until
-from tests.helpers import run_config
+from tests.helpers import WatchedContext, more_calls, run_config
 
 
 def _config(tmp_path: Path, redis_url: str, run: str, extra: tuple[str, ...] = ()) -> Config:
@@ -153,21 +153,22 @@ async def test_last_part_filled_step_is_trained_once_nothing_more_can_come(
     await apply_acls(client, names, {"learner": user})
     learner_client = RedisClient(role_url(client.url.url, user))
 
+    ctx = WatchedContext(config, learner_client, names)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(serve, ActorContext(config, learner_client, names))
+        nursery.start_soon(serve, ctx)
         # When step 1 took two groups: the third waits while upstream still holds work
         metrics_key = names.stream(N.METRICS)
         await wait_until(
             lambda: client.call(client.sync.xlen, metrics_key), timeout=120, interval=0.1
         )
-        await trio.sleep(1.0)  # several empty reads (block_ms=200)
+        await more_calls(ctx, N.TRAJECTORIES, 4)  # empty reads, each with its upstream check
         assert await client.call(client.sync.xlen, metrics_key) == 1
         # and once upstream is drained (an executor took that sample and settled it)
         key, group = names.stream(N.ROLLOUTS), N.GROUP_OF_STREAM[N.ROLLOUTS]
         [(_, [(entry_id, _)])] = await client.call(
             client.sync.xreadgroup, group, "executor-x", {key: ">"}, count=1
         )
-        await trio.sleep(1.0)  # in progress: still not drained
+        await more_calls(ctx, N.TRAJECTORIES, 4)  # in progress: still not drained
         assert await client.call(client.sync.xlen, metrics_key) == 1
         await client.call(client.sync.xack, key, group, entry_id)
         # Then the learner trains the last group alone, and stops (max_steps=2)
@@ -199,9 +200,10 @@ async def test_groups_pending_on_the_learner_but_never_received_are_taken_back(
         N.TRAJECTORIES, [_group(0, [0.0, 1.0]), _group(0, [1.0, 0.0])]
     )
     [(_, entries)] = await client.call(client.sync.xreadgroup, group, "ghost", {key: ">"})
+    ctx = WatchedContext(config, client, names)
     async with trio.open_nursery() as nursery:
-        await nursery.start(serve, ActorContext(config, client, names))
-        await trio.sleep(1.0)  # the learner is up, reading: nothing new for it
+        await nursery.start(serve, ctx)
+        await more_calls(ctx, N.TRAJECTORIES, 2)  # the learner is up, reading: nothing new
         ids = [eid for eid, _ in entries]
         await client.call(client.sync.xclaim, key, group, "learner-0", 0, ids, justid=True)
         # When it is idle, then it takes them back and trains them (max_steps=1: it returns)

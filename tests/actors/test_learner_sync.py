@@ -11,7 +11,6 @@ import trio
 
 from streamrl.actors import learner as learner_actor
 from streamrl.actors.scheduler import Scheduler
-from streamrl.actors.scheduler import serve as serve_scheduler
 from streamrl.config.schema import Config, load_config
 from streamrl.protocol import names as N
 from streamrl.protocol.messages import StepMetrics, Task, Trajectory
@@ -20,7 +19,8 @@ from streamrl.queues.codec import decode, encode
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
 from streamrl.testing.messages import make_trajectory
-from tests.helpers import run_config
+from streamrl.testing.wait import deadline, wait_until
+from tests.helpers import run_config, scheduler_held
 
 GROUPS_PER_STEP = 2
 STEPS = 3
@@ -67,15 +67,21 @@ async def test_zero_staleness_admits_one_batch_per_published_version(
     ctx = ActorContext(_config(tmp_path, redis_url, names.run, staleness=0), client, names)
     seen: list[Task] = []
     # When they run until the learner has taken its steps
-    with trio.fail_after(150):
+    scheduler = Scheduler(ctx)
+    with deadline(150, "the learner did not take its steps"):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_sample_at_admission_version, ctx, seen)
-            await nursery.start(serve_scheduler, ctx)
+            await nursery.start(scheduler.serve)
             await learner_actor.serve(ctx)
-            await trio.sleep(0.3)  # let the scheduler react to the last version
+            # and the scheduler has answered the last version: held by the staleness bound
+            await wait_until(lambda: any(t.policy_version == STEPS for t in seen), 30,
+                             what=f"no task admitted at the last version {STEPS}")
+            assert await scheduler_held(scheduler) == "staleness"
             nursery.cancel_scope.cancel()
     # Then exactly one batch was admitted per version (the one after the last included)
-    per_version = Counter(t.policy_version for t in seen)
+    rows = await client.call(client.sync.xrange, names.stream(N.TASKS))
+    admitted = [task for _, f in rows if (task := decode(f[b"d"], Task)).split == "train"]
+    per_version = Counter(t.policy_version for t in admitted)
     assert per_version == {v: GROUPS_PER_STEP for v in range(STEPS + 1)}, per_version
     # and every step trained on groups of the version just before it: nothing stale, nothing
     # dropped

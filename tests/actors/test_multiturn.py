@@ -299,7 +299,11 @@ async def test_replicas_killed_between_and_during_turns_lose_nothing(
                 exec_a.runtime.statistics().in_flight == 1
 
         await wait_until(turn2_running, timeout=60)
-        await trio.sleep(0.5)
+
+        def command_sleeping() -> bool:  # past its `echo b`: in its `sleep 2`
+            return any(d.cmdline.split()[:2] == ["sleep", "2"] for d in descendants())
+
+        await wait_until(command_sleeping, 30, what="turn 2's command did not run")
         exec_a.scope.cancel()
         await nursery.start(exec_b.serve, client, names)
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import trio
-
 from streamrl.protocol import names as N
 from streamrl.queues.client import RedisClient
 from streamrl.queues.streams import Producer
 from streamrl.runtime.context import ActorContext
-from tests.helpers import run_config
+from streamrl.testing.wait import wait_until
+from tests.helpers import entry_idle_ms, run_config
 
 TASKS_IDLE_MS, ROLLOUTS_IDLE_MS = 200, 3000
 
@@ -42,11 +41,20 @@ async def test_each_stream_reclaims_after_its_own_min_idle(
         TASKS_IDLE_MS, ROLLOUTS_IDLE_MS, 60000
     ]  # fmt: skip
     # and one entry on each, read by a consumer that then died (no ack, no heart-beat)
+    read: dict[str, str] = {}
     for stream in streams:
         async with ctx.consumer(stream, "dead", consumer="dead") as dead:
             await Producer(client, names).publish(stream, [stream.encode()])
-            assert [d.payload for d in await dead.read(1)] == [stream.encode()]
-    read_at = trio.current_time()
+            [d] = await dead.read(1)
+            assert d.payload == stream.encode()
+            read[stream] = d.entry_id
+
+    async def idle_ms(stream: str) -> int:  # by the server's clock, as reclaims go
+        return await entry_idle_ms(
+            client, names.stream(stream), N.GROUP_OF_STREAM[stream], read[stream])
+
+    async def idle_past(stream: str, ms: int) -> bool:
+        return await idle_ms(stream) >= ms
 
     async def take_over() -> dict[str, list[bytes | None]]:
         taken = {}
@@ -55,19 +63,22 @@ async def test_each_stream_reclaims_after_its_own_min_idle(
                 taken[stream] = [d.payload for d in await live.reclaim(10)]
         return taken
 
-    # When a live consumer of each stream looks for entries to take over after 0.6 s
-    await trio.sleep(0.6)
+    # When a live consumer of each stream looks for entries to take over once the task has
+    # been idle past its 200 ms
+    await wait_until(lambda: idle_past(N.TASKS, TASKS_IDLE_MS), 10,
+                     what="the task was not idle past its min-idle")
     first = await take_over()
-    first_at = trio.current_time() - read_at
-    # Then only the task, idle past its 200 ms, was taken over; the rollout stays with the
-    # dead consumer until its own 3 s
-    assert first_at < ROLLOUTS_IDLE_MS / 1000, f"too slow a host to tell: {first_at:.2f} s"
+    rollout_idle = await idle_ms(N.ROLLOUTS)
+    # Then only the task was taken over; the rollout stays with the dead consumer until its
+    # own 3 s
+    assert rollout_idle < ROLLOUTS_IDLE_MS, f"too slow a host to tell: {rollout_idle} ms"
     assert first == {N.TASKS: [b"tasks"], N.ROLLOUTS: [], N.EXECUTED: []}
     assert await _pending_owners(client, names, N.ROLLOUTS) == ["dead"]
     # And once the rollout has been idle past 3 s it is taken over too, while the executed
     # entry (the run-wide 60 s) still is not (the task, unacknowledged by "live", is idle
     # again and may be taken once more: not what this test is about)
-    await trio.sleep(ROLLOUTS_IDLE_MS / 1000 - first_at + 0.2)
+    await wait_until(lambda: idle_past(N.ROLLOUTS, ROLLOUTS_IDLE_MS), 20,
+                     what="the rollout was not idle past its min-idle")
     second = await take_over()
     assert (second[N.ROLLOUTS], second[N.EXECUTED]) == ([b"rollouts"], [])
     assert await _pending_owners(client, names, N.ROLLOUTS) == ["live"]

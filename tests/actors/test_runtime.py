@@ -16,6 +16,7 @@ from streamrl.protocol.messages import Sampling, Task, new_id, now
 from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import DeadLetter, decode, encode
 from streamrl.queues.payloads import PayloadLimits
+from streamrl.queues.stats import paused_stages
 from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, open_stream_consumer
 from streamrl.runtime.policies import Policies, Reject, Retry, RetryPolicy, Unavailable
 from streamrl.runtime.serve import ActorRuntime, Output, RuntimeSettings
@@ -234,9 +235,8 @@ async def test_redelivery_beyond_limit_is_dead_lettered(
     settings = ConsumerSettings(reclaim_min_idle_ms=1)
     async with open_stream_consumer(client, names, N.TASKS, stage="s", settings=settings) as c:
         await c.read(1)
-        for _ in range(2):
-            await trio.sleep(0.01)
-            await c.reclaim(1)
+        for _ in range(2):  # (once idle past its 1 ms)
+            await wait_until(lambda: c.reclaim(1), 10, what="the entry was not reclaimed")
     # When a runtime picks it up again (its delivery count is now 4 > 3), through a consumer
     # that applies the delivery limit (the one place it is applied)
     actor = Scripted(["ok"])
@@ -295,9 +295,12 @@ async def test_reading_pauses_while_the_downstream_group_is_backlogged(
         runtime = ActorRuntime(c, actor, Policies(), settings)
         async with trio.open_nursery() as nursery:
             await nursery.start(runtime.serve)
-            # Then nothing is read while the backlog is over the bound
-            await trio.sleep(0.5)
-            assert actor.calls == []
+            # Then it pauses before reading (it says so in Redis, for `streamrl status`), and
+            # nothing is read while the backlog is over the bound
+            [paused] = await wait_until(lambda: paused_stages(client, names, ["scripted"]), 10,
+                                        what="the runtime did not pause on the backlog")
+            assert (paused.downstream, paused.backlog, paused.limit) == (N.ROLLOUTS, 3, 2)
+            assert actor.calls == [] and c.statistics_counts["read_calls"] == 0
             # When the downstream consumer catches up, the tasks flow
             rows = await client.call(
                 client.sync.xreadgroup, "executor", "x", {names.stream(N.ROLLOUTS): ">"}

@@ -15,6 +15,7 @@ from streamrl.queues.client import RedisClient
 from streamrl.queues.codec import decode
 from streamrl.queues.streams import ensure_group
 from streamrl.runtime.context import ActorContext
+from tests.helpers import scheduler_held
 
 
 def _config(tmp_path: Path, redis_url: str, run: str) -> Config:
@@ -55,16 +56,25 @@ async def test_scheduler_admits_exactly_max_train_groups(
             await client.call(client.sync.xack, names.stream(N.TASKS), "generator", *ids)
 
     # Given a scheduler whose backlog bound (5) is below its limit (7)
+    scheduler = Scheduler(ctx)
     async with trio.open_nursery() as nursery:
-        await nursery.start(Scheduler(ctx).serve)
-        # When generators take whatever it admits, three times over
-        for _ in range(3):
-            await trio.sleep(0.5)
+        await nursery.start(scheduler.serve)
+        # When generators take whatever it admits each time it is held by its backlog bound,
+        # and once more when it is held by its limit
+        while (held := await scheduler_held(scheduler)) == "backlog":
             await take_all()
+        assert held == "limit"
+        await take_all()
+        # Then with nothing left in its backlog, its limit still holds it
+        assert await scheduler_held(scheduler) == "limit"
         nursery.cancel_scope.cancel()
-    # Then it admitted exactly the limit, and a restarted one (same run) admits no more
-    with trio.move_on_after(1.0):
-        await Scheduler(ctx).serve()
+    # and a restarted one (same run) is held by the limit too, and admits no more
+    restarted = Scheduler(ctx)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(restarted.serve)
+        assert await scheduler_held(restarted) == "limit"
+        nursery.cancel_scope.cancel()
+    # Then it admitted exactly the limit
     tasks = await _tasks(client, names)
     train = [t for t in tasks if t.split == "train"]
     assert len(train) == 7 == int(await client.call(client.sync.get, names.admitted))

@@ -21,7 +21,7 @@ from streamrl.queues.shards import reserve_counted
 from streamrl.queues.stats import group_state
 from streamrl.queues.streams import ensure_group
 from streamrl.runtime.context import ActorContext
-from tests.helpers import run_config
+from tests.helpers import run_config, scheduler_held
 
 SHARDS = 3
 pytestmark = pytest.mark.on_cluster(shards=3)  # redis_url, names: tests/conftest.py
@@ -62,12 +62,15 @@ async def test_sharded_scheduler_admits_exactly_and_finishes_a_dead_ones_admissi
             if ids:
                 await client.call(client.sync.xack, key, "generator", *ids)
 
-    # When a new scheduler runs while generators take what it admits
+    # When a new scheduler runs while generators take what it admits each time it is held
+    # by its backlog bound, until its limit holds it
+    scheduler = Scheduler(ctx)
     async with trio.open_nursery() as nursery:
-        await nursery.start(Scheduler(ctx).serve)
-        for _ in range(5):
-            await trio.sleep(0.5)
+        await nursery.start(scheduler.serve)
+        while (held := await scheduler_held(scheduler)) == "backlog":
             await take_all()
+        assert held == "limit"
+        await take_all()
         nursery.cancel_scope.cancel()
 
     # Then exactly the limit was admitted, the dead one's tasks once among them, each task in
