@@ -12,11 +12,13 @@ through the domain's own ``act`` (the RL-time parser and :class:`StandardTools`)
 sandbox session opened as the executor opens one, starting with the same files. When the
 demonstration finishes, the domain's final check judges the work dir.
 
-A row is ``{"messages": [...], "tools": [...]}``: the domain's system and user messages, then
-``assistant`` messages (``content`` and ``tool_calls``: ``{"id", "type": "function",
-"function": {"name", "arguments": {...}}}``) each followed by one ``tool`` message per call
-(``tool_call_id``, ``name``, ``content``); it ends with the assistant's ``finish`` call (the
-model never sees that call's result). ``tools`` holds the standard tools' specs.
+A row is ``{"id", "messages": [...], "tools": [...]}`` in the SFT loader's chat format
+(learner/sft_data.py, docs/learner.md): the domain's system and user messages, then
+``assistant`` messages (``content``: the turn's prose; ``tool_calls``: ``{"id", "type":
+"function", "function": {"name", "arguments": {...}}}``) each followed by one ``tool``
+message per call (``tool_call_id``, ``name``, ``content``); it ends with the assistant's
+``finish`` call (the model never sees that call's result). ``tools`` holds the standard
+tools' specs; ``id`` is ``<item id>/<episode>``.
 
 Guarantees:
 - train split only: items come from ``load_items("train")``; the held-out split is never read;
@@ -24,16 +26,15 @@ Guarantees:
 - a row is written only when the domain's final check scores it 1.0 (the hidden
   ``FAIL_TO_PASS`` and ``PASS_TO_PASS`` tests), the demonstration ran to its ``finish``, the
   parser read back exactly the calls the turn made, and it fits the RL episode's budgets
-  (``max_turns``, ``max_tool_calls``, and with ``max_new_tokens`` / ``max_total_tokens`` the
-  generator's token budgets); everything else is counted, by reason, in :class:`Statistics`;
-- a row is what the model sees at RL time: rendered with the model's chat template (with
-  ``tools=`` where the template renders tools), its tokens are the ones the generator puts
-  together for the same turns (``prompt_ids``, the replies, ``tool_results_ids``): where the
-  template renders no tools (SmolLM2), the system message already holds the hermes-style tool
-  block ``prompt_ids`` adds and each assistant ``content`` is the reply's text with its
-  ``<tool_call>`` blocks (``tool_calls`` says the same calls, for readers of the format);
-  where it renders them, ``content`` is the prose alone and the template writes the calls
-  (:func:`render_row` builds the RL-time tokens; tests/domains/test_coldstart.py checks both);
+  (``max_turns``, ``max_tool_calls``, and with a tokenizer ``max_new_tokens`` /
+  ``max_total_tokens``, counted on the tokens the SFT loader trains); everything else is
+  counted, by reason, in :class:`Statistics`;
+- a row is what the model sees at RL time: the SFT loader (``render_chat``) renders it into
+  the tokens the generator puts together for the same episode (``prompt_ids``: the tool block
+  in the system message where the template renders no tools, as for SmolLM2; each reply as
+  the model writes it, its prose then one ``<tool_call>`` block a call, :func:`reply_text`,
+  and its end-of-turn token; ``tool_results_ids`` after it). tests/domains/test_coldstart.py
+  checks it token for token on SmolLM2's template;
 - deterministic: the same domain, seed and episode count write the same rows, up to what the
   tools' output varies by from run to run (pytest prints objects' addresses in a traceback).
 
@@ -49,6 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +66,8 @@ from streamrl.domains.repo.demos import (
     task_facts,
 )
 from streamrl.domains.template import chat_messages
-from streamrl.inference.chat import (
-    Tool,
-    ToolResult,
-    supports_tools,
-    tool_format,
-    tool_results_ids,
-    tools_system_prompt,
-)
+from streamrl.inference.chat import tool_format
+from streamrl.learner.sft_data import render_chat
 from streamrl.protocol.messages import ToolReply
 from streamrl.sandbox.base import SandboxSession
 
@@ -125,72 +121,22 @@ def reply_text(step: Step) -> str:
     return "\n".join([step.content, *blocks] if step.content else blocks)
 
 
-def prompt_messages(domain: ToolDomain, item: Any, native: bool) -> list[dict[str, Any]]:
-    """The episode's first messages as ``prompt_ids`` renders them: the domain's
-    conversation, with the tool block in the system message where the template renders no
-    tools (``native`` False)."""
-    messages: list[dict[str, Any]] = chat_messages(domain.cfg.prompt, item,
-                                                   domain.opts.system or DEFAULT_SYSTEM)
-    if native:
-        return messages
-    if messages and messages[0]["role"] == "system":
-        return [{"role": "system", "content": tools_system_prompt(
-            domain.tools, messages[0]["content"])}, *messages[1:]]
-    return [{"role": "system", "content": tools_system_prompt(domain.tools)}, *messages]
-
-
-def turn_messages(step: Step, results: Sequence[ToolReply], native: bool,
-                  last: bool) -> list[dict[str, Any]]:
+def turn_messages(step: Step, results: Sequence[ToolReply], last: bool
+                  ) -> list[dict[str, Any]]:  # fmt: skip
     """One turn: the assistant message, then its calls' results (none after the last)."""
     calls = [{"id": f"call_{i}", "type": "function",
               "function": {"name": c.name, "arguments": c.arguments}}
              for i, c in enumerate(step.calls)]
-    content = step.content if native else reply_text(step)
-    out: list[dict[str, Any]] = [{"role": "assistant", "content": content, "tool_calls": calls}]
+    out: list[dict[str, Any]] = [{"role": "assistant", "content": step.content,
+                                  "tool_calls": calls}]
     if not last:
         out += [{"role": "tool", "tool_call_id": r.call_id, "name": r.name, "content": r.content}
                 for r in results]
     return out
 
 
-def _ids(tokenizer: Any, messages: list[dict[str, Any]], **kw: Any) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, **kw)
-    if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding by default
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]
-
-
-def render_row(tokenizer: Any, row: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """The row's tokens as the RL generator puts them together, and the loss mask (1 on
-    the assistant's tokens, its end-of-turn token included): the prompt through the
-    template, each reply's text and the EOS it stops at, each turn's results through
-    ``tool_results_ids``. Hermes rows only (see the module docstring)."""
-    messages, native = row["messages"], supports_tools(tokenizer)
-    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    extra = {"tools": row["tools"]} if native else {}
-    ids = _ids(tokenizer, messages[:first], add_generation_prompt=True, **extra)
-    mask = [0] * len(ids)
-    tools = [Tool.from_spec(spec) for spec in row["tools"]] if native else []
-    i = first
-    while i < len(messages):
-        m = messages[i]
-        text = reply_text(_step(m)) if native else m["content"]
-        reply = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        ids, mask = ids + reply, mask + [1] * len(reply)
-        i += 1
-        results = []
-        while i < len(messages) and messages[i]["role"] == "tool":
-            t = messages[i]
-            results.append(ToolResult(call_id=t["tool_call_id"], name=t["name"],
-                                      content=t["content"]))
-            i += 1
-        if results:
-            obs = tool_results_ids(tokenizer, results, closed=True, tools=tools)
-            ids, mask = ids + obs, mask + [0] * len(obs)
-    return [int(x) for x in ids], mask
-
-
-def _step(message: dict[str, Any]) -> Step:
+def step_of(message: dict[str, Any]) -> Step:
+    """The turn an assistant message of a row holds."""
     return Step(message.get("content") or "", tuple(
         Call(c["function"]["name"], c["function"]["arguments"])
         for c in message.get("tool_calls") or ()))
@@ -198,21 +144,19 @@ def _step(message: dict[str, Any]) -> Step:
 
 def token_budget_problem(tokenizer: Any, row: dict[str, Any], budgets: Budgets,
                          stats: Statistics) -> str:
-    """Why the row would not fit the generator's token budgets ("" if it fits)."""
-    ids, mask = render_row(tokenizer, row)
-    spans, start = [], None
-    for pos, bit in enumerate([*mask, 0]):
-        if bit and start is None:
-            start = pos
-        elif not bit and start is not None:
-            spans.append((start, pos))
-            start = None
-    longest = max(end - begin for begin, end in spans)
+    """Why the SFT loader would refuse the row, or the generator's token budgets would cut
+    its episode ("" if neither), counted on the tokens the loader makes of it."""
+    try:
+        prompt, tokens, mask = render_chat(tokenizer, row["messages"], row["tools"])
+    except ValueError as exc:
+        return f"the SFT loader refuses it: {exc}"
+    longest = max(len(list(run)) for bit, run in groupby(mask) if bit)
+    total = len(prompt) + len(tokens)
     stats.longest_turn_tokens = max(stats.longest_turn_tokens, longest)
-    stats.longest_episode_tokens = max(stats.longest_episode_tokens, len(ids))
+    stats.longest_episode_tokens = max(stats.longest_episode_tokens, total)
     if budgets.max_new_tokens and longest > budgets.max_new_tokens:
         return f"a reply of more than max_new_tokens ({budgets.max_new_tokens}) tokens"
-    if budgets.max_total_tokens and len(ids) > budgets.max_total_tokens:
+    if budgets.max_total_tokens and total > budgets.max_total_tokens:
         return f"more than max_total_tokens ({budgets.max_total_tokens}) tokens"
     return ""
 
@@ -231,8 +175,8 @@ class Outcome:
 
 
 async def demonstrate(domain: ToolDomain, item: Any, open_session: OpenSession,
-                      rng: random.Random, native: bool, budgets: Budgets,
-                      mistakes: float = MISTAKES) -> Outcome:
+                      rng: random.Random, budgets: Budgets, mistakes: float = MISTAKES
+                      ) -> Outcome:  # fmt: skip
     """Run one demonstration of ``item`` in a fresh session and judge it (see the module
     docstring); ``mistakes``: how often it makes a mistake first. Raises only what the
     sandbox raises."""
@@ -242,7 +186,8 @@ async def demonstrate(domain: ToolDomain, item: Any, open_session: OpenSession,
     except ValueError as exc:
         return Outcome(None, f"not demonstrable: {exc}")
     script = demonstration(facts, plan, rng)
-    messages = prompt_messages(domain, item, native)
+    messages: list[dict[str, Any]] = chat_messages(domain.cfg.prompt, item,
+                                                   domain.opts.system or DEFAULT_SYSTEM)
     files = {**getattr(domain.sandbox, "files", {}), **domain.session_files(item)}
     async with open_session(domain, f"coldstart-{item.id}", domain.item_image(item)) as session:
         await session.put_files(files)
@@ -252,7 +197,7 @@ async def demonstrate(domain: ToolDomain, item: Any, open_session: OpenSession,
             turns += 1
             if [r.name for r in action.results] != [c.name for c in step.calls]:
                 return Outcome(None, "the parser read other calls than the turn made")
-            messages += turn_messages(step, action.results, native, last=action.done)
+            messages += turn_messages(step, action.results, last=action.done)
             if action.done:
                 break
             try:
@@ -274,15 +219,13 @@ async def write_coldstart(domain: ToolDomain, open_session: OpenSession, out: Pa
                           budgets: Budgets | None = None, concurrency: int = 2,
                           mistakes: float = MISTAKES) -> Statistics:
     """``episodes`` demonstrations over the domain's train items, the successful ones
-    written to ``out`` (JSONL, in episode order). ``tokenizer``: the model's (its template
-    decides the rows' form; without one, the fallback form of templates without tools,
-    and no token budget is checked)."""
+    written to ``out`` (JSONL, in episode order). ``tokenizer``: the model's, to check its
+    tool format and the token budgets (without one, neither is checked)."""
     if tokenizer is not None and tool_format(tokenizer) != "hermes":
         raise ValueError(f"the model writes tool calls in the {tool_format(tokenizer)} format; "
                          f"the cold start writes hermes-format demonstrations")
     budgets = budgets or Budgets(max_turns=domain.episode.max_turns,
                                  max_tool_calls=domain.episode.max_tool_calls)
-    native = tokenizer is not None and supports_tools(tokenizer)
     items = sorted(domain.load_items("train"), key=lambda it: it.id)
     if not items:
         raise ValueError(f"domain {domain.name!r} has no train items")
@@ -294,8 +237,8 @@ async def write_coldstart(domain: ToolDomain, open_session: OpenSession, out: Pa
         item = items[i % len(items)]
         async with limiter:
             outcomes[i] = await demonstrate(domain, item, open_session,
-                                            random.Random(f"{seed}/{i}/{item.id}"), native,
-                                            budgets, mistakes)
+                                            random.Random(f"{seed}/{i}/{item.id}"), budgets,
+                                            mistakes)
 
     async with trio.open_nursery() as nursery:
         for i in range(episodes):
@@ -313,6 +256,7 @@ async def write_coldstart(domain: ToolDomain, open_session: OpenSession, out: Pa
             stats.kept += 1
             stats.mistakes[o.mistake or "none"] += 1
             stats.turns[o.turns] += 1
-            stats.items.add(items[i % len(items)].id)
-            fh.write(json.dumps(o.row, ensure_ascii=False) + "\n")
+            item_id = items[i % len(items)].id
+            stats.items.add(item_id)
+            fh.write(json.dumps({"id": f"{item_id}/{i}", **o.row}, ensure_ascii=False) + "\n")
     return stats

@@ -4,9 +4,9 @@ domain's own final check, SmolLM2's tokenizer and chat template (the tiny model'
 RL-time parser and renderers.
 
 What must hold: rows come from the train split only; every row replays, call by call in a
-fresh session, to the same tool results and a passing final check; a row rendered with the
-template is token for token what the generator builds at RL time, and its replies parse back
-into the row's calls; the same seed writes the same file; a task whose fix fails is not
+fresh session, to the same tool results and a passing final check; the learner's SFT loader
+renders a row into exactly the tokens the generator builds at RL time, and its replies parse
+back into the row's calls; the same seed writes the same file; a task whose fix fails is not
 written."""
 
 from __future__ import annotations
@@ -29,10 +29,17 @@ from streamrl.config.schema import DomainConfig, PromptConfig, SplitConfig, Tool
 from streamrl.domains.agentic import ToolDomain
 from streamrl.domains.base import write_jsonl
 from streamrl.domains.declared import build_domain
-from streamrl.domains.repo.coldstart import Budgets, Statistics, render_row, write_coldstart
+from streamrl.domains.repo.coldstart import (
+    Budgets,
+    Statistics,
+    reply_text,
+    step_of,
+    write_coldstart,
+)
 from streamrl.domains.repo.demos import Abandon, Plan, choose_plan, demonstration, task_facts
 from streamrl.domains.repo.generate import generate
 from streamrl.inference.chat import parse_tool_calls, tool_format
+from streamrl.learner.sft_data import render_chat
 from streamrl.models import load_tokenizer, resolve_model
 from streamrl.protocol.messages import ToolReply, Turn
 from tests.domains.test_kinds_repo_tests import SANDBOX_PYTEST
@@ -160,7 +167,7 @@ def test_every_row_replays_to_a_passing_verification(
             for k, m in enumerate(messages):
                 if m["role"] != "assistant":
                     continue
-                action = await domain.act(item, m["content"], session, "hermes")
+                action = await domain.act(item, reply_text(step_of(m)), session, "hermes")
                 recorded = [t["content"] for t in messages[k + 1:k + 1 + len(m["tool_calls"])]
                             if t["role"] == "tool"]
                 assert [r.name for r in action.results] == [
@@ -180,44 +187,46 @@ def test_every_row_replays_to_a_passing_verification(
     assert trio.run(main) == [1.0] * len(rows)
 
 
-def test_rows_render_as_rl_time_and_parse_back(
+def test_the_sft_loader_renders_rows_as_rl_time_and_they_parse_back(
         written: tuple[ToolDomain, Path, Statistics], tokenizer: Any) -> None:
     domain, out, _ = written
     items = {f"Issue: {i.extra['problem_statement']}": i for i in domain.load_items("train")}
     fmt = tool_format(tokenizer)
     assert fmt == "hermes"  # SmolLM2's template renders no tools: the RL-time fallback
     for row in read_rows(out):
-        ids, mask = render_row(tokenizer, row)
-        # the template's rendering of the whole row (what an SFT loader does) is the RL-time
-        # token stream, then the template's end of the last turn
-        whole = tokenizer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=True)
-        whole = whole if isinstance(whole, list) else whole["input_ids"]
-        assert whole[:len(ids)] == ids
-        assert tokenizer.decode(whole[len(ids):]) == "\n"
-        # the prompt is the generator's, to the token
+        # When the learner's SFT loader renders the row with SmolLM2's template
+        prompt, tokens, mask = render_chat(tokenizer, row["messages"], row["tools"])
+        # Then the prompt is the generator's, to the token
         item = items[row["messages"][1]["content"]]
-        prompt = domain.render_prompt(item, tokenizer)
-        assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])
-        pos, turns = len(prompt), 0
+        assert prompt == domain.render_prompt(item, tokenizer)
+        # and the rest is the generator's episode: each reply as the model writes it and the
+        # end of turn it stops at (trained), then the results as the generator appends them
+        expected: list[int] = []
+        trained: list[int] = []
         messages = row["messages"][2:]
         for k, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            turns += 1
-            end = mask.index(0, pos) if 0 in mask[pos:] else len(mask)
-            reply = tokenizer.decode(ids[pos:end], skip_special_tokens=True)
-            parsed = parse_tool_calls(reply, domain.tools, fmt)
+            text = reply_text(step_of(m))
+            reply = tokenizer(text, add_special_tokens=False)["input_ids"]
+            decoded = tokenizer.decode(reply, skip_special_tokens=True)  # what act() gets
+            parsed = parse_tool_calls(decoded, domain.tools, fmt)
             assert [(c.name, c.arguments, c.error) for c in parsed.calls] == [
                 (c["function"]["name"], c["function"]["arguments"], "") for c in m["tool_calls"]]
-            assert ids[end - 1] == tokenizer.eos_token_id
-            results = [ToolReply(call_id=t["tool_call_id"], name=t["name"], content=t["content"])
-                       for t in messages[k + 1:] if t["role"] == "tool"][:len(m["tool_calls"])]
-            if k + 1 < len(messages):  # the observation the generator appends after it
-                obs = observation_ids(tokenizer, domain, Turn(text=reply, tools=results),
+            expected += [*reply, tokenizer.eos_token_id]
+            trained += [1] * (len(reply) + 1)
+            results = []
+            for t in messages[k + 1:]:
+                if t["role"] != "tool":
+                    break
+                results.append(ToolReply(call_id=t["tool_call_id"], name=t["name"],
+                                         content=t["content"]))
+            if results:
+                obs = observation_ids(tokenizer, domain, Turn(text=decoded, tools=results),
                                       closed=True)
-                assert ids[end:end + len(obs)] == obs and not any(mask[end:end + len(obs)])
-                pos = end + len(obs)
-        assert pos <= len(ids) and turns == sum(m["role"] == "assistant" for m in messages)
+                expected += obs
+                trained += [0] * len(obs)
+        assert tokens == expected and mask == trained
 
 
 def test_the_same_seed_writes_the_same_rows(tmp_path: Path, tokenizer: Any,
