@@ -174,6 +174,10 @@ class Summary(msgspec.Struct, kw_only=True):
     in-process one; sglang, SGLang servers or serve-model; vllm, vLLM servers)."""
     engine_servers: int = 0
     """The inference servers it generated on (0: the in-process engine)."""
+    rounds: list[dict[str, Any]] = []
+    """A sequence's stages (``[[rounds.stage]]``, cli/rounds.py): name, start_version,
+    end_version, before/after (held-out reward per domain), gates, outcome (passed,
+    rolled_back, stopped; empty while running) and reason, rollback_version."""
 
 
 def forgetting(rounds: list[EvalRound], eval_only: list[str], margin: float) -> list[str]:

@@ -223,8 +223,11 @@ def charts(data: RunData, out: Path, margin: float = 0.05) -> list[str]:
     return written
 
 
-def summary(run: str, data: RunData, written: list[str], margin: float = 0.05) -> str:
+def summary(run: str, data: RunData, written: list[str], margin: float = 0.05,
+            rounds: list[str] | None = None) -> str:
     lines = [f"# Run {run}", ""]
+    if rounds:  # a post-training sequence (cli/rounds.py): its stages first
+        lines += ["## Rounds", "", "```", *rounds, "```", ""]
     if data.steps:
         last = data.steps[-1]
         busy = [busy_fraction(m) for m in data.steps]
@@ -260,12 +263,13 @@ def summary(run: str, data: RunData, written: list[str], margin: float = 0.05) -
 
 async def write_report(
     client: RedisClient, names: N.Names, out: Path, archive: Path | None, *,
-    forgetting_margin: float = 0.05,
+    forgetting_margin: float = 0.05, rounds: list[str] | None = None,
 ) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     data = await collect(client, names, archive)
     written = charts(data, out, forgetting_margin)
-    (out / "summary.md").write_text(summary(names.run, data, written, forgetting_margin))
+    (out / "summary.md").write_text(summary(names.run, data, written, forgetting_margin,
+                                            rounds))
     return [*written, "summary.md"]
 
 
@@ -273,7 +277,10 @@ async def run_report(
     client: RedisClient, names: N.Names, config: Config, args: argparse.Namespace
 ) -> int:
     archive = Path(args.archive) if args.archive else archive_dir(config)
+    from streamrl.cli.rounds import rounds_lines
+
     written = await write_report(client, names, Path(args.out), archive,
-                                 forgetting_margin=config.scheduler.forgetting_margin)
+                                 forgetting_margin=config.scheduler.forgetting_margin,
+                                 rounds=rounds_lines(config.run.path))
     print(f"wrote {', '.join(written)} to {args.out}")
     return 0

@@ -29,6 +29,7 @@ seconds (exit status 2), not a 60 s hang.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import sys
@@ -133,6 +134,9 @@ class Snapshot:
     """Eval-only domains whose held-out reward fell past ``scheduler.forgetting_margin``."""
     held_back: dict[str, str] = field(default_factory=dict)
     """Curriculum domains the scheduler holds below a level, and why (protocol/curriculum.py)."""
+    rounds: list[str] = field(default_factory=list)
+    """A post-training sequence's state (``<run dir>/rounds.json``, cli/rounds.py): the
+    current stage and each stage's outcome and why; empty without rounds."""
     fleet: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each executor's Docker sandbox fleet (``<host>/<pid>/<image>``): containers starting
     and running, created, reaped, leaked, sessions expired, and ``at`` (when its executor
@@ -397,6 +401,7 @@ def render(s: Snapshot) -> str:
     lines += [f"held back {d}: {why}" for d, why in s.held_back.items()]
     lines += [f"forgetting {d}: held-out reward fell past scheduler.forgetting_margin"
               for d in s.forgetting]
+    lines += s.rounds
     return "\n".join(lines)
 
 
@@ -456,15 +461,20 @@ async def print_status(
             "max_backlog": config.scheduler.max_backlog,
             "view": domain_view(config, top),
         }
+        from streamrl.cli.rounds import rounds_lines
+
+        rounds = rounds_lines(config.run.path)
         if not watch:
             snap = await sample(client, names, max(1, samples), interval_s, **stall)
+            snap = dataclasses.replace(snap, rounds=rounds)
             print(json.dumps(snap.to_json(), indent=2) if as_json else render(snap))
             return 0
         history: list[Snapshot] = []
         while True:  # --watch: one snapshot per interval, bottleneck over the last ten
             history = [*history[-9:], await snapshot(client, names, **stall)]
             stage, growth = bottleneck(history)
-            snap = Snapshot(**{**history[-1].__dict__, "bottleneck": stage, "growth": growth})
+            snap = Snapshot(**{**history[-1].__dict__, "bottleneck": stage, "growth": growth,
+                               "rounds": rounds_lines(config.run.path)})
             if as_json:
                 print(json.dumps(snap.to_json()), flush=True)
             else:

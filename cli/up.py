@@ -33,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import ExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -47,6 +47,7 @@ from streamrl.actors.executor import isolation_report
 from streamrl.actors.monitor import Monitor, Summary
 from streamrl.actors.scheduler import eval_round_size, publish_eval_round
 from streamrl.backoff import Backoff, Retrying
+from streamrl.cli.rounds import EvalResult, Rounds, StageRun, rounds_text
 from streamrl.config.schema import Config, to_dict
 from streamrl.domains.declared import DeclarationError, check_declared
 from streamrl.net import free_port, free_ports, wait_healthy
@@ -491,8 +492,30 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False,
             url = RedisURL(url).without_credentials().url
             print("streamrl: one Redis ACL user per actor role", flush=True)
         await _reopen_if_stopped(config, admin_url)
+        pipeline = _Pipeline(url, admin_url, credentials, deadline, summary_json, external)
+        if config.rounds.stage:
+            return await _up_rounds(config, pipeline)
+        summary, _ = await pipeline.run(config)
+        return summary
+
+
+@dataclass
+class _Pipeline:
+    """How ``up`` runs the pipeline once (a plain run, or one stage of a sequence)."""
+
+    url: str
+    admin_url: str
+    credentials: dict[str, Credentials]
+    deadline: float
+    summary_json: Path | None
+    external: bool
+
+    async def run(self, config: Config, stage: Any = None) -> tuple[Summary, _Ending]:
+        """Every child started with ``config``, supervised until the run (or ``stage``: a
+        :class:`cli.rounds.StageRun`) ends; the summary printed and written."""
+        credentials = self.credentials
         config = msgspec.structs.replace(
-            config, run=msgspec.structs.replace(config.run, redis_url=url)
+            config, run=msgspec.structs.replace(config.run, redis_url=self.url)
         )
         config, servers = _serve_models(config)
         config_file = write_child_config(config)
@@ -503,30 +526,91 @@ async def _up(config: Config, max_minutes: float, fresh: bool = False,
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
             monitor = Monitor(ctx, config.run.path, eval_round_size(config))
             ending = _Ending()
+            hooks = None if stage is None else _StageHooks(
+                stage, partial(_announce, config, credentials))
+            deadline = self.deadline if stage is None else min(self.deadline,
+                                                              stage.budget_deadline)
             try:
                 await _supervise(config, ctx, monitor, children, config_file, credentials,
-                                 lifeline, admin_url, deadline, ending)
+                                 lifeline, self.admin_url, deadline, ending, hooks)
             finally:
-                summary = await _end(monitor, config, ending, summary_json, external=external)
+                rounds = stage.rounds if stage is not None else None
+                summary = await _end(monitor, config, ending, self.summary_json,
+                                     external=self.external, rounds=rounds)
             if ending.failed:
                 raise SystemExit("streamrl up: stopped, an actor cannot run:\n  "
                                  + "\n  ".join(ending.failed))
-            return summary
+            return summary, ending
+
+    async def summary_only(self, config: Config, rounds: Any) -> Summary:
+        """The summary of the run as it stands, no child started (a judged sequence)."""
+        from streamrl.protocol.messages import StepMetrics
+        from streamrl.protocol.names import METRICS
+        from streamrl.queues.streams import EventReader
+
+        config = msgspec.structs.replace(
+            config, run=msgspec.structs.replace(config.run, redis_url=self.url))
+        own = self.credentials.get("monitor")
+        async with open_context(config, "monitor", password=own.password if own else None) as ctx:
+            monitor = Monitor(ctx, config.run.path, eval_round_size(config))
+            reader = EventReader(ctx.client, ctx.names, METRICS, block_ms=100)
+            try:
+                while batch := await reader.read_events(StepMetrics):
+                    monitor.steps.extend(batch)
+            finally:
+                reader.close()
+            return await _end(monitor, config, _Ending(), self.summary_json,
+                              external=self.external, rounds=rounds)
+
+
+async def _up_rounds(config: Config, pipeline: _Pipeline) -> Summary:
+    """``[[rounds.stage]]``: each stage not yet judged, in order, on this run (cli/rounds.py);
+    ends at an interruption, a stopped stage, or the end of the sequence."""
+    from streamrl.cli.rounds import restore
+    from streamrl.models import resolve_model
+
+    rounds = Rounds(config, resolve_model(config.model.spec))
+    if (pending := rounds.pending_rollback()) is not None:  # a crash mid-rollback: finished
+        assert pending.rollback_version is not None  # its evaluation is the next stage's start
+        restore(config.run.path / "rounds" / f"start-v{pending.start_version:06d}",
+                rounds.weights, pending.rollback_version)
+    summary: Summary | None = None
+    while not rounds.finished():
+        stage = rounds.next_stage(time.monotonic())
+        n = len(config.rounds.stage)
+        print(f"streamrl: stage {stage.record.name!r} ({stage.index + 1} of {n}) from "
+              f"policy v{stage.record.start_version}", flush=True)
+        if stage.index:  # the previous stage's end set the stop flag
+            await _reopen_if_stopped(config, pipeline.admin_url, quiet=True)
+        try:
+            summary, ending = await pipeline.run(stage.config, stage)
+        finally:
+            stage.account()
+            rounds.save()
+        if ending.interrupted or not stage.record.outcome:
+            break  # continued by the next `up`
+    if summary is None:  # nothing left to run: the summary of the run as it stands
+        print("streamrl: every stage of the sequence is judged", flush=True)
+        summary = await pipeline.summary_only(config, rounds)
+    return summary
 
 
 async def _supervise(config: Config, ctx: Any, monitor: Monitor, children: list[Child],
                      config_file: Path, credentials: dict[str, Credentials],
                      lifeline: Lifeline, admin_url: str, deadline: float,
-                     ending: _Ending) -> None:
+                     ending: _Ending, hooks: _StageHooks | None = None) -> None:
     """Run the monitor and every child until the deadline, ``learner.max_steps``, a crash
     loop or a signal; then the final evaluation (not after a signal or a crash loop) and
-    every child stopped."""
+    every child stopped. A stage of a sequence (``hooks``) starts the learner and the
+    scheduler only after its start is evaluated, and is judged after its final round."""
+    training = [c for c in children if hooks is not None and c.actor in _TRAINING]
     async with trio.open_nursery() as nursery:
         if credentials:  # created again if Redis loses them (no ACL file)
             await nursery.start(serve_role_users, config, admin_url, credentials)
         await nursery.start(monitor.serve)
         for child in children:
-            await nursery.start(child.serve)
+            if child not in training:
+                await nursery.start(child.serve)
         print(f"streamrl: started {len(children)} actors; logs in {config.run.path / 'logs'}",
               flush=True)
         if config.up.autoscale:
@@ -546,11 +630,18 @@ async def _supervise(config: Config, ctx: Any, monitor: Monitor, children: list[
                         return
 
                 waiter.start_soon(on_signal)
+                if hooks is not None:
+                    await hooks.stage.before_training(partial(_evaluate, ctx, monitor, config))
+                    for child in training:
+                        await nursery.start(child.serve)
                 await _progress_until(monitor, deadline, config.up.progress_interval_s,
                                       config.learner.max_steps, children)
                 ending.failed = [c.gave_up for c in children if c.gave_up]
                 if not ending.failed:
-                    await _final_eval(ctx, children, monitor, config)
+                    final = await _final_eval(ctx, children, monitor, config)
+                    if hooks is not None:
+                        await hooks.stage.after_final_eval(
+                            final, partial(_evaluate, ctx, monitor, config), hooks.announce)
                 waiter.cancel_scope.cancel()
             with trio.CancelScope(shield=True):
                 await _stop_all(children, signals)
@@ -558,7 +649,7 @@ async def _supervise(config: Config, ctx: Any, monitor: Monitor, children: list[
 
 
 async def _end(monitor: Monitor, config: Config, ending: _Ending, summary_json: Path | None,
-               *, external: bool) -> Summary:
+               *, external: bool, rounds: Rounds | None = None) -> Summary:
     """The run's summary however the run ended (an error too): its figures read once more
     where Redis answers, printed, written to ``summary_json``; then how to look at the run."""
     with trio.CancelScope(shield=True), trio.move_on_after(10):
@@ -570,7 +661,11 @@ async def _end(monitor: Monitor, config: Config, ending: _Ending, summary_json: 
     g = config.generator
     summary.engine = g.engine
     summary.engine_servers = len(g.server_urls) if g.engine != "transformers" else 0
+    if rounds is not None:
+        summary.rounds = rounds.summary()
     print(_summary_text(summary, ending.interrupted), flush=True)
+    if rounds is not None:
+        print(rounds_text(summary.rounds, len(rounds.config.rounds.stage)), flush=True)
     if summary_json is not None:
         summary_json.parent.mkdir(parents=True, exist_ok=True)
         summary_json.write_text(json.dumps(msgspec.to_builtins(summary), indent=2) + "\n")
@@ -594,7 +689,7 @@ def _look_text(run_dir: Path, *, external: bool) -> str:
     )
 
 
-async def _reopen_if_stopped(config: Config, admin_url: str) -> None:
+async def _reopen_if_stopped(config: Config, admin_url: str, *, quiet: bool = False) -> None:
     """An earlier ``up`` of this run ended by setting the run's stop flag (no more
     admissions): this ``up`` resumes the run, so it clears the flag and says so. The weights,
     the ledger and the queued work of the run are kept (``--fresh`` starts over)."""
@@ -603,7 +698,7 @@ async def _reopen_if_stopped(config: Config, admin_url: str) -> None:
     names = Names(config.run.name, shards=config.queues.shards)
     client = RedisClient(admin_url)
     try:
-        if await clear_flag(client, names.stop):
+        if await clear_flag(client, names.stop) and not quiet:
             version = latest_version(config.run.path / "weights") or 0
             print(
                 f"streamrl: resuming run {config.run.name!r} at policy v{version} "
@@ -631,23 +726,62 @@ async def _progress_until(
             next_print += interval
 
 
-async def _final_eval(ctx, children: list[Child], monitor: Monitor, config: Config) -> None:  # type: ignore[no-untyped-def]
+async def _final_eval(ctx: Any, children: list[Child], monitor: Monitor,
+                      config: Config) -> EvalResult | None:
     """Stop admitting and training, then evaluate the last policy version."""
     await set_flag(ctx.client, ctx.names.stop)
     for child in children:
-        if child.actor in ("learner", "scheduler"):
+        if child.actor in _TRAINING:
             await child.stop()
     version = monitor.steps[-1].step if monitor.steps else 0
+    return await _evaluate(ctx, monitor, config, version, what="final evaluation")
+
+
+async def _evaluate(ctx: Any, monitor: Monitor, config: Config, version: int,
+                    what: str = "evaluation") -> EvalResult | None:
+    """One held-out round of policy ``version`` (the generators serving it), awaited up to 15
+    minutes; its mean reward per domain, None if it did not finish."""
     round_no = await increment(ctx.client, ctx.names.eval_round) - 1
-    print(f"streamrl: final evaluation (round {round_no}) of policy v{version} ...", flush=True)
+    print(f"streamrl: {what} (round {round_no}) of policy v{version} ...", flush=True)
     await publish_eval_round(ctx, round_no, version)
     with trio.move_on_after(900):
         while True:
             with trio.move_on_after(config.up.progress_interval_s):
-                await monitor.wait_round(round_no)
-                return
+                done = await monitor.wait_round(round_no)
+                return EvalResult(version, done.domain_means())
             print(monitor.progress_line(), flush=True)
-    print("streamrl: final evaluation did not finish within 15 minutes", flush=True)
+    print(f"streamrl: {what} did not finish within 15 minutes", flush=True)
+    return None
+
+
+_TRAINING = ("learner", "scheduler")
+"""The children that train (stopped for the final evaluation; a stage starts them last)."""
+
+
+@dataclass
+class _StageHooks:
+    """A stage of a sequence under supervision: its judge, and how a version is announced."""
+
+    stage: StageRun
+    announce: Callable[[int], Awaitable[None]]
+
+
+async def _announce(config: Config, credentials: Mapping[str, Credentials], version: int) -> None:
+    """Announce weights ``version`` (a rollback's, already on disk) on the weights stream as
+    the learner role, the event a learner step publishes: the generators load it like any
+    update (the next stage's learner announces it once more at its start: no-op for them)."""
+    from streamrl.learner.weights import version_dir
+    from streamrl.protocol.messages import WeightsPublished, new_id, now
+    from streamrl.protocol.names import WEIGHTS
+    from streamrl.queues.codec import encode
+    from streamrl.queues.streams import Producer
+
+    own = credentials.get("learner")
+    path = str(version_dir(config.run.path / "weights", version))
+    event = WeightsPublished(id=new_id(), created_at=now(), policy_version=version,
+                             version=version, path=path)
+    async with open_context(config, "learner", password=own.password if own else None) as ctx:
+        await Producer(ctx.client, ctx.names).publish(WEIGHTS, [encode(event)])
 
 
 async def _stop_all(children: list[Child], signals: AsyncIterator[int]) -> None:

@@ -98,6 +98,14 @@ def _is_section(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, C.Section)
 
 
+def _is_table(tp: Any) -> bool:
+    """A section with a default for every field: one ``[[...]]`` table of a list, documented
+    as a section of its own (a list of small required records stays one row)."""
+    return _is_section(tp) and all(
+        f.default is not msgspec.NODEFAULT or f.default_factory is not msgspec.NODEFAULT
+        for f in msgspec.structs.fields(tp))
+
+
 def _section(
     title: str, cls: type, lines: list[str], nested: list[tuple[str, type]], doc: str = ""
 ) -> None:
@@ -121,6 +129,11 @@ def _section(
             nested.append((f"{title}.{name}", tp))
             meaning = f"{docs.get(name, '')} See `[{title}.{name}]`.".strip()
             lines.append(f"| `{name}` | table | | {_cell(meaning)} |")
+            continue
+        if typing.get_origin(tp) is list and len(args) == 1 and _is_table(args[0]):
+            nested.append((f"{title}.{name}", args[0]))
+            meaning = f"{docs.get(name, '')} Each one a `[[{title}.{name}]]` table.".strip()
+            lines.append(f"| `{name}` | list of tables | `[]` | {_cell(meaning)} |")
             continue
         if typing.get_origin(tp) is dict and len(args) == 2 and _is_section(args[1]):
             nested.append((f"{title}.{name}.<name>", args[1]))

@@ -971,6 +971,42 @@ class TrackingConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ValueError(f"tracking.backends lists a backend twice: {self.backends}")
 
 
+class StageConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One stage of a post-training sequence (``[[rounds.stage]]``; docs/learner.md
+    "Rounds"): the run's config with ``overrides`` on top, trained until its budget is spent
+    (``steps`` and/or ``minutes``, whichever comes first), then evaluated and gated."""
+
+    name: str = ""
+    """Its name in ``status``, the summary and the report (empty: ``stage<index>``)."""
+    overrides: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Dotted settings applied on top of the run's config for this stage only, e.g.
+    ``{ "learner.mode" = "sft", "learner.sft.data" = "data/sft.jsonl" }``; the key is
+    checked against the config at load (``run.*`` and ``rounds.*`` are the run's, refused)."""
+    steps: NonNegInt = 0
+    """Learner steps of this stage, counted from the policy version it starts at (0: by
+    ``minutes`` only)."""
+    minutes: Annotated[float, Meta(ge=0)] = 0.0
+    """Minutes of training in this stage (0: by ``steps`` only)."""
+    reach: dict[str, float] = msgspec.field(default_factory=dict)
+    """Domain -> held-out reward the stage's final evaluation must reach; one that does not
+    stops the sequence (the stage's weights kept)."""
+    keep: list[str] = msgspec.field(default_factory=list)
+    """Domains whose held-out reward at the stage's end must not fall more than
+    ``forgetting_margin`` below its value at the stage's start; one that does rolls the stage
+    back (its start checkpoint published again as a new version) and the sequence goes on."""
+    forgetting_margin: Annotated[float, Meta(ge=0, le=1)] = 0.05
+    """How far a ``keep`` domain may fall (absolute held-out reward) before the stage is
+    rolled back."""
+
+
+class RoundsConfig(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Post-training rounds: ``streamrl up`` runs the stages in order on one run, each from
+    the previous one's weights (cli/rounds.py). No stage: one plain run."""
+
+    stage: list[StageConfig] = msgspec.field(default_factory=list)
+    """The stages, in order (``[[rounds.stage]]`` tables)."""
+
+
 class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
@@ -985,6 +1021,8 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
     up: UpConfig = msgspec.field(default_factory=UpConfig)
     ops: OpsConfig = msgspec.field(default_factory=OpsConfig)
     tracking: TrackingConfig = msgspec.field(default_factory=TrackingConfig)
+    rounds: RoundsConfig = msgspec.field(default_factory=RoundsConfig)
+    """A sequence of post-training stages (sft -> rl -> ...) with gates; docs/learner.md."""
     domain: dict[str, DomainConfig] = msgspec.field(default_factory=dict)
     """Per-domain settings, ``[domain.math]``; a domain without a table gets the defaults."""
 
@@ -1001,6 +1039,11 @@ class Config(Section, frozen=True, kw_only=True, forbid_unknown_fields=True):
             raise ValueError(error)
         if error := self.weight_sync_error():
             raise ValueError(error)
+        if self.rounds.stage:
+            from streamrl.config.rounds import rounds_error
+
+            if error := rounds_error(self):
+                raise ValueError(error)
         agents = sorted(n for n, t in self.domain.items() if t.agent.command)
         if agents and not (self.generator.engine in ("sglang", "vllm")
                            or self.up.serve_models):

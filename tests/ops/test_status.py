@@ -31,6 +31,7 @@ TOP_SCHEMA = {
     "dead_letters": int, "groups": list, "bottleneck": (str, type(None)), "growth": dict,
     "shards": int, "stall": (dict, type(None)), "quarantined": dict, "domains": list,
     "domains_total": int, "forgetting": list, "fleet": dict, "held_back": dict,
+    "rounds": list,
 }
 
 
