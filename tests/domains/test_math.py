@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -102,10 +101,8 @@ def test_a_parse_that_misses_its_deadline_is_killed_and_counts_as_wrong() -> Non
         assert checker.equal("x + 1", "1 + x")  # warm: sympy imported
         heavy = "(x+1)**64*(x+2)**64*(x+3)**64*(x+4)**64 - 1"  # passes the screen, slow
         assert screen(heavy) is not None
-        start = time.monotonic()
         assert not checker.equal(heavy, "(x+1)**64")
-        assert time.monotonic() - start < 3.0
-        assert checker.restarts == 1
+        assert checker.restarts == 1  # wrong because its worker was killed at the deadline
         assert checker.equal("2*x", "x + x")  # a fresh worker serves the next call
     finally:
         checker.close()

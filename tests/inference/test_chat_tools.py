@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from typing import Any
 
 import pytest
@@ -235,15 +234,14 @@ def test_a_boolean_is_not_a_number_and_bounds_hold() -> None:
         parse_tool_calls(call("run", command="x", timeout_s=3600), TOOLS)).error
 
 
-def test_huge_arguments_are_refused_fast_and_not_echoed() -> None:
+def test_huge_arguments_are_refused_unparsed_and_not_echoed() -> None:
     # Given a call of 10 MB (a wrong type too: it must not be validated or echoed back)
     big = call("read_file", path="x" * 10_000_000)
     wrong = call("read_file", path=["y" * 100_000])
     # When parsed
-    start = time.monotonic()
     refused, bad = only(parse_tool_calls(big, TOOLS)), only(parse_tool_calls(wrong, TOOLS))
-    # Then refused at once with short messages
-    assert time.monotonic() - start < 2.0
+    # Then refused for its size, before its JSON is read (what that saves: the benchmark
+    # benchmarks/tool_call_refusal.py), with short messages
     assert refused.error.startswith("call too large") and len(refused.error) < 100
     assert "is not of type 'string'" in bad.error and len(bad.error) < 400
 

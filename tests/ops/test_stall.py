@@ -22,6 +22,7 @@ from streamrl.queues.streams import ConsumerSettings, Producer, ensure_group, op
 from streamrl.runtime.context import open_context
 from streamrl.runtime.policies import Policies
 from streamrl.runtime.serve import ActorRuntime, Output, RuntimeSettings
+from streamrl.testing.wait import wait_until
 from tests.actors.test_runtime import _task
 from tests.ops.helpers import config
 
@@ -71,17 +72,23 @@ async def test_a_stalled_pipeline_is_reported_with_its_reason(
         trio.open_nursery() as nursery,
     ):  # fmt: skip
         await nursery.start(ActorRuntime(consumer, Generating(), Policies(), settings).serve)
-        # When nothing is acknowledged for longer than ops.stall_after_s (1 s)
-        await trio.sleep(1.5)
+        # When nothing is acknowledged for longer than ops.stall_after_s (1 s), once the
+        # generator has paused on the backlog
+        async def stalled_and_paused() -> bool:
+            stall = (await snapshot(client, names, stall_after_s=1)).stall
+            return stall is not None and any("generator paused" in r for r in stall.reasons)
+
+        await wait_until(stalled_and_paused, 20, what="no stall with the generator paused")
         done = await trio.to_thread.run_sync(_status, redis_url, names.run)
         as_json = await trio.to_thread.run_sync(_status, redis_url, names.run, "--json")
         # and up's monitor (as its role's user) takes its samples
         cfg = config(tmp_path, redis_url, names.run, "ops.stall_after_s=1")
-        async with open_context(cfg, "monitor") as ctx:
+        async with open_context(cfg, "monitor") as ctx, trio.open_nursery() as watching:
             monitor = Monitor(ctx, tmp_path, eval_items=1)
-            with trio.move_on_after(1.5):
-                await monitor.serve()
+            await watching.start(monitor.serve)
+            await wait_until(lambda: monitor.stall, 20, what="the monitor saw no stall")
             line = monitor.progress_line()
+            watching.cancel_scope.cancel()
         # and the operator's and the monitor's own roles may see all of it
         as_admin = await snapshot(roles["admin"], names, stall_after_s=1)
         states = await pipeline_state(roles["monitor"], names)

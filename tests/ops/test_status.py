@@ -41,9 +41,9 @@ def _check(obj: dict, schema: dict) -> None:
         assert isinstance(obj[key], kind), (key, obj[key])
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "streamrl", *args], capture_output=True, text=True, timeout=timeout
     )
 
 
@@ -110,12 +110,14 @@ def test_status_fails_fast_when_redis_is_down(tmp_path: Path) -> None:
     with socket.socket() as s:  # a loopback port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    start = time.monotonic()
-    done = _cli("status", "--set", f"run.redis_url=redis://127.0.0.1:{port}/0")
-    took = time.monotonic() - start
+    # (status gives up after its own reconnect window, OPS_RECONNECT's 3 s, where the
+    # actors' default waits 60 s for Redis to come back)
+    try:
+        done = _cli("status", "--set", f"run.redis_url=redis://127.0.0.1:{port}/0", timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail("status did not give up on an unreachable Redis within 30 s")
     assert done.returncode == 2
     assert "cannot reach Redis at redis://127.0.0.1" in done.stderr
-    assert took < 15, took
 
 
 def test_status_without_url_is_a_clear_error(tmp_path: Path) -> None:
