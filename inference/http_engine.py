@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,7 @@ class Server:
     inflight: int = 0
     weight_version: int | None = None  # the version this server was last seen serving
     syncing: bool = False  # a weight update to it is under way
+    loading: trio.Lock = field(default_factory=trio.Lock)  # one weight update at a time
 
     def __repr__(self) -> str:
         return f"Server({self.url}, healthy={self.healthy}, v={self.weight_version})"
@@ -303,8 +304,17 @@ class HTTPEngine:
 
     async def _sync_one(self, server: Server) -> None:
         """Load the target version on ``server``, unless it serves that version or a newer
-        one already (the learner broadcast it); marks the server healthy iff it ends up
-        serving the target version or a newer one."""
+        one already (the learner broadcast it, or the sync this one waited for loaded it);
+        marks the server healthy iff it ends up serving the target version or a newer one.
+        One at a time per server: a health check that finds the server behind while an
+        update is loading it waits for that load instead of starting a second one (two
+        overlapping ``update_weights_from_disk`` killed a real SGLang server: its tokenizer
+        manager holds one pending update result, and the second answer raised
+        ``InvalidStateError`` in its event loop)."""
+        async with server.loading:
+            await self._sync_locked(server)
+
+    async def _sync_locked(self, server: Server) -> None:
         assert self._target is not None
         path, version = self._target
         server.syncing = True
