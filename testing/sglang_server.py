@@ -20,7 +20,12 @@ def sglang_python() -> str:
     return os.environ.get("STREAMRL_SGLANG_PYTHON", "")
 
 
-def start_sglang(log_dir: Path, model_dir: Path, *, port: int | None = None) -> SGLangServer:
+def start_sglang(log_dir: Path, model_dir: Path, *, port: int | None = None,
+                 dtype: str = "float32") -> SGLangServer:
+    """A server for ``model_dir`` in ``dtype`` (float32 by default, as the vLLM test server:
+    SGLang's ``auto`` downcasts a float32 checkpoint to float16, and the tiny model with
+    perturbed weights then misses its own teacher-forced logprobs by up to 0.5 nats, with
+    no weight update involved; docs/inference.md, "SGLang on this machine")."""
     python = Path(sglang_python())
     port = port or free_port()
     log = log_dir / f"sglang-{port}.log"
@@ -32,7 +37,7 @@ def start_sglang(log_dir: Path, model_dir: Path, *, port: int | None = None) -> 
                 "LD_PRELOAD": ":".join(preload), "HF_HUB_OFFLINE": "1"})
     process = subprocess.Popen(
         [str(python), "-m", "sglang.launch_server", "--model-path", str(model_dir),
-         "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+         "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(port),
          "--disable-overlap-schedule", "--max-total-tokens", "8192"],
         env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     return SGLangServer(f"http://127.0.0.1:{port}", port, process, log)
