@@ -238,7 +238,8 @@ class StageRun:
         """The final round is in: judge the stage if its budget is spent, roll it back if a
         kept domain forgot (publish its start checkpoint as a new version and evaluate it)."""
         rec, stage = self.record, self.stage
-        version = final.version if final is not None else rec.start_version
+        # (the monitor's last step: below the start after a rollback, until a step is taken)
+        version = max(final.version if final is not None else 0, rec.start_version)
         steps_spent = bool(stage.steps) and version >= rec.start_version + stage.steps
         if not (steps_spent or time.monotonic() >= self.budget_deadline):
             print(f"streamrl: stage {rec.name!r} interrupted at v{version}; `up` continues it",

@@ -552,7 +552,7 @@ class _Pipeline:
             config, run=msgspec.structs.replace(config.run, redis_url=self.url))
         own = self.credentials.get("monitor")
         async with open_context(config, "monitor", password=own.password if own else None) as ctx:
-            monitor = Monitor(ctx, config.run.path, eval_round_size(config))
+            monitor = Monitor(ctx, config.run.path, 0)  # no round to wait for
             reader = EventReader(ctx.client, ctx.names, METRICS, block_ms=100)
             try:
                 while batch := await reader.read_events(StepMetrics):
@@ -585,8 +585,9 @@ async def _up_rounds(config: Config, pipeline: _Pipeline) -> Summary:
         try:
             summary, ending = await pipeline.run(stage.config, stage)
         finally:
-            stage.account()
-            rounds.save()
+            if not stage.record.outcome:  # a judged stage's time stopped at its verdict
+                stage.account()
+                rounds.save()
         if ending.interrupted or not stage.record.outcome:
             break  # continued by the next `up`
     if summary is None:  # nothing left to run: the summary of the run as it stands

@@ -56,10 +56,9 @@ def stage_data(config: Any, index: int, max_steps: int | None = None) -> dict[st
 
 
 def stage_config(config: Any, index: int, max_steps: int | None = None) -> Any:
-    """Stage ``index``'s :class:`config.schema.Config` (``learner.max_steps`` set when given)."""
-    from streamrl.config.schema import Config
-
-    return msgspec.convert(stage_data(config, index, max_steps), Config)
+    """Stage ``index``'s :class:`config.schema.Config` (``learner.max_steps`` set when given;
+    the config's own type: this module is imported by the schema, not the other way round)."""
+    return msgspec.convert(stage_data(config, index, max_steps), type(config))
 
 
 def rounds_error(config: Any) -> str | None:
