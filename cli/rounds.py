@@ -6,8 +6,8 @@ Guarantees:
 - every stage starts from the weights the previous one left: its end weights when it
   passed, its start weights when it was rolled back. Policy versions only go up: a rollback
   writes the stage's start checkpoint (weights, and the optimiser state where it was kept)
-  as a NEW version, which the learner announces like any step and the generators load like
-  any update, and an evaluation round of it follows;
+  as a NEW version, announced on the weights stream as the learner role announces a step
+  (the generators load it like any update), and an evaluation round of it follows;
 - a gate is judged on the monitor's held-out results only: the round at the stage's start
   version and the final round at its end version, per domain (:func:`judge`);
 - the sequence's state (``<run dir>/rounds.json``, replaced atomically) records a stage's
@@ -191,7 +191,8 @@ Evaluate = Callable[[int], Awaitable[EvalResult | None]]
 """Evaluate a policy version (the generators serving it): its held-out round, None when it
 did not finish."""
 Announce = Callable[[int], Awaitable[None]]
-"""Have the learner announce the newest version on disk (the generators load it)."""
+"""Announce a version on disk on the weights stream, as the learner role (the generators
+load it like any update)."""
 
 
 @dataclass
