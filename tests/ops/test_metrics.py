@@ -244,8 +244,9 @@ async def test_scheduler_process_metrics_match_its_admissions(
     assert sum(admitted.values()) == int(await client.call(client.sync.get, names.admitted)) == 5
     assert m[("streamrl_eval_rounds_total", run)] == 1
     assert m[("streamrl_admission_headroom", run)] == 0
-    assert blocked(m) == {"limit": 1, "staleness": 0, "backlog": 0, "stopped": 0}
-    assert blocked(_scrape(port)) == {"limit": 0, "staleness": 0, "backlog": 0, "stopped": 1}
+    assert blocked(m) == {"limit": 1, "staleness": 0, "backlog": 0, "stopped": 0, "sft": 0}
+    assert blocked(_scrape(port)) == {"limit": 0, "staleness": 0, "backlog": 0, "stopped": 1,
+                                     "sft": 0}
 
 
 def test_up_gives_each_actor_process_its_own_metrics_port(tmp_path: Path) -> None:
