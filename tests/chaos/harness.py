@@ -382,41 +382,57 @@ async def serve_chaos(
     rng: random.Random,
     log: ChaosLog,
     *,
-    every_hops: tuple[int, int] = (50, 110),
+    every_hops: tuple[int, int] = (30, 70),
+    patience_hops: int = 30,
     poll_s: float = 0.1,
 ) -> None:
     """SIGKILL one process after every ``every_hops`` (uniform) entries published on the
-    pipeline streams: a random role, then a random replica of it among the processes that
-    are ready (logged "actor ready") and, for a consuming role, hold entries they have not
-    acknowledged yet (killed mid-work: what they held must be reclaimed and finished by
-    another). Kills follow the run's progress, never a clock: a run that slows down (a
-    loaded machine, a process loading its model) is killed less often in time, so the kills
-    never outpace what restarted processes can take over, and a run makes the same number of
-    kills on any machine. Runs until cancelled; a killed process is started again by its
-    :meth:`ActorProcess.serve` loop."""
+    pipeline streams. The roles take turns (each shuffled round kills every role once); of
+    the role whose turn it is, a process that is ready (logged "actor ready") and, for a
+    consuming role, holds entries it has not acknowledged yet (killed mid-work: what it held
+    must be reclaimed and finished by another); one that is only ready once ``patience_hops``
+    more entries went by without it holding any (a verifier scores in a flash: it is seldom
+    caught holding). Kills follow the run's progress, never a clock: a run that slows down
+    (a loaded machine, a process loading its model) is killed less often in time, so the
+    kills never outpace what restarted processes can take over, and a run makes the same
+    number of kills on any machine. Runs until cancelled; a killed process is started again
+    by its :meth:`ActorProcess.serve` loop."""
     names = pipeline.scenario.names
+    turns: list[str] = []
     while True:
         target = await published(client, names) + rng.randint(*every_hops)
         while await published(client, names) < target:
             await trio.sleep(poll_s)  # the next hop: the poll interval, not a wait for time
-        victim = None
-        while victim is None:  # the first role in a random order with a process mid-work
-            roles = list(ROLES)
-            rng.shuffle(roles)
-            for role in roles:
-                replicas = pipeline.by_role(role)
-                ready = [a for a in replicas if a.ready_for() > 0]
-                if role in CONSUMES:
-                    held = await holding(client, names, role)
-                    ready = [a for a in ready if _mid_work(a, held, len(replicas))]
-                if ready:
-                    victim = rng.choice(ready)
-                    break
-            else:
-                await trio.sleep(poll_s)
+        if not turns:
+            turns = list(ROLES)
+            rng.shuffle(turns)
+        role = turns.pop()
+        victim = await _victim(pipeline, client, rng, role, target + patience_hops, poll_s)
+        if victim is None:  # none of it ready (restarting): its turn comes again later
+            turns.insert(0, role)
+            continue
         hops = await published(client, names)
         await victim.kill()
         log.kills.append((hops, victim.name))
+
+
+async def _victim(pipeline: Pipeline, client: RedisClient, rng: random.Random, role: str,
+                  patience_until: int, poll_s: float) -> ActorProcess | None:
+    """A ready process of ``role`` caught mid-work, or (once ``patience_until`` entries were
+    published) any ready one; None when by then none is ready."""
+    names = pipeline.scenario.names
+    replicas = pipeline.by_role(role)
+    while True:
+        ready = [a for a in replicas if a.ready_for() > 0]
+        busy = ready
+        if role in CONSUMES:
+            held = await holding(client, names, role)
+            busy = [a for a in ready if _mid_work(a, held, len(replicas))]
+        if busy:
+            return rng.choice(busy)
+        if await published(client, names) >= patience_until:
+            return rng.choice(ready) if ready else None
+        await trio.sleep(poll_s)
 
 
 # --------------------------------------------------------------------------- poison

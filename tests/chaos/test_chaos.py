@@ -46,7 +46,8 @@ async def run_chaos(
     items: int,
     min_kills: int,
     timeout_s: float,
-    every_hops: tuple[int, int] = (50, 110),
+    every_hops: tuple[int, int] = (30, 70),
+    patience_hops: int = 30,
     shards: int = 1,
 ) -> tuple[Scenario, Pipeline, RunReport, list[tuple[str, str]], ChaosLog, float]:
     """Run ``items`` groups while killing a random process mid-work after every
@@ -67,7 +68,8 @@ async def run_chaos(
                 nursery.start_soon(recorder.serve)
                 nursery.start_soon(
                     functools.partial(
-                        serve_chaos, pipeline, client, rng, chaos, every_hops=every_hops
+                        serve_chaos, pipeline, client, rng, chaos, every_hops=every_hops,
+                        patience_hops=patience_hops,
                     )
                 )
 
@@ -124,7 +126,7 @@ def describe(pipeline: Pipeline, report: RunReport, chaos: ChaosLog, elapsed: fl
 async def test_sigkill_chaos_loses_and_duplicates_nothing(redis_url: str, tmp_path: Path) -> None:
     # Given 1,000 training groups through 8 actor processes (2 generators, 2 executors,
     # 2 verifiers, scheduler, learner) and malformed entries planted in every stream
-    # When a random process holding work is SIGKILLed (and restarted) after every 50-110
+    # When a random process holding work is SIGKILLed (and restarted) after every 30-70
     # entries the pipeline publishes (about 4,000 in all): at least 30 times
     scenario, pipeline, report, planted, chaos, elapsed = await run_chaos(
         redis_url, tmp_path / "run", items=1000, min_kills=30, timeout_s=420,

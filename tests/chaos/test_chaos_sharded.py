@@ -27,10 +27,10 @@ async def test_sigkill_chaos_on_a_sharded_run(
     redis_cluster: ClusterProcess, tmp_path: Path
 ) -> None:
     # Given 100 training groups through 3 shards of a 3-node cluster, 8 actor processes
-    # When a random process holding work is SIGKILLed after every 20-40 entries published
+    # When a random process holding work is SIGKILLed after every 10-25 entries published
     scenario, pipeline, report, planted, chaos, elapsed = await run_chaos(
         redis_cluster.url, tmp_path / "run", items=100, min_kills=8, timeout_s=240,
-        every_hops=(20, 40), shards=3,
+        every_hops=(10, 25), patience_hops=10, shards=3,
     )  # fmt: skip
     print(describe(pipeline, report, chaos, elapsed))
     # Then nothing was lost or done twice, in any shard
